@@ -1,0 +1,26 @@
+# The two commands a new user needs: `make demo` and `make test`. Both create .venv
+# when it is missing and are quick when it is already there.
+PY := .venv/bin/python
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup test test-all demo bench clean
+
+setup:
+	@bash scripts/setup_env.sh
+
+test: setup
+	$(PY) -m pytest -q -x --durations=15 tests
+
+# Includes tests marked slow (beyond the CI budget).
+test-all: setup
+	$(PY) -m pytest -q -m "" tests
+
+demo: setup
+	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+bench: setup
+	$(PY) -m opd.cli bench all --out runs/bench
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,58 @@
+"""`opd`: one command line, one subcommand per pipeline stage.
+
+Each subcommand lives in its own module, which defines `add_arguments(parser)` and
+`run(args) -> int`. The table below is the whole dispatch; a module is imported only
+when its command (or `--help`) needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve-teacher": ("opd.teachers.serve", "serve a frozen teacher model over ZeroMQ (top-k or full-vocabulary answers)"),
+    "keys": ("opd.teachers.keys", "generate CURVE key pairs that authenticate and encrypt teacher traffic"),
+    "train": ("opd.train", "on-policy distillation of a student from live teacher servers (single or multi-teacher)"),
+    "probe": ("opd.probe", "before a run: initial KL, top-k overlap and tail mass between a student and a teacher"),
+    "route": ("opd.routing.cli", "fit or inspect the domain router (text classifier) of a merge config"),
+    "rl": ("opd.rl.train", "GRPO training of a domain expert against verifiable rewards"),
+    "validate": ("opd.rl.validate", "evaluate checkpoints on held-out verifiable sets (pass@1, pass@k), optional short GRPO"),
+    "bench": ("opd.bench", "benchmarks: kernels, transport, step (writes JSON and a table)"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opd",
+        description="Distillation-first post-training: SFT start -> GRPO experts -> multi-teacher "
+                    "on-policy distillation -> verifier validation.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `opd COMMAND --help` for the options of a command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        if only is None or name == only:
+            importlib.import_module(module).add_arguments(p)
+            p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Import only the module of the command being run (fast startup, no heavy imports for --help).
+    only = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only if only in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 0
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

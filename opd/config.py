@@ -1,0 +1,194 @@
+"""Typed configs loaded from YAML.
+
+Every config is a frozen dataclass. `load_yaml(path, cls)` builds it from a YAML file
+and refuses unknown keys, wrong types and missing required fields with one message that
+names the file, the line and the key, and says what was expected. Nothing starts on a
+bad config.
+
+Field documentation lives in the dataclass: a field's `metadata={"help": ...}` is used
+by `--help` and by `describe(cls)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names file, line, key and expectation."""
+
+
+def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
+          choices: tuple | None = None, min: float | None = None, max: float | None = None):
+    """A dataclass field with a one-line `help` and optional range checks."""
+    md = {"help": help, "choices": choices, "min": min, "max": max}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=md)
+    return dataclasses.field(default=default, metadata=md)
+
+
+def _where(source: str, node: yaml.Node | None) -> str:
+    if node is None:
+        return source
+    return f"{source}:{node.start_mark.line + 1}"
+
+
+def _plain(node: yaml.Node) -> Any:
+    return yaml.safe_load(yaml.serialize(node)) if node is not None else None
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _convert(tp: Any, node: yaml.Node, source: str, key: str) -> Any:
+    """Convert a YAML node into a value of type `tp`, or raise ConfigError."""
+    origin = get_origin(tp)
+    where = _where(source, node)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(node, yaml.MappingNode):
+            raise ConfigError(f"{where}: key '{key}' expects a mapping ({tp.__name__}), got {_plain(node)!r}")
+        return _build(tp, node, source, prefix=key)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null") and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(a, node, source, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: key '{key}' expects {' or '.join(_type_name(a) for a in args)}, "
+                          f"got {_plain(node)!r}")
+    if origin is Literal:
+        value = _plain(node)
+        if value not in get_args(tp):
+            raise ConfigError(f"{where}: key '{key}' expects one of {list(get_args(tp))}, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(node, yaml.SequenceNode):
+            raise ConfigError(f"{where}: key '{key}' expects a list, got {_plain(node)!r}")
+        (item_tp, *rest) = get_args(tp) or (Any,)
+        items = [_convert(item_tp, n, source, f"{key}[{i}]") for i, n in enumerate(node.value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(node, yaml.MappingNode):
+            raise ConfigError(f"{where}: key '{key}' expects a mapping, got {_plain(node)!r}")
+        _, val_tp = get_args(tp) or (str, Any)
+        return {str(_plain(k)): _convert(val_tp, v, source, f"{key}.{_plain(k)}") for k, v in node.value}
+    value = _plain(node)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is Path and isinstance(value, str):
+        return Path(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ConfigError(f"{where}: key '{key}' expects {tp.__name__}, got {value!r}")
+    return value
+
+
+def _check_range(f: dataclasses.Field, value: Any, where: str, key: str) -> None:
+    md = f.metadata
+    if value is None:
+        return
+    if md.get("choices") and value not in md["choices"]:
+        raise ConfigError(f"{where}: key '{key}' expects one of {list(md['choices'])}, got {value!r}")
+    if md.get("min") is not None and value < md["min"]:
+        raise ConfigError(f"{where}: key '{key}' must be >= {md['min']}, got {value!r}")
+    if md.get("max") is not None and value > md["max"]:
+        raise ConfigError(f"{where}: key '{key}' must be <= {md['max']}, got {value!r}")
+
+
+def _build(cls: type[T], node: yaml.MappingNode, source: str, prefix: str = "") -> T:
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for knode, vnode in node.value:
+        key = _plain(knode)
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise ConfigError(f"{_where(source, knode)}: unknown key '{full}' for {cls.__name__}; "
+                              f"expected one of: {', '.join(sorted(fields))}")
+        value = _convert(hints[key], vnode, source, full)
+        _check_range(fields[key], value, _where(source, vnode), full)
+        kwargs[key] = value
+    missing = [n for n, f in fields.items() if n not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{_where(source, node)}: missing required key(s) "
+                          f"{', '.join(f'{prefix}.{m}' if prefix else m for m in missing)} for {cls.__name__}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # __post_init__ checks across fields
+        raise ConfigError(f"{_where(source, node)}: {prefix or cls.__name__}: {e}") from None
+
+
+def from_yaml_text(text: str, cls: type[T], source: str = "<string>") -> T:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if node is None:
+        node = yaml.MappingNode("tag:yaml.org,2002:map", [])
+    if not isinstance(node, yaml.MappingNode):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys to values")
+    return _build(cls, node, source)
+
+
+def load_yaml(path: str | Path, cls: type[T]) -> T:
+    """Load `path` into the frozen dataclass `cls`; raise ConfigError with file:line on any problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    return from_yaml_text(p.read_text(), cls, source=str(p))
+
+
+def from_dict(data: dict, cls: type[T], source: str = "<dict>") -> T:
+    """Build a config from a plain dict (same checks as YAML)."""
+    return from_yaml_text(yaml.safe_dump(data), cls, source=source)
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain, YAML/JSON-serializable dict of a config (Paths become strings)."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, Path):
+            return str(v)
+        return v
+    return plain(cfg)
+
+
+def describe(cls: type, indent: str = "") -> str:
+    """Every field of a config class with its type, default and help, nested; for --help and docs."""
+    lines = []
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        default = ("required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   else f"default {f.default!r}" if f.default is not dataclasses.MISSING else "")
+        inner = [a for a in (get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(tp) or inner:
+            lines.append(f"{indent}{f.name}:  {f.metadata.get('help', '')}")
+            lines.append(describe(inner[0] if inner else tp, indent + "  "))
+        else:
+            lines.append(f"{indent}{f.name} ({_type_name(tp)}, {default}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Fingerprints that tell whether two sides can be distilled into each other.
+
+Token-level distillation compares distributions over the same token ids, so the student
+and every teacher must share one tokenizer. `tokenizer_fingerprint` hashes what defines
+the id space: the vocabulary (token -> id), the added/special tokens and their ids. Two
+backends loading the same directory report the same fingerprint.
+
+`model_fingerprint` identifies the weights a teacher serves, so a trainer notices when a
+teacher is restarted with another model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+# Above this many bytes of weights, hash headers plus strided samples instead of every
+# byte (a 60 GB checkpoint would otherwise take a minute to fingerprint at start).
+FULL_HASH_LIMIT = 2 << 30
+SAMPLE_BYTES = 1 << 16
+SAMPLE_STRIDE = 64 << 20
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 (first 16 hex) of vocabulary, added tokens and special tokens of a HF tokenizer."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    specials = sorted(set(tokenizer.all_special_tokens))
+    payload = {
+        "vocab": vocab,
+        "special": [(t, tokenizer.convert_tokens_to_ids(t)) for t in specials],
+        "eos": tokenizer.eos_token_id,
+        "bos": tokenizer.bos_token_id,
+    }
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def tokenizer_fingerprint_of_dir(model_dir: str | Path) -> str:
+    from transformers import AutoTokenizer
+
+    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(model_dir)))
+
+
+def _hash_file(h: "hashlib._Hash", path: Path, full: bool) -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    with path.open("rb") as f:
+        if full:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+            return
+        for offset in range(0, size, SAMPLE_STRIDE):
+            f.seek(offset)
+            h.update(f.read(SAMPLE_BYTES))
+        f.seek(max(0, size - SAMPLE_BYTES))
+        h.update(f.read(SAMPLE_BYTES))
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """sha256 (first 16 hex) of config.json and the weight files of a local model directory.
+
+    Weights up to FULL_HASH_LIMIT bytes are hashed in full; larger checkpoints are hashed
+    by file sizes and strided samples (safetensors headers included, since they sit at
+    offset 0), which still changes with any retrained or swapped model in practice.
+    """
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    cfg = d / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    weights = sorted([*d.glob("*.safetensors"), *d.glob("*.bin"), *d.glob("*.pt")])
+    total = sum(p.stat().st_size for p in weights)
+    for p in weights:
+        _hash_file(h, p, full=total <= FULL_HASH_LIMIT)
+    return h.hexdigest()[:16]

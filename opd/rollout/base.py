@@ -1,0 +1,53 @@
+"""One interface for sampling the student: transformers `generate` (reference) or vLLM.
+
+Both engines return, per sample, the prompt ids, the response ids, the student's
+log-probability of each sampled token and why it stopped. The log-probabilities are the
+model's raw ones, log_softmax(logits) at temperature 1 and before top-p, i.e. what a
+transformers forward pass of the same weights gives. GRPO's importance ratio and the
+sampled-token reverse KL both need exactly that quantity.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["eos", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    n: int = 1                              # samples per prompt (a GRPO group)
+    stop_token_ids: tuple[int, ...] = ()    # besides the tokenizer's EOS
+    seed: int | None = None
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    response_ids: list[int]                 # includes the stop token when one was sampled
+    logprobs: list[float]                   # [len(response_ids)] raw student log-probs
+    finish_reason: FinishReason
+    prompt_index: int = 0                   # which prompt of the batch it answers
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+class RolloutEngine(abc.ABC):
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        """n samples per prompt, grouped by prompt: result[i * n + j] answers prompts[i]."""
+
+    @abc.abstractmethod
+    def sync_weights(self, model) -> None:
+        """Make the next `generate` sample from `model`'s current weights (on-policy)."""
+
+    def close(self) -> None:
+        pass

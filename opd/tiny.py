@@ -1,0 +1,102 @@
+"""Tiny local models and a byte-level tokenizer, built from a config with no download.
+
+Tests and the demo need real transformers models; nothing may be downloaded at run time,
+so they are built here from a Qwen2 config and a tokenizer made with `tokenizers`, and
+saved like any local model directory. Real users point the same code at their own dirs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+
+def build_tokenizer(out_dir: str | Path):
+    """A byte-level BPE tokenizer with no merges: every byte is one token (256 + 4 specials).
+
+    Any text round-trips, and digits, code and whitespace are single tokens, which keeps
+    the demo's arithmetic and code tasks learnable by a tiny model.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    fast.model_max_length = 4096
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    max_positions: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+    tie_embeddings: bool = False,
+) -> Path:
+    """Save a randomly initialised Qwen2-style causal LM plus the byte tokenizer to `out_dir`.
+
+    fp32 weights in safetensors. The same seed gives bit-identical weights.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=init_std,
+        tie_word_embeddings=tie_embeddings,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.eos_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def perturb_model(src_dir: str | Path, out_dir: str | Path, *, scale: float = 0.5, seed: int = 1) -> Path:
+    """Copy a tiny model with Gaussian noise of relative size `scale` added to every weight.
+
+    Gives a teacher that differs from a student in a controlled way for tests.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * p.std().clamp_min(1e-3) * scale)
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(src_dir)).save_pretrained(str(out))
+    return out

@@ -1,0 +1,105 @@
+"""What a teacher backend must do, independent of the transport.
+
+The server (teachers/server.py) validates SCORE messages into `ScoreRequest`s, groups
+them up to a token budget and hands them to a backend. A backend holds one frozen model
+and answers in torch tensors on the CPU; the server puts them on the wire.
+
+Two backends implement this: `HFBackend` (transformers, exact in every mode) and
+`VLLMBackend` (vLLM; top-k at temperature 1 only, anything else is UNSUPPORTED rather
+than approximated).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Iterator, NamedTuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """One validated SCORE request. Row convention: see teachers/protocol.py."""
+    request_id: int
+    mode: str                   # "topk" | "full"
+    ids: torch.Tensor           # int64 [T], all sequences concatenated
+    offsets: tuple[int, ...]    # [B + 1] into ids
+    response_starts: tuple[int, ...]  # [B], 1 <= s_b <= len_b
+    k: int                      # topk mode
+    temperature: float
+    dtype: str                  # full mode: "float32" | "bfloat16" | "float16"
+    chunk_rows: int             # full mode
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.response_starts)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.numel())
+
+    def row_offsets(self) -> list[int]:
+        """[B + 1]: sequence b's answer rows are row_offsets[b]:row_offsets[b+1]."""
+        out = [0]
+        for b, s in enumerate(self.response_starts):
+            out.append(out[-1] + (self.offsets[b + 1] - self.offsets[b]) - s)
+        return out
+
+    def sequence(self, b: int) -> torch.Tensor:
+        return self.ids[self.offsets[b]:self.offsets[b + 1]]
+
+
+class TopKAnswer(NamedTuple):
+    """All rows of one request (R rows). fp32 except ids."""
+    ids: torch.Tensor            # int32 [R, k]
+    logprobs: torch.Tensor       # fp32 [R, k]
+    tail_logmass: torch.Tensor   # fp32 [R]
+    token_logprob: torch.Tensor  # fp32 [R]
+    lse: torch.Tensor            # fp32 [R]  logsumexp(logits / T)
+
+
+class FullChunkAnswer(NamedTuple):
+    row_start: int               # global row index of the first row
+    logits: torch.Tensor         # [rows, V] in the requested dtype, temperature NOT applied
+    lse: torch.Tensor            # fp32 [rows]  logsumexp(logits / T)
+    token_logprob: torch.Tensor  # fp32 [rows]
+
+
+class TeacherBackend(abc.ABC):
+    """A frozen model that scores sequences. Not thread-safe: the server calls it from one thread."""
+
+    name: str                    # "hf" | "vllm"
+    model_id: str
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    vocab_size: int              # size of the answer's vocabulary axis
+    max_positions: int           # longest sequence the model accepts
+    max_k: int
+    modes: tuple[str, ...]
+    dtypes: tuple[str, ...]      # full-mode logit dtypes
+
+    def unsupported(self, req: ScoreRequest) -> str | None:
+        """None when this backend answers `req` exactly; else why not and which backend can."""
+        return None
+
+    @abc.abstractmethod
+    def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
+        """Answer several top-k requests, ideally in one batched forward pass."""
+
+    @abc.abstractmethod
+    def score_full(self, req: ScoreRequest) -> Iterator[FullChunkAnswer]:
+        """Stream one full-vocabulary request in chunks of `req.chunk_rows` rows."""
+
+    def close(self) -> None:
+        pass
+
+
+def tail_logmass_from_topk(topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum_j exp(lp_j)) per row, stably, for backends that only see the top k.
+
+    With s = logsumexp(lp) <= 0 the tail is log(-expm1(s)); -expm1 keeps precision when
+    the top k hold almost all the mass. Clamped so rounding (s > 0) gives -inf, not NaN.
+    """
+    s = torch.logsumexp(topk_logprobs.float(), dim=-1).clamp(max=0.0)
+    return torch.log(-torch.expm1(s))

@@ -1,0 +1,284 @@
+"""The teacher wire protocol: every message both sides exchange, in one module.
+
+Transport: ZeroMQ. The server binds a ROUTER, each client connects a DEALER. A message is
+multipart: one small msgpack header frame (a tagged msgspec Struct below), followed by
+zero or more raw tensor frames. Tensors are little-endian, C-contiguous, sent without
+copies; the header lists their dtype and shape (`tensors`). Nothing is pickled: the
+decoder accepts only the Structs below and the dtypes in DTYPES, and bounds every size
+before allocating anything. bf16 travels as a uint16 view tagged "bf16".
+
+Conversation (DEALER -> ROUTER, ROUTER -> DEALER):
+
+    HELLO(version)            -> WELCOME(teacher, fingerprints, limits) | ERROR(BAD_VERSION)
+    SCORE(request)            -> TOPK(answer) DONE            (mode "topk")
+                              -> CHUNK ... CHUNK DONE          (mode "full", streamed)
+                              -> ERROR(code, retryable)        (anything wrong, or BUSY)
+    CREDIT(request, n)           the client may receive n more CHUNKs of that request
+    CANCEL(request)           -> ERROR(CANCELLED)
+    PING                      -> PONG                          (heartbeats, both ways)
+
+Row convention (the one thing to remember): sequence b has token ids
+`ids[offsets[b]:offsets[b+1]]` and a response start `s_b >= 1`. Row i of its answer is
+the teacher's distribution for the token at position `s_b + i`, i.e. computed from the
+logits at position `s_b + i - 1`; there are `len_b - s_b` rows. Rows of all sequences are
+concatenated in order; `row_offsets[b]` is where sequence b's rows start. The sampled
+token of row i is `ids[s_b + i]`, and `token_logprob[i]` is the teacher's log-probability
+of it. Temperature T is applied by the server before the softmax: log_softmax(logits / T).
+
+Top-k answer tensors, per row r (R rows in total):
+    ids            int32 [R, k]   the teacher's k most likely tokens, most likely first
+    logprobs       fp32  [R, k]   their log-probabilities (temperature applied)
+    tail_logmass   fp32  [R]      log(1 - sum(exp(logprobs))), computed stably; -inf if none
+    token_logprob  fp32  [R]      log-probability of the token that stands in the sequence
+    lse            fp32  [R]      logsumexp(logits / T) over the vocabulary
+
+Full-vocabulary answer: CHUNKs of consecutive rows, `logits` [rows, V] in the requested
+dtype (temperature NOT applied to these raw logits; `lse` is of logits / T) and fp32
+`lse` [rows] and `token_logprob` [rows], so neither side holds [all rows x V] at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal, Union
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = (1, 0)  # major mismatch is refused at HELLO; minor is informational
+
+# Bounds checked before any allocation.
+MAX_HEADER_BYTES = 1 << 20        # 1 MiB of msgpack header
+MAX_TENSORS = 8                   # tensor frames per message
+MAX_TENSOR_BYTES = 1 << 31        # 2 GiB per tensor frame
+MAX_DIMS = 4
+
+# Wire dtype tag -> numpy little-endian dtype. bf16 is carried as uint16 bits.
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bf16": np.dtype("<u2"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+}
+LOGIT_DTYPES = ("float32", "bfloat16", "float16")  # what a client may ask for in full mode
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_VERSION = "BAD_VERSION"        # protocol major version differs
+    MALFORMED = "MALFORMED"            # header not decodable, frames missing/extra/wrong size
+    UNKNOWN_TYPE = "UNKNOWN_TYPE"      # a header whose message type this server does not know
+    BAD_TOKEN = "BAD_TOKEN"            # token id < 0 or >= vocab size
+    TOO_LONG = "TOO_LONG"              # a sequence or request beyond the server's limits
+    BAD_K = "BAD_K"                    # k < 1 or k > max_k
+    BAD_REQUEST = "BAD_REQUEST"        # any other invalid field (temperature <= 0, starts, ...)
+    UNSUPPORTED = "UNSUPPORTED"        # valid, but this backend cannot answer it exactly
+    BUSY = "BUSY"                      # in-flight token budget full: retry later
+    CANCELLED = "CANCELLED"            # the client cancelled the request
+    SHUTTING_DOWN = "SHUTTING_DOWN"    # the server is draining; go to another replica
+    INTERNAL = "INTERNAL"              # a bug or an out-of-memory in the backend
+
+
+RETRYABLE = {ErrorCode.BUSY, ErrorCode.SHUTTING_DOWN, ErrorCode.INTERNAL}
+
+
+class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
+    tensors: list[TensorSpec] = []
+
+
+class Hello(_Msg, tag="hello"):
+    version: tuple[int, int]
+    client: str = ""
+
+
+class Welcome(_Msg, tag="welcome"):
+    version: tuple[int, int]
+    teacher: str                        # human name of this teacher ("math")
+    model_id: str                       # path or hub id it was loaded from
+    model_fingerprint: str
+    tokenizer_fingerprint: str
+    vocab_size: int                     # rows of the answer's vocabulary (the LM head's)
+    max_k: int
+    modes: list[str]                    # subset of ("topk", "full")
+    dtypes: list[str]                   # logit dtypes available in full mode
+    max_tokens_per_request: int
+    max_inflight_tokens: int
+    heartbeat_s: float
+    backend: str                        # "hf" or "vllm"
+    supports_temperature: bool = True
+
+
+class Score(_Msg, tag="score"):
+    """tensors: ids int32 [total_tokens], offsets int32 [B + 1]."""
+    request_id: int
+    mode: Literal["topk", "full"]
+    response_starts: list[int]          # [B], each >= 1
+    k: int = 0                          # topk mode
+    temperature: float = 1.0
+    dtype: str = "float32"              # full mode: logits dtype on the wire
+    chunk_rows: int = 1024              # full mode: rows per CHUNK
+    window: int = 4                     # full mode: CHUNKs the server may send before a CREDIT
+
+
+class TopK(_Msg, tag="topk"):
+    """tensors: ids int32 [R, k], logprobs fp32 [R, k], tail_logmass fp32 [R],
+    token_logprob fp32 [R], lse fp32 [R]."""
+    request_id: int
+    row_offsets: list[int]              # [B + 1]
+
+
+class Chunk(_Msg, tag="chunk"):
+    """tensors: logits <dtype> [rows, V], lse fp32 [rows], token_logprob fp32 [rows]."""
+    request_id: int
+    row_start: int                      # global row index of the chunk's first row
+    row_offsets: list[int]              # [B + 1], repeated in every chunk for convenience
+
+
+class Done(_Msg, tag="done"):
+    request_id: int
+    rows: int
+    tokens: int
+    queue_ms: float
+    compute_ms: float
+    total_ms: float
+    chunks: int = 0
+
+
+class Error(_Msg, tag="error"):
+    request_id: int                     # -1 when the request id could not be read
+    code: ErrorCode
+    retryable: bool
+    message: str
+
+
+class Credit(_Msg, tag="credit"):
+    request_id: int
+    chunks: int
+
+
+class Cancel(_Msg, tag="cancel"):
+    request_id: int
+
+
+class Ping(_Msg, tag="ping"):
+    t: float = 0.0
+
+
+class Pong(_Msg, tag="pong"):
+    t: float = 0.0
+
+
+Message = Union[Hello, Welcome, Score, TopK, Chunk, Done, Error, Credit, Cancel, Ping, Pong]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class ProtocolError(Exception):
+    """A message that does not follow this protocol. `code` says which ERROR to answer."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int = -1):
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+def error(request_id: int, code: ErrorCode, message: str) -> Error:
+    return Error(request_id=request_id, code=code, retryable=code in RETRYABLE, message=message)
+
+
+def _wire_array(t) -> tuple[str, np.ndarray]:
+    """A torch tensor or numpy array as (wire dtype tag, little-endian C-contiguous ndarray)."""
+    if not isinstance(t, np.ndarray):  # torch.Tensor
+        import torch
+
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            return "bf16", np.ascontiguousarray(t.contiguous().view(torch.int16).numpy().view("<u2"))
+        t = t.contiguous().numpy()
+    for tag, dt in DTYPES.items():
+        if tag != "bf16" and t.dtype.newbyteorder("<") == dt:
+            return tag, np.ascontiguousarray(t, dtype=dt)
+    raise TypeError(f"dtype {t.dtype} cannot travel; use one of {list(DTYPES)}")
+
+
+def encode(msg: _Msg, tensors=()) -> list:
+    """Header frame + tensor frames (numpy arrays, zero-copy for zmq's send_multipart(copy=False))."""
+    arrays = [_wire_array(t) for t in tensors]
+    msg.tensors = [TensorSpec(tag, tuple(int(s) for s in a.shape)) for tag, a in arrays]
+    return [_encoder.encode(msg), *[a for _, a in arrays]]
+
+
+def _read_request_id(header: bytes) -> int:
+    """Best effort: the request id of a header that failed validation, for the ERROR answer."""
+    try:
+        raw = msgspec.msgpack.decode(header)
+        rid = raw.get("request_id", -1) if isinstance(raw, dict) else -1
+        return rid if isinstance(rid, int) else -1
+    except Exception:
+        return -1
+
+
+def decode(frames) -> tuple[Message, list[np.ndarray]]:
+    """Parse a multipart message (without the ROUTER identity frame).
+
+    Returns the typed header and its tensors as read-only numpy views of the frames
+    (bf16 tensors come back as uint16; see `to_torch`). Raises ProtocolError on anything
+    that does not fit: sizes are checked against the header before any view is made.
+    """
+    if not frames:
+        raise ProtocolError(ErrorCode.MALFORMED, "empty message")
+    header = bytes(memoryview(frames[0]))
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        msg = _decoder.decode(header)
+    except msgspec.ValidationError as e:
+        rid = _read_request_id(header)
+        text = str(e)
+        code = ErrorCode.UNKNOWN_TYPE if "Invalid value" in text and "`$.type`" in text else ErrorCode.MALFORMED
+        raise ProtocolError(code, f"bad header: {text}", rid) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(ErrorCode.MALFORMED, f"header is not msgpack: {e}") from None
+    rid = getattr(msg, "request_id", -1)
+    specs = msg.tensors
+    if len(specs) > MAX_TENSORS or len(frames) - 1 != len(specs):
+        raise ProtocolError(ErrorCode.MALFORMED,
+                            f"header declares {len(specs)} tensors but {len(frames) - 1} frames came", rid)
+    arrays = []
+    for spec, frame in zip(specs, frames[1:]):
+        dt = DTYPES.get(spec.dtype)
+        if dt is None:
+            raise ProtocolError(ErrorCode.MALFORMED, f"dtype {spec.dtype!r} not in {list(DTYPES)}", rid)
+        if len(spec.shape) > MAX_DIMS or any(s < 0 for s in spec.shape):
+            raise ProtocolError(ErrorCode.MALFORMED, f"bad shape {spec.shape}", rid)
+        nbytes = int(np.prod(spec.shape, dtype=np.int64)) * dt.itemsize if spec.shape else dt.itemsize
+        if nbytes > MAX_TENSOR_BYTES:
+            raise ProtocolError(ErrorCode.MALFORMED, f"tensor of {nbytes} bytes exceeds {MAX_TENSOR_BYTES}", rid)
+        buf = memoryview(frame)
+        if buf.nbytes != nbytes:
+            raise ProtocolError(ErrorCode.MALFORMED,
+                                f"frame has {buf.nbytes} bytes, header says {spec.shape} {spec.dtype} = {nbytes}", rid)
+        arrays.append(np.frombuffer(buf, dtype=dt).reshape(spec.shape))
+    return msg, arrays
+
+
+def to_torch(array: np.ndarray, tag: str | None = None):
+    """A received array as a torch tensor (bf16 restored from its uint16 bits).
+
+    The frames are read-only, so this copies once into a writable tensor; the copy is the
+    only one on the receive path.
+    """
+    import torch
+
+    t = torch.from_numpy(np.array(array, copy=True))
+    if tag == "bf16" or array.dtype == np.dtype("<u2"):
+        return t.view(torch.bfloat16)
+    return t
