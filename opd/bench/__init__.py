@@ -1,0 +1,34 @@
+"""`opd bench`: benchmarks, one module per subject, each writing JSON rows and a table.
+
+    opd bench kernels    fused distillation losses vs the naive reference (and Liger)
+    opd bench transport  teacher transport vs bare ZeroMQ and HTTP/JSON
+    opd bench step       one on-policy distillation step vs TRL's GKDTrainer
+    opd bench all        the three, plus runs/bench/summary.md
+
+Benchmarks are not tests: they report numbers, they do not assert them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+SUBJECTS = {
+    "kernels": ("opd.bench.kernels", "distillation loss kernels: peak extra memory and median time"),
+    "transport": ("opd.bench.transport", "teacher transport: positions/s vs bare ZeroMQ and HTTP/JSON"),
+    "step": ("opd.bench.step", "one OPD training step vs TRL GKDTrainer (lmbda=1)"),
+    "all": ("opd.bench.all", "run kernels, transport and step and write summary.md"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="subject", metavar="SUBJECT", required=True)
+    for name, (module, help_) in SUBJECTS.items():
+        p = sub.add_parser(name, help=help_, description=help_,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_bench_module=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(args._bench_module).run(args) or 0)
