@@ -1,0 +1,135 @@
+"""Checkpoints that resume exactly and never corrupt the last good one.
+
+Layout of RUN/checkpoints/step_000120/:
+    trainable.safetensors   every parameter with requires_grad (the whole model for full
+                            fine-tuning, the adapter alone for LoRA): what resume loads
+    model/                  the same weights as a loadable directory (save_pretrained:
+                            a full model dir, or a peft adapter dir)
+    optimizer.pt            optimizer + LR scheduler state (torch.save, loaded weights_only)
+    state.json              step, data positions, RNG states, anything the trainer adds
+
+Atomicity: everything is written into `step_X.tmp-PID`, fsynced, then renamed to
+`step_X`; the `latest` file is replaced atomically afterwards. A crash (or a full disk)
+at any point leaves the previous checkpoint and `latest` untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def save_checkpoint(root: str | Path, step: int, *, model, optimizer=None, scheduler=None,
+                    state: dict | None = None, keep: int = 2) -> Path:
+    """Write checkpoint `step` under `root` atomically; keep the newest `keep` checkpoints."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:06d}"
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        trainable = {n: p.detach().cpu().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        save_file(trainable, str(tmp / "trainable.safetensors"))
+        model.save_pretrained(str(tmp / "model"), safe_serialization=True)
+        torch.save({"optimizer": optimizer.state_dict() if optimizer else None,
+                    "scheduler": scheduler.state_dict() if scheduler else None,
+                    "rng": rng_state()}, tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **(state or {})}, indent=1))
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = root / f"latest.tmp-{os.getpid()}"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {final} ({e.strerror or e}); "
+                              f"the last good checkpoint is {latest_checkpoint(root)}") from e
+    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+        if old != final and ".tmp-" not in old.name:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The last complete checkpoint, or None. Half-written `.tmp-*` dirs are ignored."""
+    root = Path(root)
+    pointer = root / "latest"
+    if pointer.is_file():
+        p = root / pointer.read_text().strip()
+        if (p / "state.json").is_file():
+            return p
+    done = [p for p in sorted(root.glob("step_*")) if ".tmp-" not in p.name and (p / "state.json").is_file()]
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
+    """Load weights, optimizer, scheduler and RNG from `path`; return state.json's dict."""
+    path = Path(path)
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no state.json)")
+    weights = load_file(str(path / "trainable.safetensors"))
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
+    unknown = [n for n in weights if n not in params]
+    if missing or unknown:
+        raise CheckpointError(f"{path}: checkpoint does not fit the model "
+                              f"(missing {missing[:3]}, unexpected {unknown[:3]})")
+    with torch.no_grad():
+        for n, w in weights.items():
+            params[n].copy_(w)
+    blob = torch.load(path / "optimizer.pt", weights_only=False)
+    if optimizer is not None and blob["optimizer"] is not None:
+        optimizer.load_state_dict(blob["optimizer"])
+    if scheduler is not None and blob["scheduler"] is not None:
+        scheduler.load_state_dict(blob["scheduler"])
+    if restore_rng:
+        set_rng_state(blob["rng"])
+    return json.loads((path / "state.json").read_text())

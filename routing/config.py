@@ -1,0 +1,101 @@
+"""The merge config: which teachers exist, which samples go to which, and how losses combine.
+
+The loss of a multi-teacher step is
+
+    L = sum_d lambda_d * L_OPD^d  +  lambda_sft * L_SFT
+
+where d runs over domains, L_OPD^d is the distillation loss of the samples routed to
+domain d's teacher (with that teacher's temperature, beta, mode and k), and L_SFT the
+cross-entropy on the general SFT set. A single-teacher run is a merge config with one
+teacher and no rules (everything falls back to it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from opd.config import field
+
+Mode = Literal["topk", "full", "sampled"]
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    name: str = field(help="teacher name, used in rules, metrics and the training card")
+    address: str = field(help="ZeroMQ address of its `opd serve-teacher`, e.g. tcp://127.0.0.1:5555")
+    domains: list[str] = field(default_factory=list, help="domains this teacher covers")
+    mode: Mode = field("topk", help="topk: top-k log-probs + tail bucket; full: full-vocabulary logits; "
+                                    "sampled: sampled-token reverse KL as an advantage")
+    k: int = field(32, help="top-k size (topk mode)", min=1)
+    temperature: float = field(1.0, help="divides both sides' logits before the softmax", min=1e-3)
+    beta: float = field(0.0, help="divergence: 0 forward KL(teacher||student), 1 reverse KL(student||teacher), "
+                                  "between: generalized JSD", min=0.0, max=1.0)
+    scale_by_t2: bool = field(False, help="multiply this teacher's loss by temperature^2")
+    weight: float = field(1.0, help="loss weight lambda of this teacher's samples", min=0.0)
+    curve_server_key: str | None = field(None, help="server public key file when the teacher uses CURVE")
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    kind: Literal["domain_field", "pattern", "keywords", "classifier", "fallback"] = field(
+        help="domain_field: the sample's `domain`; pattern: regex on the prompt; keywords: any keyword in the "
+             "prompt; classifier: trained text classifier; fallback: always matches")
+    teacher: str | None = field(None, help="teacher chosen when the rule matches (pattern/keywords/fallback)")
+    patterns: list[str] = field(default_factory=list, help="regular expressions (pattern rule)")
+    keywords: list[str] = field(default_factory=list, help="keywords, case-insensitive (keywords rule)")
+    path: str | None = field(None, help="classifier file written by `opd route fit` (classifier rule), "
+                                        "relative to the config file")
+    min_confidence: float = field(0.0, help="classifier rule: below this probability the rule abstains",
+                                  min=0.0, max=1.0)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    rules: list[RuleSpec] = field(default_factory=list, help="tried in order; the first that decides wins")
+    weighting: Literal["single", "pass_rate"] = field(
+        "single", help="single: one teacher per sample; pass_rate: weight the teachers covering a domain by "
+                       "their measured pass rate on it")
+    pass_rates: dict[str, dict[str, float]] = field(
+        default_factory=dict, help="pass_rate weighting: {domain: {teacher: pass rate}}, refreshed by evaluation")
+    refresh_every: int = field(0, help="pass_rate weighting: re-measure pass rates every N steps (0: never)", min=0)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    domain: str = field(help="domain of every sample in the file (a sample's own `domain` field wins)")
+    path: str = field(help="JSONL prompts (relative to the config file)")
+    ratio: float = field(1.0, help="mixture ratio: share of each batch drawn from this set (normalized)", min=0.0)
+    eval_path: str | None = field(None, help="held-out JSONL for evaluation (KL, accuracy)")
+
+
+@dataclass(frozen=True)
+class SFTSpec:
+    path: str = field(help="JSONL with `prompt` and `response` (general instruction data)")
+    lambda_sft: float = field(0.1, help="weight of the SFT cross-entropy added to the distillation loss", min=0.0)
+    batch_size: int = field(4, help="SFT samples per step", min=1)
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    teachers: list[TeacherSpec] = field(help="every teacher of the merge")
+    datasets: list[DatasetSpec] = field(help="prompt sets per domain with mixture ratios")
+    routing: RouterConfig = field(default_factory=RouterConfig, help="how a sample finds its teacher")
+    sft: SFTSpec | None = field(None, help="general SFT mix (the cheap insurance against forgetting)")
+    domain_weights: dict[str, float] = field(default_factory=dict, help="lambda_d per domain (default 1)")
+    normalize: Literal["none", "running_mean"] = field(
+        "none", help="running_mean: divide each domain's loss by its running mean so no domain takes over")
+    normalize_momentum: float = field(0.9, help="EMA momentum of the running mean", min=0.0, max=0.9999)
+
+    def __post_init__(self):
+        names = [t.name for t in self.teachers]
+        if not names:
+            raise ValueError("at least one teacher is required")
+        if len(set(names)) != len(names):
+            raise ValueError(f"teacher names must be unique, got {names}")
+        for r in self.routing.rules:
+            if r.teacher is not None and r.teacher not in names:
+                raise ValueError(f"rule {r.kind!r} names teacher {r.teacher!r}, which is not among {names}")
+
+    def teacher(self, name: str) -> TeacherSpec:
+        return next(t for t in self.teachers if t.name == name)
