@@ -13,6 +13,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "sft": ("opd.sft", "supervised fine-tuning on prompt/response JSONL: the start point of the recipe"),
     "serve-teacher": ("opd.teachers.serve", "serve a frozen teacher model over ZeroMQ (top-k or full-vocabulary answers)"),
     "keys": ("opd.teachers.keys", "generate CURVE key pairs that authenticate and encrypt teacher traffic"),
     "train": ("opd.train", "on-policy distillation of a student from live teacher servers (single or multi-teacher)"),
