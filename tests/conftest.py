@@ -36,3 +36,33 @@ def free_port() -> int:
 @pytest.fixture
 def free_tcp_address() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
+
+
+# ---- vLLM (marked `vllm`): one engine of each kind per session, shared by the tests ----
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    """The tiny model with 2 heads of dim 32: vLLM's CPU attention supports head sizes
+    from 32 up, and `tiny_model_dir` has 4 heads of dim 16."""
+    from opd.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "vllm_model", seed=0, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="session")
+def vllm_teacher_backend(vllm_model_dir):
+    from opd.teachers.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend(vllm_model_dir, name="tiny", max_k=64, max_positions=256)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_rollout_engine(vllm_model_dir):
+    """Serves `vllm_model_dir`'s weights; a test that pushes other weights pushes them back."""
+    from opd.rollout.vllm import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(vllm_model_dir, max_model_len=256, seed=0, max_num_seqs=32)
+    yield engine
+    engine.close()

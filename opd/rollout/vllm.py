@@ -1,0 +1,134 @@
+"""Rollouts with vLLM: the fast engine, kept on-policy by pushing weights after each step.
+
+The engine runs in vLLM's own worker processes, so it holds a copy of the student. After
+every optimizer step the trainer calls `sync_weights(model)`:
+
+- full student: the state dict is written to one safetensors file in a private temp dir
+  and the workers reload it in place (`opd.rollout.vllm_worker.WeightSync`); the prefix
+  cache is then reset, since cached KV blocks were computed with the old weights;
+- peft LoRA student: the adapter is saved with `save_pretrained` into a fresh dir and the
+  next `generate` uses a LoRARequest with a NEW integer id (vLLM caches adapters by id,
+  so reusing one would keep serving the old adapter).
+
+Log-probabilities are vLLM's `logprobs_mode="raw_logprobs"`: log_softmax of the model's
+logits before temperature, top-p or any other processor, the same quantity as a
+transformers forward pass (see opd/rollout/base.py). vLLM's construction spawns worker
+processes, so create the engine only under `if __name__ == "__main__":` in scripts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+from pathlib import Path
+
+from opd.rollout.base import Rollout, RolloutEngine, SamplingParams
+
+WORKER_EXTENSION = "opd.rollout.vllm_worker.WeightSync"
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    def __init__(self, model_dir: str | Path, *, lora: dict | None = None, max_model_len: int = 1024,
+                 seed: int = 0, dtype: str = "float32", max_num_seqs: int = 256, **llm_kwargs):
+        """`lora`: None for a full-weight student, else {"rank": R} for a peft LoRA student
+        (R = the adapter's rank; vLLM sizes its LoRA buffers from it). Extra keyword
+        arguments go to `vllm.LLM` unchanged."""
+        from vllm import LLM
+
+        kwargs = dict(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                      enforce_eager=True, max_num_seqs=max_num_seqs, logprobs_mode="raw_logprobs",
+                      worker_extension_cls=WORKER_EXTENSION)
+        if lora is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=int(lora["rank"]), max_loras=1)
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+        self.lora = lora
+        self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+        self._tmp = Path(tempfile.mkdtemp(prefix="opd-vllm-sync-"))
+        self._versions = itertools.count(1)      # LoRARequest ids must be >= 1 and never reused
+        self._lora_request = None
+        self._lora_dirs: list[Path] = []
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def sync_weights(self, model) -> None:
+        if self.lora is not None:
+            self._sync_lora(model)
+        else:
+            self._sync_full(model)
+
+    def _sync_full(self, model) -> None:
+        from safetensors.torch import save_file
+
+        if hasattr(model, "peft_config"):
+            raise ValueError("a peft model was pushed into a full-weight vLLM engine; "
+                             "build VLLMRolloutEngine(..., lora={'rank': R}) for LoRA students")
+        # clone: tied weights share storage, which safetensors refuses to save twice
+        state = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+        path = self._tmp / "weights.safetensors"
+        save_file(state, str(path))
+        self.llm.collective_rpc("load_weights_from_file", args=(str(path),))
+        self.llm.reset_prefix_cache()  # cached KV blocks hold the old weights' keys/values
+        path.unlink()
+
+    def _sync_lora(self, model) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if not hasattr(model, "peft_config"):
+            raise ValueError("this engine serves a LoRA student: pass the peft model, not a plain one")
+        version = next(self._versions)
+        out = self._tmp / f"lora-{version}"
+        model.save_pretrained(str(out))
+        self._lora_request = LoRARequest(f"student-{version}", version, str(out))
+        # vLLM reads an adapter dir when the request first uses it; keep the live one only.
+        self._lora_dirs.append(out)
+        while len(self._lora_dirs) > 2:
+            shutil.rmtree(self._lora_dirs.pop(0), ignore_errors=True)
+
+    # ---- sampling ------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = VSamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p if params.temperature > 0 else 1.0,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            seed=params.seed,
+            logprobs=0,              # the sampled token's log-prob only
+            detokenize=False,
+            flat_logprobs=True,      # a few flat lists instead of one dict per token
+        )
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
+                                 use_tqdm=False, lora_request=self._lora_request)
+        rollouts = []
+        for i, (prompt, out) in enumerate(zip(prompts, outs)):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                rollouts.append(Rollout(
+                    prompt_ids=list(prompt),
+                    response_ids=ids,
+                    logprobs=_sampled_logprobs(c.logprobs, ids),
+                    finish_reason="length" if c.finish_reason == "length" else "eos",
+                    prompt_index=i,
+                ))
+        return rollouts
+
+    def close(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
+    """The sampled token's log-prob per position (vLLM puts it first at each position)."""
+    from vllm.logprobs import FlatLogprobs
+
+    if isinstance(logprobs, FlatLogprobs):
+        return [logprobs.logprobs[s] for s in logprobs.start_indices]
+    return [pos[t].logprob for pos, t in zip(logprobs, ids)]

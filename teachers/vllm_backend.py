@@ -1,0 +1,142 @@
+"""The vLLM backend: top-k answers at temperature 1 from vLLM's prompt log-probabilities.
+
+How a request is scored. Every sequence becomes one `TokensPrompt` with
+`SamplingParams(max_tokens=1, prompt_logprobs=k)`; all sequences of all requests in a
+batch go to one `LLM.generate` call, which vLLM schedules as it likes. vLLM's prompt
+log-probabilities at position p are the distribution of token p given tokens < p (entry
+0 is empty), so sequence b's rows are positions s_b .. len_b - 1, exactly the row
+convention of teachers/protocol.py. At every position vLLM returns k + 1 entries: the
+token that stands in the sequence first, then the top k in descending order, so
+`token_logprob` comes for free.
+
+Speed. vLLM computes these as tensors in the worker (`LogprobsTensors`) and the
+frontend turns them into Python objects per position. Most of that cost is
+detokenizing k strings per position; `detokenize=False` skips it, and
+`flat_logprobs=True` stores a request's entries in a few flat lists rather than one dict
+of `Logprob` objects per position, which this backend reshapes into [rows, k + 1]
+arrays without touching single entries. Measured figures: docs/vllm.md.
+
+What it cannot answer exactly (reported as UNSUPPORTED by `unsupported`, never
+approximated): full-vocabulary mode, temperature != 1 (vLLM does not apply the sampling
+temperature to prompt log-probabilities, and log_softmax(z / T) cannot be recovered from
+the top k of log_softmax(z)), and the log-sum-exp of the logits, which vLLM does not
+expose: `lse` is NaN in every answer. The tail mass is computed from the top k
+(`tail_logmass_from_topk`), which is exact up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from opd.fingerprint import model_fingerprint, tokenizer_fingerprint_of_dir
+from opd.teachers.backend import (FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer,
+                                  tail_logmass_from_topk)
+
+HF_BACKEND_HINT = "use a teacher started with `opd serve-teacher --backend hf`, which answers it exactly"
+
+
+class VLLMBackend(TeacherBackend):
+    name = "vllm"
+    modes = ("topk",)
+    dtypes = ()
+
+    def __init__(self, model_dir: str | Path, *, name: str = "teacher", max_k: int = 64,
+                 max_positions: int | None = None, dtype: str = "float32", device: str = "cpu",
+                 **llm_kwargs):
+        """`device` is informational: vLLM runs on the platform its build targets (the CPU
+        build here, CUDA for the `vllm` wheel). Extra keyword arguments go to `vllm.LLM`."""
+        import json
+
+        from vllm import LLM
+
+        self.teacher = name
+        self.model_id = str(model_dir)
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        cfg_positions = int(cfg.get("max_position_embeddings", 4096))
+        # vLLM counts the one token it generates after the prompt against max_model_len.
+        model_len = min((max_positions + 1) if max_positions else cfg_positions, cfg_positions)
+        self.max_positions = model_len - 1
+        self.vocab_size = int(cfg["vocab_size"])
+        self.max_k = min(max_k, self.vocab_size)
+        kwargs = dict(model=str(model_dir), dtype=dtype, max_model_len=model_len,
+                      max_logprobs=self.max_k, enforce_eager=True, logprobs_mode="raw_logprobs")
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+        self.model_fingerprint = model_fingerprint(model_dir)
+        self.tokenizer_fingerprint = tokenizer_fingerprint_of_dir(model_dir)
+
+    def unsupported(self, req: ScoreRequest) -> str | None:
+        if req.mode != "topk":
+            return f"the vLLM backend answers top-k only; for full-vocabulary mode {HF_BACKEND_HINT}"
+        if req.temperature != 1.0:
+            return ("the vLLM backend answers at temperature 1 only (vLLM does not apply "
+                    f"temperature to prompt log-probabilities); for temperature {req.temperature} "
+                    f"{HF_BACKEND_HINT}")
+        return None
+
+    def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        for req in reqs:
+            reason = self.unsupported(req)
+            if reason:
+                raise ValueError(reason)
+        prompts, params, owner = [], [], []
+        for r, req in enumerate(reqs):
+            sp = SamplingParams(max_tokens=1, prompt_logprobs=req.k, detokenize=False, flat_logprobs=True)
+            for b in range(req.num_sequences):
+                prompts.append(TokensPrompt(prompt_token_ids=req.sequence(b).tolist()))
+                params.append(sp)
+                owner.append((r, b))
+        outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in reqs]
+        for (r, b), out in zip(owner, outs):
+            ids, lps = _prompt_logprob_arrays(out.prompt_logprobs, len(out.prompt_token_ids), reqs[r].k)
+            s = reqs[r].response_starts[b]
+            parts[r].append((ids[s - 1:], lps[s - 1:]))  # array row p - 1 is position p
+        return [self._answer(req, p) for req, p in zip(reqs, parts)]
+
+    @staticmethod
+    def _answer(req: ScoreRequest, parts: list[tuple[np.ndarray, np.ndarray]]) -> TopKAnswer:
+        k = req.k
+        ids = torch.from_numpy(np.concatenate([p[0] for p in parts])) if parts else torch.zeros(0, k + 1, dtype=torch.int64)
+        lps = torch.from_numpy(np.concatenate([p[1] for p in parts])) if parts else torch.zeros(0, k + 1)
+        top_lp = lps[:, 1:].float()
+        return TopKAnswer(
+            ids=ids[:, 1:].int().contiguous(),
+            logprobs=top_lp.contiguous(),
+            tail_logmass=tail_logmass_from_topk(top_lp),
+            token_logprob=lps[:, 0].float().contiguous(),
+            lse=torch.full((len(lps),), float("nan")),   # vLLM does not expose it
+        )
+
+    def score_full(self, req: ScoreRequest) -> Iterator[FullChunkAnswer]:
+        raise ValueError(self.unsupported(req) or "the vLLM backend has no full-vocabulary mode")
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def _prompt_logprob_arrays(flat, num_tokens: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's FlatLogprobs of one prompt as (ids int64, logprobs fp32), each [num_tokens - 1, k + 1].
+
+    Column 0 is the token in the sequence, columns 1..k the top k, most likely first.
+    Position 0 has no entries, and every other position has exactly k + 1 (the token is
+    repeated when it is itself in the top k), so the flat lists reshape directly.
+    """
+    rows = num_tokens - 1
+    if rows <= 0:
+        return np.zeros((0, k + 1), np.int64), np.zeros((0, k + 1), np.float32)
+    if len(flat.logprobs) != rows * (k + 1) or flat.start_indices[1] != 0:
+        raise RuntimeError(f"unexpected vLLM prompt-logprob layout: {len(flat.logprobs)} entries "
+                           f"for {rows} positions of k={k}")
+    ids = np.asarray(flat.token_ids, dtype=np.int64).reshape(rows, k + 1)
+    lps = np.asarray(flat.logprobs, dtype=np.float32).reshape(rows, k + 1)
+    return ids, lps
