@@ -1,0 +1,144 @@
+"""GRPO maths as pure tensor functions: advantages, clipped surrogate, KL, aggregation.
+
+Shapes are in the names: P prompts, G responses per prompt (a group), B = P*G sequences,
+T response positions (right-padded; `mask_B_T` is 1 on real response tokens), V vocab.
+
+Where this deviates from the papers (and why) is said at each function; the choices and
+their references are collected in docs/grpo.md.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "batch_std", "rloo"]
+KLEstimator = Literal["k1", "k3"]
+LossAggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
+
+
+# ---- advantages ---------------------------------------------------------------------------
+
+def group_advantages(rewards_P_G: torch.Tensor, estimator: AdvantageEstimator = "grpo",
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Group-relative advantages, one per response.
+
+    grpo:      (r - mean_group) / (std_group + eps)   (DeepSeekMath; std is the unbiased
+               one, as in TRL)
+    dr_grpo:   r - mean_group                          (Dr. GRPO: no std scaling, which
+               otherwise up-weights groups that are nearly all-correct or all-wrong)
+    batch_std: (r - mean_group) / (std_batch + eps)    (one scale for the whole batch)
+    rloo:      r - mean of the other G-1 responses     (leave-one-out baseline)
+               = G/(G-1) * (r - mean_group)
+
+    A group whose rewards are all equal carries no signal: its advantages are exactly 0
+    (never NaN), also for G = 1.
+    """
+    r = rewards_P_G.to(torch.float64)
+    P, G = r.shape
+    if G < 2:
+        return torch.zeros_like(rewards_P_G, dtype=torch.float32)
+    centered_P_G = r - r.mean(dim=1, keepdim=True)
+    if estimator == "grpo":
+        adv_P_G = centered_P_G / (r.std(dim=1, keepdim=True) + eps)
+    elif estimator == "dr_grpo":
+        adv_P_G = centered_P_G
+    elif estimator == "batch_std":
+        adv_P_G = centered_P_G / (r.std() + eps) if r.numel() > 1 else centered_P_G
+    elif estimator == "rloo":
+        adv_P_G = centered_P_G * (G / (G - 1))
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    # mean() of equal floats need not round back to the same float: force exact zeros.
+    flat_P = equal_groups(rewards_P_G)
+    adv_P_G = torch.where(flat_P[:, None], torch.zeros_like(adv_P_G), adv_P_G)
+    return adv_P_G.to(torch.float32)
+
+
+def equal_groups(rewards_P_G: torch.Tensor) -> torch.Tensor:
+    """[P] bool: groups where every response got the same reward (no gradient from them)."""
+    return rewards_P_G.max(dim=1).values == rewards_P_G.min(dim=1).values
+
+
+# ---- policy loss --------------------------------------------------------------------------
+
+def clipped_surrogate(logprobs_B_T: torch.Tensor, old_logprobs_B_T: torch.Tensor,
+                      advantages_B: torch.Tensor, eps_low: float = 0.2,
+                      eps_high: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped objective per token, as a loss: -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A).
+
+    `old_logprobs_B_T` are the rollout policy's log-probs of the sampled tokens. A separate
+    eps_high > eps_low is DAPO's clip-higher (lets low-probability tokens rise).
+    Returns (loss_B_T, clipped_B_T) where clipped marks tokens whose gradient the clip
+    removed (the clipped branch was the smaller one).
+    """
+    ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T)
+    adv_B_1 = advantages_B[:, None].to(logprobs_B_T.dtype)
+    unclipped_B_T = ratio_B_T * adv_B_1
+    clipped_obj_B_T = torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high) * adv_B_1
+    loss_B_T = -torch.minimum(unclipped_B_T, clipped_obj_B_T)
+    clipped_B_T = (clipped_obj_B_T < unclipped_B_T).detach()
+    return loss_B_T, clipped_B_T
+
+
+def kl_to_reference(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor,
+                    estimator: KLEstimator = "k3") -> torch.Tensor:
+    """Per-token estimate of reverse KL(policy || reference) from tokens sampled by the policy.
+
+    k1 = log pi - log ref                       (unbiased, high variance, can be negative)
+    k3 = ref/pi - 1 - log(ref/pi)               (unbiased, always >= 0; Schulman 2020,
+                                                 the one DeepSeekMath's GRPO uses)
+    """
+    log_ratio_B_T = ref_logprobs_B_T - logprobs_B_T  # log(ref / pi)
+    if estimator == "k1":
+        return -log_ratio_B_T
+    if estimator == "k3":
+        return torch.exp(log_ratio_B_T) - 1.0 - log_ratio_B_T
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def aggregate(loss_B_T: torch.Tensor, mask_B_T: torch.Tensor, mode: LossAggregation, *,
+              num_sequences: int | None = None, num_tokens: float | None = None,
+              max_tokens: int | None = None) -> torch.Tensor:
+    """Reduce per-token losses to a scalar.
+
+    token_mean: sum over all tokens / number of tokens (DAPO; long answers weigh more)
+    seq_mean:   mean over sequences of each sequence's token mean (original GRPO)
+    dr_grpo:    sum over all tokens / (sequences * max_tokens), a constant normalizer
+                (Dr. GRPO: no length bias in either direction)
+
+    The normalizers can be given for the whole batch (num_sequences, num_tokens), so that
+    micro-batches summed together give exactly the full-batch value.
+    """
+    m = mask_B_T.to(loss_B_T.dtype)
+    B = num_sequences if num_sequences is not None else loss_B_T.shape[0]
+    if mode == "token_mean":
+        n = num_tokens if num_tokens is not None else m.sum()
+        return (loss_B_T * m).sum() / max(float(n), 1.0)
+    if mode == "seq_mean":
+        per_seq_B = (loss_B_T * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
+        return per_seq_B.sum() / max(B, 1)
+    if mode == "dr_grpo":
+        T = max_tokens if max_tokens is not None else loss_B_T.shape[1]
+        return (loss_B_T * m).sum() / max(B * T, 1)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+# ---- helpers on logits --------------------------------------------------------------------
+
+def token_logprobs(logits_B_T_V: torch.Tensor, targets_B_T: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] per position, computed in fp32."""
+    lp_B_T_V = torch.log_softmax(logits_B_T_V.float(), dim=-1)
+    return lp_B_T_V.gather(-1, targets_B_T.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
+    """Entropy of the policy's next-token distribution per position (nats)."""
+    lp_B_T_V = torch.log_softmax(logits_B_T_V.float(), dim=-1)
+    return -(lp_B_T_V.exp() * lp_B_T_V).sum(dim=-1)
+
+
+def masked_mean(x_B_T: torch.Tensor, mask_B_T: torch.Tensor) -> float:
+    m = mask_B_T.to(x_B_T.dtype)
+    return float((x_B_T * m).sum() / m.sum().clamp_min(1.0))
