@@ -1,0 +1,408 @@
+"""The trainer's side of the teacher protocol: `TeacherClient`.
+
+One I/O thread owns the DEALER socket (zmq sockets are not thread-safe); the public
+methods hand it commands through a queue and wait on futures, so a trainer thread can
+keep several requests in flight (`submit_topk`) while it computes.
+
+Reliability, all inside the I/O thread:
+- every request has a deadline (`timeout_s` since its last sign of progress); the client
+  pings the server every `heartbeat_s` while it waits, so a dead server is noticed after
+  `3 * heartbeat_s` of silence even when `timeout_s` is long;
+- on a timeout the DEALER is replaced (a new connection), HELLO is sent again and every
+  outstanding request is re-sent; a WELCOME with other fingerprints than the first one
+  fails everything with FINGERPRINT_CHANGED rather than mixing two teachers;
+- retryable ERRORs (BUSY, SHUTTING_DOWN, INTERNAL) are retried after an exponential
+  back-off, at most `retries` times; anything else raises `TeacherError(code, message)`;
+- full-vocabulary streams grant one CREDIT per chunk the caller has consumed, and resume
+  after a reconnect by skipping rows they already delivered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+import zmq
+
+from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
+                                   Ping, ProtocolError, Score, TopK, Welcome, decode, encode, to_torch)
+
+
+class TeacherError(Exception):
+    """A request that failed for good. `code` is an ErrorCode value or TIMEOUT / FINGERPRINT_CHANGED / CLOSED."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code.value if isinstance(code, ErrorCode) else str(code)
+        self.message = message
+
+
+@dataclass
+class TopKResult:
+    """R rows over all sequences; rows of sequence b are row_offsets[b]:row_offsets[b+1]."""
+    ids: "torch.Tensor"            # int32 [R, k]
+    logprobs: "torch.Tensor"       # fp32 [R, k]
+    tail_logmass: "torch.Tensor"   # fp32 [R]
+    token_logprob: "torch.Tensor"  # fp32 [R]
+    lse: "torch.Tensor"            # fp32 [R]
+    row_offsets: list[int]
+    stats: Done | None = None
+
+
+class FullChunk(NamedTuple):
+    row_start: int
+    logits: "torch.Tensor"         # [rows, V] in the requested dtype, temperature not applied
+    lse: "torch.Tensor"            # fp32 [rows], logsumexp(logits / T)
+    token_logprob: "torch.Tensor"  # fp32 [rows]
+
+
+_END = object()
+
+
+@dataclass(eq=False)
+class _Call:
+    kind: str                          # "hello" | "topk" | "full"
+    score: Score | None = None
+    arrays: tuple = ()
+    future: Future = field(default_factory=Future)
+    chunks: queue.Queue | None = None  # full mode: FullChunk | exception | _END
+    rid: int = -1
+    attempts: int = 0
+    deadline: float = 0.0
+    retry_at: float | None = None      # waiting out a back-off
+    topk: TopKResult | None = None
+    delivered_rows: int = 0            # full mode: rows handed to the caller
+    server_credit: int = 0             # full mode: chunks the server may still send
+
+
+def _as_curve(curve) -> tuple[bytes, bytes, bytes] | None:
+    """(client_public, client_secret, server_public) keys, or (client_secret_file, server_public_file)."""
+    if curve is None:
+        return None
+    if len(curve) == 2:
+        import zmq.auth
+
+        pub, sec = zmq.auth.load_certificate(str(curve[0]))
+        server_pub, _ = zmq.auth.load_certificate(str(curve[1]))
+        if sec is None:
+            raise ValueError(f"{curve[0]} holds no secret key (use the .key_secret file)")
+        return pub, sec, server_pub
+    return tuple(k.encode() if isinstance(k, str) else bytes(k) for k in curve)  # type: ignore[return-value]
+
+
+class TeacherClient:
+    def __init__(self, address: str, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.2,
+                 curve=None, heartbeat_s: float = 1.0, name: str = "opd",
+                 protocol_version: tuple[int, int] = PROTOCOL_VERSION):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.heartbeat_s = heartbeat_s
+        self.name = name
+        self.protocol_version = tuple(protocol_version)
+        self._curve = _as_curve(curve)
+        self._ctx = zmq.Context.instance()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._rids = itertools.count(1)
+        self._calls: dict[int, _Call] = {}   # wire request id -> call (top-k and full)
+        self._hellos: list[_Call] = []
+        self._welcome: Welcome | None = None
+        self._fatal: TeacherError | None = None
+        self._closed = False
+        self.reconnects = 0
+        self._thread = threading.Thread(target=self._io_loop, name=f"teacher-client-{address}", daemon=True)
+        self._thread.start()
+
+    # ---- public API ----------------------------------------------------------------------
+
+    def info(self, refresh: bool = False) -> Welcome:
+        """HELLO -> WELCOME: the teacher's name, fingerprints and limits (cached)."""
+        if self._welcome is None or refresh:
+            self._command("submit", _Call("hello")).result()
+        return self._welcome  # type: ignore[return-value]
+
+    def submit_topk(self, sequences: Sequence[Sequence[int]], response_starts: Sequence[int], k: int,
+                    temperature: float = 1.0) -> Future:
+        """Future of a TopKResult. Several may be in flight at once."""
+        self.info()
+        ids, offsets = _pack(sequences)
+        score = Score(request_id=0, mode="topk", response_starts=[int(s) for s in response_starts], k=int(k),
+                      temperature=float(temperature))
+        return self._command("submit", _Call("topk", score, (ids, offsets)))
+
+    def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0) -> TopKResult:
+        return self.submit_topk(sequences, response_starts, k, temperature).result()
+
+    def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
+                   chunk_rows: int = 1024, window: int = 4) -> Iterator[FullChunk]:
+        """Full-vocabulary rows, streamed: at most `window` chunks are ever buffered here."""
+        self.info()
+        ids, offsets = _pack(sequences)
+        score = Score(request_id=0, mode="full", response_starts=[int(s) for s in response_starts],
+                      temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window))
+        call = _Call("full", score, (ids, offsets), chunks=queue.Queue())
+        self._command("submit", call)
+        return self._iterate(call)
+
+    def _iterate(self, call: _Call) -> Iterator[FullChunk]:
+        finished = False
+        try:
+            while True:
+                item = call.chunks.get()
+                if item is _END:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                self._command("credit", call)
+                yield item
+        finally:
+            if not finished:
+                self._command("cancel", call)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._command("close", None)
+            self._thread.join(timeout=5)
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _command(self, what: str, call: _Call | None) -> Future:
+        if self._fatal is not None and what == "submit":
+            raise self._fatal
+        if self._closed and what == "submit":
+            raise TeacherError("CLOSED", "client is closed")
+        self._cmds.put((what, call))
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        return call.future if call is not None else Future()
+
+    # ---- the I/O thread ------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
+        sock.connect(self.address)
+        self._sock = sock
+        self._last_recv = time.monotonic()
+        self._last_ping = 0.0
+
+    def _io_loop(self) -> None:
+        self._connect()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll(timeout=max(10, int(self.heartbeat_s * 250))))
+                now = time.monotonic()
+                if self._wake_r.fileno() in ready or self._wake_r in ready:
+                    try:
+                        self._wake_r.recv(4096)
+                    except BlockingIOError:
+                        pass
+                while True:
+                    try:
+                        what, call = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    if what == "close":
+                        self._fail_all(TeacherError("CLOSED", "client closed"))
+                        return
+                    self._on_command(what, call, now)
+                if self._sock in ready:
+                    for _ in range(256):
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._last_recv = now
+                        self._on_message(frames, now)
+                if self._tick(now):
+                    poller.unregister(self._sock)
+                    self._sock.close(linger=0)
+                    self._connect()
+                    poller.register(self._sock, zmq.POLLIN)
+                    self._resend_all(time.monotonic())
+        finally:
+            self._sock.close(linger=0)
+
+    def _on_command(self, what: str, call: _Call, now: float) -> None:
+        if what == "submit":
+            self._send_call(call, now)
+        elif what == "credit" and call.rid in self._calls:
+            call.server_credit += 1
+            call.deadline = now + self.timeout_s
+            self._send(encode(Credit(request_id=call.rid, chunks=1)))
+        elif what == "cancel" and self._calls.pop(call.rid, None) is not None:
+            self._send(encode(Cancel(request_id=call.rid)))
+
+    def _send(self, frames) -> None:
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # the connection is not up or full: the request's deadline will retry it
+
+    def _send_call(self, call: _Call, now: float) -> None:
+        call.retry_at = None
+        call.deadline = now + self.timeout_s
+        if call.kind == "hello":
+            if call not in self._hellos:
+                self._hellos.append(call)
+            self._send(encode(Hello(version=self.protocol_version, client=self.name)))
+            return
+        self._calls.pop(call.rid, None)
+        call.rid = next(self._rids)
+        call.score.request_id = call.rid
+        call.server_credit = call.score.window
+        self._calls[call.rid] = call
+        self._send(encode(call.score, call.arrays))
+
+    def _resend_all(self, now: float) -> None:
+        """After a reconnect: HELLO first (fingerprint check), then every outstanding request."""
+        self.reconnects += 1
+        calls = [*self._hellos, *self._calls.values()]
+        if not self._hellos:
+            self._send_call(_Call("hello"), now)
+        for call in calls:
+            if call.retry_at is None:
+                self._send_call(call, now)
+
+    def _tick(self, now: float) -> bool:
+        """Retries due, pings, deadlines. True when the connection should be replaced."""
+        outstanding = [*self._hellos, *self._calls.values()]
+        if not outstanding:
+            self._last_recv = now  # silence only counts while something is awaited
+            return False
+        for call in outstanding:
+            if call.retry_at is not None and now >= call.retry_at:
+                self._send_call(call, now)
+        if now - self._last_ping >= self.heartbeat_s:
+            self._last_ping = now
+            self._send(encode(Ping(t=time.time())))
+        silent = now - self._last_recv > 3 * self.heartbeat_s
+        expired = [c for c in outstanding if c.retry_at is None and (silent or now > c.deadline)
+                   and not (c.kind == "full" and c.server_credit <= 0 and not silent)]
+        if not expired:
+            return False
+        why = f"server silent for {now - self._last_recv:.1f}s" if silent else f"no answer within timeout_s={self.timeout_s}"
+        for call in expired:
+            call.attempts += 1
+            if call.attempts > self.retries:
+                self._fail(call, TeacherError("TIMEOUT", f"{why} from {self.address} after {call.attempts} "
+                                                         f"attempts; raise timeout_s/retries or check the server"))
+        return True
+
+    def _on_message(self, frames, now: float) -> None:
+        try:
+            msg, arrays = decode(frames)
+        except ProtocolError:
+            return  # not from a server that speaks this protocol: ignore
+        if isinstance(msg, Welcome):
+            return self._on_welcome(msg)
+        if isinstance(msg, Error) and msg.request_id == -1 and msg.code == ErrorCode.BAD_VERSION:
+            err = TeacherError(msg.code, msg.message)
+            for call in self._hellos:
+                call.future.set_exception(err)
+            self._hellos.clear()
+            return
+        call = self._calls.get(getattr(msg, "request_id", -1))
+        if call is None:
+            return  # a stale answer to an earlier attempt
+        call.deadline = now + self.timeout_s
+        if isinstance(msg, TopK):
+            t = [to_torch(a) for a in arrays]
+            call.topk = TopKResult(*t, row_offsets=list(msg.row_offsets))
+        elif isinstance(msg, Chunk):
+            call.server_credit -= 1
+            rows = arrays[0].shape[0]
+            if msg.row_start < call.delivered_rows:   # resumed stream: the caller has these rows already
+                call.server_credit += 1
+                self._send(encode(Credit(request_id=call.rid, chunks=1)))
+                return
+            call.delivered_rows = msg.row_start + rows
+            call.chunks.put(FullChunk(msg.row_start, *(to_torch(a, s.dtype) for a, s in zip(arrays, msg.tensors))))
+        elif isinstance(msg, Done):
+            del self._calls[call.rid]
+            if call.kind == "topk":
+                call.topk.stats = msg
+                call.future.set_result(call.topk)
+            else:
+                call.chunks.put(_END)
+                call.future.set_result(msg)
+        elif isinstance(msg, Error):
+            if msg.code in RETRYABLE and call.attempts < self.retries:
+                call.attempts += 1
+                call.retry_at = now + self.backoff_s * 2 ** (call.attempts - 1) * (0.5 + random.random())
+            else:
+                self._fail(call, TeacherError(msg.code, msg.message))
+
+    def _on_welcome(self, msg: Welcome) -> None:
+        first = self._welcome
+        if msg.version[0] != PROTOCOL_VERSION[0]:
+            err = TeacherError(ErrorCode.BAD_VERSION, f"server speaks protocol {tuple(msg.version)}, "
+                                                      f"this client {PROTOCOL_VERSION}")
+        elif first is not None and (first.model_fingerprint, first.tokenizer_fingerprint) != \
+                (msg.model_fingerprint, msg.tokenizer_fingerprint):
+            err = TeacherError("FINGERPRINT_CHANGED",
+                               f"teacher at {self.address} changed: model {first.model_fingerprint} -> "
+                               f"{msg.model_fingerprint}, tokenizer {first.tokenizer_fingerprint} -> "
+                               f"{msg.tokenizer_fingerprint}")
+        else:
+            self._welcome = msg
+            for call in self._hellos:
+                call.future.set_result(msg)
+            self._hellos.clear()
+            return
+        self._fatal = err
+        self._fail_all(err)
+
+    def _fail(self, call: _Call, err: Exception) -> None:
+        if call.kind == "hello":
+            if call in self._hellos:
+                self._hellos.remove(call)
+        else:
+            self._calls.pop(call.rid, None)
+        if call.chunks is not None:
+            call.chunks.put(err)
+        if not call.future.done():
+            call.future.set_exception(err)
+
+    def _fail_all(self, err: Exception) -> None:
+        for call in [*self._hellos, *self._calls.values()]:
+            self._fail(call, err)
+
+
+def _pack(sequences) -> tuple[np.ndarray, np.ndarray]:
+    """Flat int32 ids and [B + 1] int32 offsets of a list of token-id sequences."""
+    parts = [np.asarray(s.tolist() if hasattr(s, "tolist") else s, dtype=np.int64).reshape(-1) for s in sequences]
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in parts])
+    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
+        raise ValueError("token ids do not fit in int32")
+    return ids.astype("<i4"), offsets.astype("<i4")

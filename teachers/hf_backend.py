@@ -1,0 +1,129 @@
+"""The transformers backend: exact top-k and full-vocabulary answers from a local causal LM.
+
+Memory plan. Sequences are prefilled in micro-batches (right-padded, attention mask) up to
+`batch_tokens` padded tokens, through the model's body only (`model.model`), which gives
+hidden states [N, L, H]. Only the scored rows (positions `s_b - 1 .. len_b - 2`, see the
+row convention in teachers/protocol.py) are gathered, and the LM head is applied to them
+in chunks of `row_chunk` rows, so [tokens x vocab] logits never exist for a batch; the
+largest logits tensor is [row_chunk, V].
+
+Per chunk, with z = logits / T:
+    lse           = logsumexp(z)
+    logprobs      = topk(z) - lse
+    tail_logmass  = logsumexp(z without its top k) - lse      (exact; -inf when k == V)
+    token_logprob = z[target] - lse
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from opd.fingerprint import model_fingerprint, tokenizer_fingerprint_of_dir
+from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFBackend(TeacherBackend):
+    name = "hf"
+    modes = ("topk", "full")
+    dtypes = ("float32", "bfloat16", "float16")
+
+    def __init__(self, model_dir: str | Path, *, name: str = "teacher", max_k: int = 64,
+                 max_positions: int | None = None, dtype: str = "float32", device: str = "cpu",
+                 row_chunk: int = 1024, batch_tokens: int = 8192):
+        from transformers import AutoModelForCausalLM
+
+        self.teacher = name
+        self.model_id = str(model_dir)
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=TORCH_DTYPES[dtype])
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.body = self.model.get_decoder()          # hidden states without the LM head
+        self.lm_head = self.model.get_output_embeddings()
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        cfg_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        self.max_positions = min(max_positions or cfg_positions, cfg_positions)
+        self.max_k = min(max_k, self.vocab_size)
+        self.row_chunk = row_chunk
+        self.batch_tokens = batch_tokens
+        self.model_fingerprint = model_fingerprint(model_dir)
+        self.tokenizer_fingerprint = tokenizer_fingerprint_of_dir(model_dir)
+
+    # ---- prefill -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _scored_hidden(self, seqs: list[torch.Tensor], starts: list[int]) -> list[torch.Tensor]:
+        """For each sequence, hidden states [len - start, H] of the positions that score its rows."""
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        while order:
+            # Longest-first micro-batch whose padded size stays within batch_tokens.
+            batch = [order.pop()]
+            while order and len(seqs[batch[0]]) * (len(batch) + 1) <= self.batch_tokens:
+                batch.append(order.pop())
+            width = len(seqs[batch[0]])
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for j, i in enumerate(batch):
+                ids[j, :len(seqs[i])] = seqs[i]
+                mask[j, :len(seqs[i])] = 1
+            hidden = self.body(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+            for j, i in enumerate(batch):
+                n, s = len(seqs[i]), starts[i]
+                out[i] = hidden[j, s - 1:n - 1]
+        return out  # type: ignore[return-value]
+
+    def _request_rows(self, reqs: list[ScoreRequest]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per request: (hidden [R, H], target ids [R]) of all its rows, one prefill for all."""
+        seqs, starts, owner = [], [], []
+        for r, req in enumerate(reqs):
+            for b in range(req.num_sequences):
+                seqs.append(req.sequence(b).long())
+                starts.append(req.response_starts[b])
+                owner.append(r)
+        hidden = self._scored_hidden(seqs, starts)
+        rows: list[tuple[list, list]] = [([], []) for _ in reqs]
+        for h, seq, s, r in zip(hidden, seqs, starts, owner):
+            rows[r][0].append(h)
+            rows[r][1].append(seq[s:])
+        width = self.lm_head.weight.shape[1]
+        return [(torch.cat(hs) if hs else torch.zeros(0, width, device=self.device, dtype=self.lm_head.weight.dtype),
+                 torch.cat(ts).to(self.device) if ts else torch.zeros(0, dtype=torch.long, device=self.device))
+                for hs, ts in rows]
+
+    # ---- answers -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
+        answers = []
+        for req, (hidden, targets) in zip(reqs, self._request_rows(reqs)):
+            parts = [self._topk_chunk(hidden[a:a + self.row_chunk], targets[a:a + self.row_chunk], req.k, req.temperature)
+                     for a in range(0, len(hidden), self.row_chunk)]
+            if not parts:
+                parts = [self._topk_chunk(hidden, targets, req.k, req.temperature)]
+            answers.append(TopKAnswer(*(torch.cat(p).cpu() for p in zip(*parts))))
+        return answers
+
+    def _topk_chunk(self, hidden, targets, k: int, temperature: float):
+        z = self.lm_head(hidden).float() / temperature          # [rows, V]
+        lse = torch.logsumexp(z, dim=-1)
+        top_z, top_ids = z.topk(k, dim=-1)
+        rest = z.scatter(1, top_ids, float("-inf"))
+        tail = torch.logsumexp(rest, dim=-1) - lse              # -inf - finite = -inf when k == V
+        token_lp = z.gather(1, targets[:, None]).squeeze(1) - lse
+        return top_ids.int(), top_z - lse[:, None], tail, token_lp, lse
+
+    @torch.no_grad()
+    def score_full(self, req: ScoreRequest) -> Iterator[FullChunkAnswer]:
+        hidden, targets = self._request_rows([req])[0]
+        out_dtype = TORCH_DTYPES[req.dtype]
+        for a in range(0, len(hidden), req.chunk_rows):
+            logits = self.lm_head(hidden[a:a + req.chunk_rows]).float()
+            z = logits / req.temperature
+            lse = torch.logsumexp(z, dim=-1)
+            token_lp = z.gather(1, targets[a:a + req.chunk_rows, None]).squeeze(1) - lse
+            yield FullChunkAnswer(a, logits.to(out_dtype).cpu(), lse.cpu(), token_lp.cpu())

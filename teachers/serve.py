@@ -1,0 +1,114 @@
+"""`opd serve-teacher`: load a teacher model and serve it over ZeroMQ until SIGTERM.
+
+Prints one startup line (flushed) that scripts and `opd.teachers.launch` wait for:
+
+    opd-teacher ready address=tcp://127.0.0.1:5555 backend=hf name=math model_fingerprint=... tokenizer_fingerprint=...
+
+Binding anything but loopback needs CURVE keys (`opd keys generate`) or `--insecure`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from urllib.parse import urlparse
+
+READY = "opd-teacher ready"
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="local model directory (transformers format)")
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                   help="hf: transformers, exact in every mode; vllm: top-k at temperature 1 only")
+    p.add_argument("--bind", default="tcp://127.0.0.1:5555",
+                   help="ZeroMQ address to bind; port 0 picks a free port (the startup line prints it)")
+    p.add_argument("--name", default=None, help="teacher name reported in WELCOME (default: the model directory name)")
+    p.add_argument("--max-k", type=int, default=64, help="largest k a top-k request may ask for")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model weights dtype")
+    p.add_argument("--max-positions", type=int, default=None, help="longest sequence accepted (default: the model's)")
+    p.add_argument("--max-tokens-per-request", type=int, default=32768, help="larger SCORE requests get TOO_LONG")
+    p.add_argument("--max-inflight-tokens", type=int, default=131072,
+                   help="accepted, unfinished tokens; past this a request gets BUSY (retryable)")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="top-k requests grouped into one forward pass")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval clients are told to use")
+    p.add_argument("--peer-timeout-s", type=float, default=10.0, help="a client silent this long loses its streams")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--curve-secret-key", type=Path, default=None,
+                   help="server secret key file (NAME.key_secret from `opd keys generate`): enables CURVE")
+    p.add_argument("--curve-allow", type=Path, default=None,
+                   help="client public key file (NAME.key) or a directory of them: the allow-list")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback bind without CURVE (anyone who reaches the port may use the teacher)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def is_loopback(address: str) -> bool:
+    if address.startswith(("ipc://", "inproc://")):
+        return True
+    host = urlparse(address).hostname or ""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def check_bind(address: str, curve: bool, insecure: bool) -> str | None:
+    """An error message when `address` may not be bound this way, else None (may print a warning)."""
+    if is_loopback(address) or curve:
+        return None
+    if not insecure:
+        return (f"refusing to bind {address} without authentication: pass --curve-secret-key and --curve-allow "
+                f"(see `opd keys generate`), or --insecure to serve anyone who can reach the port")
+    print(f"WARNING: serving {address} WITHOUT authentication or encryption (--insecure)", file=sys.stderr, flush=True)
+    return None
+
+
+def load_backend(args):
+    kwargs = dict(name=args.name or Path(args.model).name, max_k=args.max_k, max_positions=args.max_positions,
+                  dtype=args.dtype, device=args.device)
+    if args.backend == "vllm":
+        from opd.teachers.vllm_backend import VLLMBackend
+
+        return VLLMBackend(args.model, **kwargs)
+    from opd.teachers.hf_backend import HFBackend
+
+    return HFBackend(args.model, **kwargs, batch_tokens=args.batch_tokens)
+
+
+def run(args) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = check_bind(args.bind, args.curve_secret_key is not None, args.insecure)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    curve = {}
+    if args.curve_secret_key is not None:
+        from opd.teachers.keys import load_allow_list, load_keypair
+
+        if args.curve_allow is None:
+            print("error: --curve-secret-key needs --curve-allow (the client public keys to admit)", file=sys.stderr)
+            return 2
+        public, secret = load_keypair(args.curve_secret_key)
+        curve = dict(curve_secret_key=secret, curve_public_key=public, curve_allow=load_allow_list(args.curve_allow))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+    from opd.teachers.server import ServerLimits, serve
+
+    backend = load_backend(args)
+    limits = ServerLimits(max_tokens_per_request=args.max_tokens_per_request,
+                          max_inflight_tokens=args.max_inflight_tokens, batch_tokens=args.batch_tokens,
+                          heartbeat_s=args.heartbeat_s, peer_timeout_s=args.peer_timeout_s)
+
+    def ready(server) -> None:
+        print(f"{READY} address={server.address} backend={backend.name} name={server.name} "
+              f"model_fingerprint={backend.model_fingerprint} tokenizer_fingerprint={backend.tokenizer_fingerprint} "
+              f"curve={'on' if curve else 'off'}", flush=True)
+
+    code = serve(backend, args.bind, ready=ready, signals=True, limits=limits, name=args.name, **curve)
+    backend.close()
+    print("opd-teacher stopped", flush=True)
+    return code

@@ -1,0 +1,431 @@
+"""The teacher server: a ZeroMQ ROUTER in front of one backend.
+
+Two threads. The socket thread owns the ROUTER and runs one loop of numbered steps:
+    1. poll    the ROUTER and the worker's inproc pipe (a short timeout, so SIGTERM and
+               silent peers are noticed)
+    2. read    every waiting message; dispatch on its type; validate SCOREs into
+               ScoreRequests (teachers/validate.py); answer PING, HELLO, CREDIT, CANCEL
+               and every ERROR (bad input, BUSY, SHUTTING_DOWN) at once
+    3. batch   hand the accepted requests to the worker in one go
+    4. send    forward the worker's answers (TOPK, CHUNK, DONE, ERROR) to their peers
+    5. sweep   cancel streams of peers that stopped sending heartbeats; exit once drained
+The worker thread owns the backend: it groups pending top-k requests into one backend
+call up to `batch_tokens`, and steps full-vocabulary streams one CHUNK per credit. It
+never touches the ROUTER (zmq sockets are not thread-safe): answers go back over an
+inproc PAIR, so the socket thread keeps answering heartbeats and BUSY while it computes.
+
+Backpressure: accepted tokens in flight are bounded by `max_inflight_tokens`; past it a
+SCORE gets ERROR(BUSY, retryable), never a queue slot. ROUTER_MANDATORY turns a send to a
+vanished peer into an error that cancels its work instead of a silent drop.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from opd.teachers.backend import ScoreRequest, TeacherBackend
+from opd.teachers.protocol import (PROTOCOL_VERSION, Cancel, Chunk, Credit, Done, ErrorCode, Hello, Ping, Pong,
+                                   ProtocolError, Score, TopK, Welcome, decode, encode, error)
+from opd.teachers.validate import score_request
+
+log = logging.getLogger("opd.teachers.server")
+
+_PIPE = "inproc://opd-teacher-worker-{}"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_tokens_per_request: int = 32768   # larger SCOREs get TOO_LONG
+    max_inflight_tokens: int = 131072     # accepted, unfinished tokens; past it BUSY
+    batch_tokens: int = 16384             # top-k requests grouped into one backend call
+    heartbeat_s: float = 1.0              # clients ping this often while they wait
+    peer_timeout_s: float = 10.0          # a peer silent this long loses its streams
+    drain_timeout_s: float = 60.0         # SIGTERM: longest wait for in-flight work
+
+
+@dataclass(eq=False)
+class _Job:
+    peer: bytes
+    req: ScoreRequest
+    arrived: float
+    credit: int = 0                       # full mode: CHUNKs the worker may still send
+    cancelled: bool = False
+    started: float = 0.0
+    stream: object = None                 # full mode: the backend's chunk iterator
+    chunks_sent: int = 0
+    rows: int = field(init=False)
+
+    def __post_init__(self):
+        self.rows = self.req.row_offsets()[-1]
+
+    @property
+    def key(self) -> tuple[bytes, int]:
+        return self.peer, self.req.request_id
+
+
+class TeacherServer:
+    def __init__(self, backend: TeacherBackend, bind: str = "tcp://127.0.0.1:5555", *,
+                 name: str | None = None, limits: ServerLimits = ServerLimits(),
+                 curve_secret_key: bytes | None = None, curve_public_key: bytes | None = None,
+                 curve_allow: set[bytes] | None = None, context: zmq.Context | None = None):
+        self.backend = backend
+        self.limits = limits
+        self.name = name or getattr(backend, "teacher", None) or backend.model_id
+        self.ctx = context or zmq.Context.instance()
+        self._auth = None
+        if curve_secret_key is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self.ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _AllowList(curve_allow or set()))
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, max(1 << 20, 8 * limits.max_tokens_per_request + 4096))
+        self.router.setsockopt(zmq.HEARTBEAT_IVL, int(limits.heartbeat_s * 1000))
+        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(limits.peer_timeout_s * 1000))
+        if curve_secret_key is not None:
+            self.router.curve_server = True
+            self.router.curve_secretkey = curve_secret_key
+            self.router.curve_publickey = curve_public_key
+        self.router.bind(bind)
+        self.address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        pipe = _PIPE.format(id(self))
+        self.pipe = self.ctx.socket(zmq.PAIR)
+        self.pipe.bind(pipe)
+        self._cv = threading.Condition()
+        self._pending: collections.deque[_Job] = collections.deque()   # accepted, not started
+        self._streams: list[_Job] = []                                  # full mode, started
+        self._jobs: dict[tuple[bytes, int], _Job] = {}                  # every unfinished job
+        self._inflight_tokens = 0
+        self._draining = threading.Event()
+        self._stop_worker = False
+        self._last_seen: dict[bytes, float] = {}
+        self.stats = collections.Counter()
+        self._worker = threading.Thread(target=self._worker_loop, args=(pipe,), name="teacher-worker", daemon=True)
+        self._worker.start()
+
+    # ---- control -------------------------------------------------------------------------
+
+    def welcome(self) -> Welcome:
+        b = self.backend
+        return Welcome(version=PROTOCOL_VERSION, teacher=self.name, model_id=b.model_id,
+                       model_fingerprint=b.model_fingerprint, tokenizer_fingerprint=b.tokenizer_fingerprint,
+                       vocab_size=b.vocab_size, max_k=b.max_k, modes=list(b.modes), dtypes=list(b.dtypes),
+                       max_tokens_per_request=self.limits.max_tokens_per_request,
+                       max_inflight_tokens=self.limits.max_inflight_tokens,
+                       heartbeat_s=self.limits.heartbeat_s, backend=b.name)
+
+    def stop(self) -> None:
+        """Stop accepting work (SHUTTING_DOWN), drain what is in flight, then return from serve_forever."""
+        self._draining.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    # ---- the socket loop -----------------------------------------------------------------
+
+    def serve_forever(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pipe, zmq.POLLIN)
+        drain_deadline = math.inf
+        try:
+            while True:
+                # 1. poll
+                ready = dict(poller.poll(timeout=100))
+                now = time.monotonic()
+                # 2. read + validate + answer control messages
+                accepted: list[_Job] = []
+                if self.router in ready:
+                    for _ in range(1024):
+                        try:
+                            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(frames[0].bytes, frames[1:], now, accepted)
+                # 3. batch: hand everything accepted in this round to the worker at once
+                if accepted:
+                    with self._cv:
+                        self._pending.extend(accepted)
+                        self._cv.notify()
+                # 4. send the worker's answers
+                if self.pipe in ready:
+                    self._forward(1024)
+                # 5. sweep silent peers; finish draining
+                self._sweep(now)
+                if self._draining.is_set():
+                    drain_deadline = min(drain_deadline, now + self.limits.drain_timeout_s)
+                    with self._cv:
+                        idle = not self._jobs
+                    if idle or now > drain_deadline:
+                        self._forward(1 << 30)
+                        return 0
+        finally:
+            self.close()
+
+    def _forward(self, limit: int) -> None:
+        for _ in range(limit):
+            try:
+                out = self.pipe.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._send(out[0].bytes, out[1:])
+
+    def _handle(self, peer: bytes, frames, now: float, accepted: list[_Job]) -> None:
+        self._last_seen[peer] = now
+        self.stats["messages"] += 1
+        try:
+            msg, arrays = decode(frames)
+        except ProtocolError as e:
+            return self._refuse(peer, e.request_id, e.code, str(e))
+        except Exception as e:  # anything decode did not foresee is still the sender's fault
+            return self._refuse(peer, -1, ErrorCode.MALFORMED, f"undecodable message: {type(e).__name__}: {e}")
+        if isinstance(msg, Ping):
+            self._send(peer, encode(Pong(t=msg.t)))
+        elif isinstance(msg, Pong):
+            pass
+        elif isinstance(msg, Hello):
+            if tuple(msg.version)[:1] != PROTOCOL_VERSION[:1]:
+                return self._refuse(peer, -1, ErrorCode.BAD_VERSION,
+                                    f"client speaks protocol {tuple(msg.version)}, server {PROTOCOL_VERSION}; "
+                                    f"major versions must match")
+            self._send(peer, encode(self.welcome()))
+        elif isinstance(msg, Score):
+            job = self._admit(peer, msg, arrays, now)
+            if job is not None:
+                accepted.append(job)
+        elif isinstance(msg, Credit):
+            with self._cv:
+                job = self._jobs.get((peer, msg.request_id))
+                if job is not None and msg.chunks > 0:
+                    job.credit = min(job.credit + msg.chunks, 1 << 20)
+                    self._cv.notify()
+        elif isinstance(msg, Cancel):
+            self._cancel(peer, msg.request_id)
+        else:
+            self._refuse(peer, getattr(msg, "request_id", -1), ErrorCode.BAD_REQUEST,
+                         f"{type(msg).__name__.upper()} is sent by servers, not clients")
+
+    def _admit(self, peer: bytes, msg: Score, arrays, now: float) -> _Job | None:
+        rid = msg.request_id
+        if self._draining.is_set():
+            return self._refuse(peer, rid, ErrorCode.SHUTTING_DOWN, "server is draining; use another replica")
+        try:
+            req = score_request(msg, arrays, self.backend, self.limits.max_tokens_per_request)
+        except ProtocolError as e:
+            return self._refuse(peer, rid, e.code, str(e))
+        job = _Job(peer, req, now, credit=msg.window)
+        with self._cv:
+            if job.key in self._jobs:
+                return self._refuse(peer, rid, ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
+            if self._inflight_tokens and self._inflight_tokens + req.num_tokens > self.limits.max_inflight_tokens:
+                self.stats["busy"] += 1
+                return self._refuse(peer, rid, ErrorCode.BUSY,
+                                    f"{self._inflight_tokens} tokens in flight, budget {self.limits.max_inflight_tokens}")
+            self._inflight_tokens += req.num_tokens
+            self._jobs[job.key] = job
+        return job
+
+    def _cancel(self, peer: bytes, rid: int) -> None:
+        with self._cv:
+            job = self._jobs.get((peer, rid))
+            if job is None:
+                return
+            if job in self._pending:  # not started: answer here
+                self._pending.remove(job)
+                self._finish_locked(job)
+            else:                     # the worker answers CANCELLED when it gets to it
+                job.cancelled = True
+                self._cv.notify()
+                return
+        self._refuse(peer, rid, ErrorCode.CANCELLED, "cancelled by the client")
+
+    def _sweep(self, now: float) -> None:
+        silent = {p for p, t in self._last_seen.items() if now - t > self.limits.peer_timeout_s}
+        if not silent:
+            return
+        with self._cv:
+            for job in self._jobs.values():
+                if job.peer in silent and not job.cancelled:
+                    log.warning("peer %s silent for %.1fs: cancelling request %d",
+                                job.peer.hex(), self.limits.peer_timeout_s, job.req.request_id)
+                    job.cancelled = True
+            busy_peers = {j.peer for j in self._jobs.values()}
+            self._cv.notify()
+        for p in silent - busy_peers:
+            del self._last_seen[p]
+
+    def _refuse(self, peer: bytes, rid: int, code: ErrorCode, text: str) -> None:
+        self.stats[code.value] += 1
+        log.info("ERROR %s to %s (request %d): %s", code.value, peer.hex(), rid, text[:300])
+        self._send(peer, encode(error(rid, code, text[:1000])))
+
+    def _send(self, peer: bytes, frames) -> None:
+        try:
+            self.router.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
+            with self._cv:
+                jobs = [j for j in self._jobs.values() if j.peer == peer and not j.cancelled]
+                for job in jobs:
+                    job.cancelled = True
+                self._cv.notify()
+            (log.warning if jobs else log.debug)("cannot send to %s (%s): cancelled %d of its requests",
+                                                 peer.hex(), e, len(jobs))
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop_worker = True
+            for job in self._jobs.values():
+                job.cancelled = True
+            self._cv.notify()
+        self._worker.join(timeout=30)
+        self._forward(1 << 30)
+        self.router.close(linger=2000)  # let the last answers reach their peers
+        self.pipe.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    # ---- the worker thread ---------------------------------------------------------------
+
+    def _finish_locked(self, job: _Job) -> None:
+        self._inflight_tokens -= job.req.num_tokens
+        self._jobs.pop(job.key, None)
+        if job in self._streams:
+            self._streams.remove(job)
+
+    def _next_work(self):
+        """Under the lock: a stream that may send a chunk, else a group of top-k jobs, else a new stream."""
+        for job in self._streams:
+            if job.cancelled or job.credit > 0:
+                job.credit -= 1
+                return "chunk", job
+        if not self._pending:
+            return None
+        if self._pending[0].req.mode == "full":
+            job = self._pending.popleft()
+            self._streams.append(job)
+            return "start", job
+        group, tokens = [], 0
+        while self._pending and self._pending[0].req.mode == "topk":
+            n = self._pending[0].req.num_tokens
+            if group and tokens + n > self.limits.batch_tokens:
+                break
+            group.append(self._pending.popleft())
+            tokens += n
+        return "topk", group
+
+    def _worker_loop(self, pipe_address: str) -> None:
+        out = self.ctx.socket(zmq.PAIR)
+        out.connect(pipe_address)
+        try:
+            while True:
+                with self._cv:
+                    work = self._next_work()
+                    while work is None and not self._stop_worker:
+                        self._cv.wait()
+                        work = self._next_work()
+                    if work is None:
+                        return
+                kind, what = work
+                if kind == "topk":
+                    self._compute_topk(out, what)
+                else:
+                    self._step_stream(out, what, start=kind == "start")
+        finally:
+            out.close(linger=0)
+
+    def _done(self, out, job: _Job, msg) -> None:
+        # Send before finishing: once the socket thread sees no jobs, every answer is in the pipe.
+        out.send_multipart([job.peer, *encode(msg)], copy=False)
+        with self._cv:
+            self._finish_locked(job)
+
+    def _stats(self, job: _Job) -> Done:
+        now = time.monotonic()
+        return Done(request_id=job.req.request_id, rows=job.rows, tokens=job.req.num_tokens,
+                    queue_ms=1e3 * (job.started - job.arrived), compute_ms=1e3 * (now - job.started),
+                    total_ms=1e3 * (now - job.arrived), chunks=job.chunks_sent)
+
+    def _internal(self, out, job: _Job, e: Exception) -> None:
+        log.exception("backend failed on request %d", job.req.request_id)
+        self._done(out, job, error(job.req.request_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:1000]))
+
+    def _compute_topk(self, out, group: list[_Job]) -> None:
+        started = time.monotonic()
+        for job in group:
+            job.started = started
+        live = [j for j in group if not j.cancelled]
+        try:
+            answers = self.backend.score_topk([j.req for j in live]) if live else []
+        except Exception as e:
+            for job in live:
+                self._internal(out, job, e)
+            answers, live = [], []
+        for job in group:
+            if job.cancelled:
+                self._done(out, job, error(job.req.request_id, ErrorCode.CANCELLED, "cancelled"))
+        for job, ans in zip(live, answers):
+            out.send_multipart([job.peer, *encode(TopK(request_id=job.req.request_id,
+                                                       row_offsets=job.req.row_offsets()), tuple(ans))], copy=False)
+            self._done(out, job, self._stats(job))
+
+    def _step_stream(self, out, job: _Job, start: bool) -> None:
+        rid = job.req.request_id
+        if job.cancelled:
+            job.stream = None
+            return self._done(out, job, error(rid, ErrorCode.CANCELLED, "cancelled"))
+        try:
+            if start:
+                job.started = time.monotonic()
+                job.stream = iter(self.backend.score_full(job.req))
+                with self._cv:
+                    job.credit -= 1  # the first chunk goes out now
+            n_chunks = -(-job.rows // job.req.chunk_rows)
+            if job.chunks_sent < n_chunks:
+                c = next(job.stream)
+                msg = Chunk(request_id=rid, row_start=c.row_start, row_offsets=job.req.row_offsets())
+                out.send_multipart([job.peer, *encode(msg, (c.logits, c.lse, c.token_logprob))], copy=False)
+                job.chunks_sent += 1
+            if job.chunks_sent == n_chunks:
+                job.stream = None
+                self._done(out, job, self._stats(job))
+        except Exception as e:
+            job.stream = None
+            self._internal(out, job, e)
+
+
+class _AllowList:
+    """ZAP credentials provider: a client may connect iff its public key is listed."""
+
+    def __init__(self, keys: set[bytes]):
+        self.keys = set(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = key in self.keys
+        if not ok:
+            log.warning("CURVE client key %s is not allowed", key.decode(errors="replace"))
+        return ok
+
+
+def serve(backend: TeacherBackend, bind: str = "tcp://127.0.0.1:5555", *, ready=None,
+          signals: bool = False, **kwargs) -> int:
+    """Run a TeacherServer until stopped (SIGTERM with `signals=True`). `ready(server)` is
+    called once the socket is bound, e.g. to print the startup line or keep a handle."""
+    server = TeacherServer(backend, bind, **kwargs)
+    if signals:
+        server.install_signal_handlers()
+    if ready is not None:
+        ready(server)
+    return server.serve_forever()

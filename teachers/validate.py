@@ -1,0 +1,87 @@
+"""Turn a decoded SCORE message into a `ScoreRequest`, or say exactly what is wrong with it.
+
+Every check here runs before the request reaches the backend, so a bad request costs the
+server one ERROR answer and nothing else. Each failure names its ErrorCode:
+BAD_TOKEN (id < 0 or >= vocab), TOO_LONG (sequence or request over a limit), BAD_K,
+MALFORMED (tensors missing, wrong dtype or shape, offsets inconsistent), BAD_REQUEST
+(temperature, response starts, dtype, chunking), UNSUPPORTED (the backend cannot answer
+it exactly).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from opd.teachers.backend import ScoreRequest, TeacherBackend
+from opd.teachers.protocol import LOGIT_DTYPES, ErrorCode, ProtocolError, Score
+
+MAX_CHUNK_BYTES = 256 << 20   # one full-mode CHUNK never exceeds this many logit bytes
+MAX_WINDOW = 64               # CHUNKs a client may ask to receive before its first CREDIT
+
+
+def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
+                  max_tokens_per_request: int) -> ScoreRequest:
+    rid = msg.request_id
+
+    def fail(code: ErrorCode, text: str):
+        raise ProtocolError(code, text, rid)
+
+    # Frames: ids int32 [T], offsets int32 [B + 1].
+    if len(arrays) != 2:
+        fail(ErrorCode.MALFORMED, f"SCORE carries 2 tensors (ids, offsets), got {len(arrays)}")
+    ids, offsets = arrays
+    if ids.dtype != np.dtype("<i4") or offsets.dtype != np.dtype("<i4") or ids.ndim != 1 or offsets.ndim != 1:
+        fail(ErrorCode.MALFORMED, "ids and offsets must be 1-D int32")
+    starts = msg.response_starts
+    B = len(starts)
+    if B < 1 or len(offsets) != B + 1:
+        fail(ErrorCode.MALFORMED, f"{B} response_starts need {B + 1} offsets, got {len(offsets)}")
+    offs = offsets.astype(np.int64)
+    if offs[0] != 0 or offs[-1] != len(ids) or np.any(np.diff(offs) < 0):
+        fail(ErrorCode.MALFORMED, f"offsets must rise from 0 to {len(ids)} (the number of ids)")
+
+    # Sizes.
+    if len(ids) > max_tokens_per_request:
+        fail(ErrorCode.TOO_LONG, f"request has {len(ids)} tokens, max_tokens_per_request is {max_tokens_per_request}")
+    lengths = np.diff(offs)
+    longest = int(lengths.max())
+    if longest > backend.max_positions:
+        fail(ErrorCode.TOO_LONG, f"a sequence has {longest} tokens, the model takes at most {backend.max_positions}")
+
+    # Token ids.
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= backend.vocab_size):
+        fail(ErrorCode.BAD_TOKEN, f"token ids must lie in [0, {backend.vocab_size}); got "
+                                  f"min {int(ids.min())}, max {int(ids.max())}")
+
+    # Response starts: 1 <= s_b <= len_b (s_b == len_b means no rows for that sequence).
+    for b, (s, n) in enumerate(zip(starts, lengths)):
+        if not 1 <= s <= n:
+            fail(ErrorCode.BAD_REQUEST, f"response_starts[{b}] = {s} must lie in [1, {int(n)}] (sequence length)")
+
+    if not (math.isfinite(msg.temperature) and msg.temperature > 0):
+        fail(ErrorCode.BAD_REQUEST, f"temperature must be finite and > 0, got {msg.temperature}")
+    if msg.mode not in backend.modes:
+        fail(ErrorCode.UNSUPPORTED, f"mode {msg.mode!r} not served by this {backend.name} backend ({backend.modes})")
+    if msg.mode == "topk" and not 1 <= msg.k <= backend.max_k:
+        fail(ErrorCode.BAD_K, f"k = {msg.k} must lie in [1, {backend.max_k}] (max_k)")
+    if msg.mode == "full":
+        if msg.dtype not in LOGIT_DTYPES or msg.dtype not in backend.dtypes:
+            fail(ErrorCode.BAD_REQUEST, f"dtype {msg.dtype!r} not in {list(backend.dtypes)}")
+        if msg.chunk_rows < 1 or msg.chunk_rows * backend.vocab_size * 4 > MAX_CHUNK_BYTES:
+            fail(ErrorCode.BAD_REQUEST, f"chunk_rows = {msg.chunk_rows} must lie in "
+                                        f"[1, {MAX_CHUNK_BYTES // (4 * backend.vocab_size)}]")
+        if not 1 <= msg.window <= MAX_WINDOW:
+            fail(ErrorCode.BAD_REQUEST, f"window = {msg.window} must lie in [1, {MAX_WINDOW}]")
+
+    req = ScoreRequest(
+        request_id=rid, mode=msg.mode, ids=torch.from_numpy(ids.astype(np.int64)),
+        offsets=tuple(int(o) for o in offs), response_starts=tuple(int(s) for s in starts),
+        k=int(msg.k), temperature=float(msg.temperature), dtype=msg.dtype, chunk_rows=int(msg.chunk_rows),
+    )
+    why = backend.unsupported(req)
+    if why:
+        fail(ErrorCode.UNSUPPORTED, why)
+    return req
