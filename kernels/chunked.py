@@ -1,0 +1,181 @@
+"""Chunked PyTorch implementation: the streaming algorithm of the Triton kernels, on CPU.
+
+Rows are cut into blocks and the vocabulary into chunks; each chunk of student logits
+(a slice of x, or hidden @ weight[chunk].T) is an fp32 tile [R, C] of about
+TILE_ELEMENTS elements. Per row we carry log-sum-exps across chunks (online, combined with
+logaddexp), so memory beyond the inputs is the gradient plus a few tiles:
+
+    pass 1  stats: lse_s = logsumexp(s), lse_t = logsumexp(t)   (top-k: lse over non-ids)
+    pass 2  loss:  sum_i term_i(log S_i, log T_i)   (full teacher; top-k uses k+1 buckets)
+    pass 3  grad:  dL/ds_i = A_b S_i / S_b + B_b S_i (see kernels/loss.py), in backward
+
+s, t are logits / temperature (top-k teachers arrive already at their temperature).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from . import autograd
+from .loss import FORWARD_KL, REVERSE_KL, DistillOptions, log_mixture, safe_lse
+
+TILE_ELEMENTS = 1 << 20          # 4 MB of fp32 per tile
+LOGITS_CHUNK = 8192              # vocabulary chunk for logits input (contiguous-ish rows)
+LINEAR_ROWS = 4096               # fused: rows per block (weight is re-read once per block)
+
+NEG_INF = float("-inf")
+
+
+def distill_rows(x, teacher, mask, opts: DistillOptions) -> torch.Tensor:
+    return autograd.apply(x, None, teacher, mask, opts, sys.modules[__name__])
+
+
+def fused_linear_rows(hidden, weight, teacher, mask, opts: DistillOptions) -> torch.Tensor:
+    return autograd.apply(hidden, weight, teacher, mask, opts, sys.modules[__name__])
+
+
+# ---- tiling ---------------------------------------------------------------------------
+
+def _tiles(src, opts: DistillOptions):
+    """(r0, r1, c0, c1) over the real vocabulary; padding columns are never visited."""
+    n_rows = src[1].shape[0]
+    if src[0] == "logits":
+        chunk = min(LOGITS_CHUNK, opts.vocab_size)
+        rows = max(1, TILE_ELEMENTS // chunk)
+    else:
+        rows = min(n_rows, LINEAR_ROWS)
+        chunk = max(64, TILE_ELEMENTS // rows)
+    for r0 in range(0, n_rows, rows):
+        for c0 in range(0, opts.vocab_size, chunk):
+            yield r0, min(r0 + rows, n_rows), c0, min(c0 + chunk, opts.vocab_size)
+
+
+def _student(src, r0, r1, c0, c1, inv_t):
+    if src[0] == "logits":
+        return src[1][r0:r1, c0:c1].float() * inv_t
+    _, hidden, weight = src
+    return (hidden[r0:r1].float() @ weight[c0:c1].float().T).mul_(inv_t)
+
+
+def _teacher(t, r0, r1, c0, c1, inv_t):
+    return t[r0:r1, c0:c1].float() * inv_t
+
+
+def _hits(ids, r0, r1, c0, c1):
+    """Bool [R, C]: column c0 + j is one of the row's teacher ids."""
+    local = ids[r0:r1] - c0
+    local = torch.where((local >= 0) & (local < c1 - c0), local, c1 - c0)  # dump column
+    hit = torch.zeros(r1 - r0, c1 - c0 + 1, dtype=torch.bool, device=ids.device)
+    return hit.scatter_(1, local, True)[:, :-1]
+
+
+def _new_grads(src):
+    if src[0] == "logits":
+        # Padding columns never get visited: their gradient is 0.
+        return torch.zeros_like(src[1])
+    _, hidden, weight = src
+    return (torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device),
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device))
+
+
+def _put_grad(src, grads, g, r0, r1, c0, c1):
+    """g = dL/d(raw logits) on a tile: store it, or push it through the linear layer."""
+    if src[0] == "logits":
+        grads[r0:r1, c0:c1] = g
+        return
+    _, hidden, weight = src
+    grads[0][r0:r1] += g @ weight[c0:c1].float()          # dH = dlogits @ W    [R, H]
+    grads[1][c0:c1] += g.T @ hidden[r0:r1].float()        # dW = dlogits^T @ h  [C, H]
+
+
+def _scale_rows(g, w_rows):
+    return torch.where(w_rows[:, None] != 0, g * w_rows[:, None], torch.zeros_like(g))
+
+
+# ---- full-vocabulary teacher ----------------------------------------------------------
+
+def full_stats(src, t, opts: DistillOptions):
+    n = src[1].shape[0]
+    inv_t = 1.0 / opts.temperature
+    lse_s = torch.full((n,), NEG_INF, device=t.device)
+    lse_t = torch.full((n,), NEG_INF, device=t.device)
+    for r0, r1, c0, c1 in _tiles(src, opts):
+        lse_s[r0:r1] = torch.logaddexp(lse_s[r0:r1], _student(src, r0, r1, c0, c1, inv_t).logsumexp(-1))
+        lse_t[r0:r1] = torch.logaddexp(lse_t[r0:r1], _teacher(t, r0, r1, c0, c1, inv_t).logsumexp(-1))
+    return lse_s, lse_t
+
+
+def full_loss(src, t, lse_s, lse_t, opts: DistillOptions):
+    n = src[1].shape[0]
+    inv_t, beta, div = 1.0 / opts.temperature, opts.beta, opts.divergence
+    loss = torch.zeros(n, device=t.device)
+    c = torch.zeros(n, device=t.device)
+    for r0, r1, c0, c1 in _tiles(src, opts):
+        log_s = _student(src, r0, r1, c0, c1, inv_t).sub_(lse_s[r0:r1, None])
+        log_t = _teacher(t, r0, r1, c0, c1, inv_t).sub_(lse_t[r0:r1, None])
+        zero = torch.zeros((), device=t.device)
+        if div == FORWARD_KL:      # T (log T - log S)
+            T = log_t.exp()
+            loss[r0:r1] += torch.where(T > 0, T * (log_t - log_s), zero).sum(-1)
+        elif div == REVERSE_KL:    # S (log S - log T)
+            S = log_s.exp()
+            loss[r0:r1] += torch.where(S > 0, S * (log_s - log_t), zero).sum(-1)
+        else:                      # beta T (log T - log M) + (1-beta) S (log S - log M)
+            S, T, log_m = log_s.exp(), log_t.exp(), log_mixture(log_s, log_t, beta)
+            student_part = torch.where(S > 0, (1 - beta) * S * (log_s - log_m), zero).sum(-1)
+            teacher_part = torch.where(T > 0, beta * T * (log_t - log_m), zero).sum(-1)
+            loss[r0:r1] += student_part + teacher_part
+            c[r0:r1] += student_part
+    if div == REVERSE_KL:
+        c = loss.clone()
+    return loss, c
+
+
+def full_grad(src, t, lse_s, lse_t, loss, c, w, opts: DistillOptions):
+    inv_t, beta, div = 1.0 / opts.temperature, opts.beta, opts.divergence
+    grads = _new_grads(src)
+    for r0, r1, c0, c1 in _tiles(src, opts):
+        log_s = _student(src, r0, r1, c0, c1, inv_t).sub_(lse_s[r0:r1, None])
+        log_t = _teacher(t, r0, r1, c0, c1, inv_t).sub_(lse_t[r0:r1, None])
+        S = log_s.exp()
+        zero = torch.zeros((), device=S.device)
+        if div == FORWARD_KL:      # S_i - T_i
+            g = S.sub_(log_t.exp_())
+        elif div == REVERSE_KL:    # S_i (log S_i - log T_i - L)
+            g = torch.where(S > 0, S * (log_s - log_t - c[r0:r1, None]), zero)
+        else:                      # S_i ((1-beta)(log S_i - log M_i) - c)
+            log_m = log_mixture(log_s, log_t, beta)
+            g = torch.where(S > 0, S * ((1 - beta) * (log_s - log_m) - c[r0:r1, None]), zero)
+        _put_grad(src, grads, _scale_rows(g, w[r0:r1]), r0, r1, c0, c1)
+    return grads
+
+
+# ---- top-k teacher --------------------------------------------------------------------
+
+def topk_stats(src, ids, opts: DistillOptions):
+    n = src[1].shape[0]
+    inv_t = 1.0 / opts.temperature
+    lse_s = torch.full((n,), NEG_INF, device=ids.device)
+    lse_tail = torch.full((n,), NEG_INF, device=ids.device)
+    for r0, r1, c0, c1 in _tiles(src, opts):
+        s = _student(src, r0, r1, c0, c1, inv_t)
+        lse_s[r0:r1] = torch.logaddexp(lse_s[r0:r1], s.logsumexp(-1))
+        tail = s.masked_fill_(_hits(ids, r0, r1, c0, c1), NEG_INF).logsumexp(-1)
+        lse_tail[r0:r1] = torch.logaddexp(lse_tail[r0:r1], tail)
+    return lse_s, lse_tail
+
+
+def topk_grad_dense(src, ids, lse_s, lse_tail, a_tail, b_tail, w, opts: DistillOptions):
+    """Tail columns: A_tail S_i / S_tail + B_tail S_i; the teacher's ids: 0 (added sparsely)."""
+    inv_t = 1.0 / opts.temperature
+    shift_tail = safe_lse(lse_tail)
+    grads = _new_grads(src)
+    for r0, r1, c0, c1 in _tiles(src, opts):
+        s = _student(src, r0, r1, c0, c1, inv_t)
+        g = (s - shift_tail[r0:r1, None]).exp_().mul_(a_tail[r0:r1, None])
+        g += s.sub_(lse_s[r0:r1, None]).exp_().mul_(b_tail[r0:r1, None])
+        g.masked_fill_(_hits(ids, r0, r1, c0, c1), 0.0)
+        _put_grad(src, grads, _scale_rows(g, w[r0:r1]), r0, r1, c0, c1)
+    return grads

@@ -1,0 +1,274 @@
+"""The public distillation losses and the maths every implementation shares.
+
+Divergences follow Hugging Face TRL's `generalized_jsd_loss` so numbers compare:
+
+    beta = 0      forward_kl  KL(teacher || student) = sum_i T_i (log T_i - log S_i)
+    beta = 1      reverse_kl  KL(student || teacher) = sum_i S_i (log S_i - log T_i)
+    0 < beta < 1  jsd         beta KL(T || M) + (1 - beta) KL(S || M),  M = beta T + (1 - beta) S
+
+with S = softmax(student_logits / temperature) and T the teacher's distribution. As in TRL,
+beta = 0 and beta = 1 are special cases (the JSD formula itself vanishes at both ends).
+
+Gradient (w.r.t. the temperature-scaled student logits s_i, one row; derivation in
+docs/kernels.md). Group the columns into buckets b (one column per bucket for a full
+teacher; the teacher's top-k ids plus one tail bucket for a top-k teacher) and write
+S_b for the student's bucket mass. Every divergence has
+
+    dL/ds_i = A_b(i) * S_i / S_b(i) + B_b(i) * S_i
+
+    forward_kl  A_b = -T_b                          B_b = sum_b T_b (= 1)
+    reverse_kl  A_b = 0                             B_b = log S_b - log T_b - L
+    jsd         A_b = 0                             B_b = (1-beta)(log S_b - log M_b) - c,
+                                                    c   = (1-beta) KL(S || M)
+
+so a kernel needs per row only (log-sum-exp of the student, of its tail, L, c) to write the
+gradient in one streaming pass. The raw-logit gradient is dL/ds / temperature.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
+DIVERGENCE_NAMES = {FORWARD_KL: "forward_kl", REVERSE_KL: "reverse_kl", JSD: "jsd"}
+IMPLS = ("auto", "triton", "torch", "reference")
+
+
+class TopKTeacher(NamedTuple):
+    """A teacher answer as the server sends it (teachers/protocol.py `TopK`).
+
+    ids [N, k] int (distinct within a row), logprobs [N, k] fp32 (already at the serving
+    temperature), tail_logmass [N] fp32 = log(1 - sum_j exp(logprobs_j)), may be -inf.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    tail_logmass: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    """The non-tensor parameters, travelling together through every layer."""
+
+    beta: float = 0.0
+    temperature: float = 1.0
+    vocab_size: int = 0          # columns >= vocab_size are -inf on both sides
+
+    @property
+    def divergence(self) -> int:
+        return FORWARD_KL if self.beta == 0.0 else REVERSE_KL if self.beta == 1.0 else JSD
+
+
+def divergence_name(beta: float) -> str:
+    return DIVERGENCE_NAMES[DistillOptions(beta=beta).divergence]
+
+
+# ---------------------------------------------------------------------------------------
+# Shared maths (torch, small tensors): per-bucket loss and gradient coefficients.
+# ---------------------------------------------------------------------------------------
+
+def log_mixture(log_student: torch.Tensor, log_teacher: torch.Tensor, beta: float) -> torch.Tensor:
+    """log M = log(beta T + (1 - beta) S), stably (logaddexp of the weighted logs)."""
+    return torch.logaddexp(log_teacher + math.log(beta), log_student + math.log1p(-beta))
+
+
+def bucket_terms(log_student: torch.Tensor, log_teacher: torch.Tensor, beta: float):
+    """Loss and gradient coefficients over buckets [R, B] (log-probabilities, fp32).
+
+    Returns (loss [R], A [R, B], B [R, B]) with dL/ds_i = A_b S_i / S_b + B_b S_i.
+    Zero-probability buckets contribute 0 (never 0 * inf = nan).
+    """
+    S, T = log_student.exp(), log_teacher.exp()
+    div = DistillOptions(beta=beta).divergence
+    zero = torch.zeros_like(S)
+    if div == FORWARD_KL:
+        loss = torch.where(T > 0, T * (log_teacher - log_student), zero).sum(-1)
+        return loss, -T, T.sum(-1, keepdim=True).expand_as(T)
+    if div == REVERSE_KL:
+        loss = torch.where(S > 0, S * (log_student - log_teacher), zero).sum(-1)
+        coef_b = torch.where(S > 0, log_student - log_teacher - loss[:, None], zero)
+        return loss, zero, coef_b
+    log_m = log_mixture(log_student, log_teacher, beta)
+    student_part = torch.where(S > 0, (1 - beta) * S * (log_student - log_m), zero)
+    teacher_part = torch.where(T > 0, beta * T * (log_teacher - log_m), zero)
+    loss = (student_part + teacher_part).sum(-1)
+    c = student_part.sum(-1, keepdim=True)
+    coef_b = torch.where(S > 0, (1 - beta) * (log_student - log_m) - c, zero)
+    return loss, zero, coef_b
+
+
+def topk_rows(student_at_ids: torch.Tensor, lse: torch.Tensor, lse_tail: torch.Tensor,
+              teacher: TopKTeacher, beta: float):
+    """Top-k teacher: divergence over the partition {k ids, one tail bucket}, per row.
+
+    student_at_ids [R, k]: scaled student logits at the teacher's ids; lse / lse_tail [R]:
+    log-sum-exp of the scaled student logits over all columns / over the columns outside
+    the ids. Returns (loss [R], coef_topk [R, k] = dL/ds at the ids, A_tail [R], B_tail [R]).
+    """
+    log_s = torch.cat([student_at_ids - lse[:, None], (lse_tail - lse)[:, None]], dim=1)
+    log_t = torch.cat([teacher.logprobs.float(), teacher.tail_logmass.float()[:, None]], dim=1)
+    loss, a, b = bucket_terms(log_s, log_t, beta)
+    # top-k buckets hold one column each: S_i / S_b = 1.
+    coef_topk = a[:, :-1] + b[:, :-1] * log_s[:, :-1].exp()
+    return loss, coef_topk, a[:, -1], b[:, -1]
+
+
+def safe_lse(lse: torch.Tensor) -> torch.Tensor:
+    """An lse usable as a shift: -inf (empty bucket) becomes 0 so exp(-inf - 0) = 0."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def gather_linear_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                         rows_per_chunk: int = 64) -> torch.Tensor:
+    """hidden[n] . weight[ids[n, j]] as [N, k] fp32, never building more than a chunk of W[ids]."""
+    out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
+    for r0 in range(0, ids.shape[0], rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, ids.shape[0])
+        w_rows = weight[ids[r0:r1]].float()                          # [R, k, H]
+        out[r0:r1] = torch.einsum("rkh,rh->rk", w_rows, hidden[r0:r1].float())
+    return out
+
+
+def scatter_linear_grad(coef: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
+                        weight: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor,
+                        rows_per_chunk: int = 64) -> None:
+    """Adds the sparse top-k part of a fused gradient: dlogits[n, ids[n, j]] = coef[n, j].
+
+    grad_hidden[n] += sum_j coef[n, j] W[ids[n, j]];  grad_weight[ids[n, j]] += coef[n, j] h[n].
+    """
+    for r0 in range(0, ids.shape[0], rows_per_chunk):
+        r1 = min(r0 + rows_per_chunk, ids.shape[0])
+        c = coef[r0:r1]                                             # [R, k]
+        grad_hidden[r0:r1] += torch.einsum("rk,rkh->rh", c, weight[ids[r0:r1]].float())
+        contrib = c[:, :, None] * hidden[r0:r1].float()[:, None, :]  # [R, k, H]
+        grad_weight.index_add_(0, ids[r0:r1].reshape(-1), contrib.reshape(-1, hidden.shape[1]))
+
+
+# ---------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------
+
+def _backend(impl: str, device: torch.device):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "triton" if device.type == "cuda" else "torch"
+    if impl == "triton":
+        from . import triton_ops
+        return triton_ops
+    if impl == "torch":
+        from . import chunked
+        return chunked
+    from . import reference
+    return reference
+
+
+def _options(beta, temperature, vocab_size, n_cols) -> DistillOptions:
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    vocab_size = n_cols if vocab_size is None else int(vocab_size)
+    if not 0 < vocab_size <= n_cols:
+        raise ValueError(f"vocab_size must be in [1, {n_cols}], got {vocab_size}")
+    return DistillOptions(beta=float(beta), temperature=float(temperature), vocab_size=vocab_size)
+
+
+def _reduce(rows: torch.Tensor, mask: torch.Tensor | None, temperature: float,
+            scale_by_t2: bool, reduction: str) -> torch.Tensor:
+    if scale_by_t2:
+        rows = rows * (temperature ** 2)
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    if reduction == "mean":
+        count = rows.new_tensor(rows.shape[0]) if mask is None else mask.sum().clamp(min=1).to(rows.dtype)
+        return rows.sum() / count
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def _check_teacher(teacher, n_rows: int, n_cols: int):
+    if isinstance(teacher, TopKTeacher):
+        if teacher.ids.shape[0] != n_rows or teacher.ids.shape != teacher.logprobs.shape:
+            raise ValueError(f"top-k teacher ids {tuple(teacher.ids.shape)} / logprobs "
+                             f"{tuple(teacher.logprobs.shape)} do not match {n_rows} rows")
+        return TopKTeacher(teacher.ids.long(), teacher.logprobs.detach().float(),
+                           teacher.tail_logmass.detach().float())
+    if teacher.shape != (n_rows, n_cols):
+        raise ValueError(f"teacher logits {tuple(teacher.shape)} must be [{n_rows}, {n_cols}]")
+    return teacher.detach()
+
+
+def distill_loss(student_logits: torch.Tensor, teacher, *, beta: float = 0.0,
+                 temperature: float = 1.0, scale_by_t2: bool = False,
+                 mask: torch.Tensor | None = None, reduction: str = "mean",
+                 vocab_size: int | None = None, impl: str = "auto") -> torch.Tensor:
+    """Distillation divergence between student logits [N, V] and a teacher, differentiable.
+
+    teacher: full-vocabulary logits [N, V] (any float dtype), or a `TopKTeacher`.
+      - Full teacher: both sides' logits are divided by `temperature`.
+      - Top-k teacher: its log-probabilities are already at the serving temperature (the
+        server applies it), so `temperature` divides the student's logits only. The
+        divergence is exact over the partition {teacher's k ids, one tail bucket}; the
+        student's tail mass is 1 - sum of its probabilities at those ids (computed as a
+        log-sum-exp over the other columns, never by subtraction). By the chain rule of KL
+        (data processing) this is a lower bound of the full-vocabulary divergence, equal to
+        it only when the two tails have the same shape. Nothing is renormalized over the k.
+    beta: 0 forward KL(teacher||student), 1 reverse KL(student||teacher), between: TRL's
+      generalized JSD. scale_by_t2 multiplies the loss by temperature**2.
+    mask [N] bool: rows with False give neither loss nor gradient; "mean" averages over the
+      True rows. reduction: "mean" | "sum" | "none" (per row [N], fp32).
+    vocab_size: columns >= vocab_size (LM-head padding) are -inf on both sides.
+    impl: "auto" (triton on CUDA, torch otherwise) | "triton" | "torch" | "reference".
+    Memory: beyond the inputs, the gradient [N, V] plus O(N + chunk) state.
+    """
+    n_rows, n_cols = student_logits.shape
+    opts = _options(beta, temperature, vocab_size, n_cols)
+    teacher = _check_teacher(teacher, n_rows, n_cols)
+    mask = None if mask is None else mask.to(device=student_logits.device, dtype=torch.bool)
+    rows = _backend(impl, student_logits.device).distill_rows(student_logits, teacher, mask, opts)
+    return _reduce(rows, mask, opts.temperature, scale_by_t2, reduction)
+
+
+def fused_linear_distill_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, teacher, *,
+                              beta: float = 0.0, temperature: float = 1.0,
+                              scale_by_t2: bool = False, mask: torch.Tensor | None = None,
+                              reduction: str = "mean", vocab_size: int | None = None,
+                              impl: str = "auto") -> torch.Tensor:
+    """`distill_loss(hidden @ lm_head_weight.T, teacher, ...)` without the [N, V] logits.
+
+    hidden [N, H], lm_head_weight [V, H] (no bias: LM heads have none). Student logits are
+    computed block by block and never written to memory; gradients flow to both hidden and
+    weight. Memory beyond the inputs: the weight gradient (fp32 accumulation, [V, H]), the
+    hidden gradient, and O(N * chunk) state. Same options and semantics as `distill_loss`.
+    """
+    n_rows = hidden.shape[0]
+    n_cols = lm_head_weight.shape[0]
+    if hidden.shape[1] != lm_head_weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(lm_head_weight.shape)} disagree on H")
+    opts = _options(beta, temperature, vocab_size, n_cols)
+    teacher = _check_teacher(teacher, n_rows, n_cols)
+    mask = None if mask is None else mask.to(device=hidden.device, dtype=torch.bool)
+    rows = _backend(impl, hidden.device).fused_linear_rows(hidden, lm_head_weight, teacher, mask, opts)
+    return _reduce(rows, mask, opts.temperature, scale_by_t2, reduction)
+
+
+def sampled_token_reverse_kl(student_token_logprobs: torch.Tensor,
+                             teacher_token_logprobs: torch.Tensor,
+                             mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token reverse-KL estimate at the sampled tokens: log p_student(x) - log p_teacher(x).
+
+    With x drawn from the student this is an unbiased single-sample estimate of
+    KL(student || teacher) per position; on-policy distillation uses its negative as the
+    advantage. Shapes [B, T] (or any shape); masked positions are 0. Not differentiated:
+    the estimate is a reward signal, so both inputs are detached.
+    """
+    est = student_token_logprobs.detach().float() - teacher_token_logprobs.detach().float()
+    if mask is None:
+        return est
+    return torch.where(mask.to(torch.bool), est, torch.zeros_like(est))
