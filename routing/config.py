@@ -42,6 +42,8 @@ class RuleSpec:
         help="domain_field: the sample's `domain`; pattern: regex on the prompt; keywords: any keyword in the "
              "prompt; classifier: trained text classifier; fallback: always matches")
     teacher: str | None = field(None, help="teacher chosen when the rule matches (pattern/keywords/fallback)")
+    domain: str | None = field(None, help="instead of `teacher`: the domain assigned when the rule matches; its "
+                                          "teachers are chosen (and weighted by pass rate if asked)")
     patterns: list[str] = field(default_factory=list, help="regular expressions (pattern rule)")
     keywords: list[str] = field(default_factory=list, help="keywords, case-insensitive (keywords rule)")
     path: str | None = field(None, help="classifier file written by `opd route fit` (classifier rule), "

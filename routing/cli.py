@@ -1,0 +1,102 @@
+"""`opd route`: fit the router's text classifier, or show how a merge config routes a file.
+
+    opd route fit --data labelled.jsonl --out configs/router.json
+        fits on rows with `prompt` and `domain`, holds out a share to report accuracy,
+        then refits on everything and saves the JSON file a `classifier` rule points at.
+    opd route explain --config configs/merge_math_code.yaml --data prompts.jsonl
+        prints each sample's teacher, the rule that decided and why, then the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from collections import Counter
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="route_command", metavar="ACTION", required=True)
+    f = sub.add_parser("fit", help="fit the text classifier on a labelled prompt file (prompt + domain)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    f.add_argument("--data", required=True, type=Path, help="JSONL with `prompt` and `domain` on every line")
+    f.add_argument("--out", required=True, type=Path, help="classifier JSON to write (a classifier rule's `path`)")
+    f.add_argument("--holdout", type=float, default=0.2, help="share held out to measure accuracy (0: none)")
+    f.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    f.add_argument("--epochs", type=int, default=150, help="full-batch optimizer steps")
+    f.add_argument("--max-features", type=int, default=20000, help="most frequent n-gram/word features kept")
+    e = sub.add_parser("explain", help="print the route and reason of every sample of a file",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    e.add_argument("--config", required=True, type=Path, help="merge config (or train config with `merge:`)")
+    e.add_argument("--data", required=True, type=Path, help="JSONL prompts to route")
+    e.add_argument("--limit", type=int, default=0, help="print at most this many samples (0: all); counts cover all")
+    e.add_argument("--json", action="store_true", help="one JSON object per sample instead of text")
+
+
+def _fit(args) -> int:
+    from opd.data import load_jsonl
+    from opd.routing.classifier import fit
+
+    samples, report = load_jsonl(args.data, on_error="stop")
+    rows = [(s.prompt, s.domain) for s in samples if s.domain]
+    if len(rows) < len(samples):
+        print(f"error: {len(samples) - len(rows)} of {len(samples)} lines of {args.data} have no `domain`",
+              file=sys.stderr)
+        return 2
+    random.Random(args.seed).shuffle(rows)
+    n_hold = int(len(rows) * args.holdout)
+    kw = dict(epochs=args.epochs, max_features=args.max_features)
+    counts = Counter(y for _, y in rows)
+    print(f"{len(rows)} prompts: " + ", ".join(f"{d} {n}" for d, n in sorted(counts.items())))
+    accuracy = None
+    if n_hold > 0:
+        held, train = rows[:n_hold], rows[n_hold:]
+        clf = fit([x for x, _ in train], [y for _, y in train], **kw)
+        accuracy = clf.accuracy([x for x, _ in held], [y for _, y in held])
+        print(f"held-out accuracy: {accuracy:.4f} ({n_hold} prompts, fitted on {len(train)})")
+    clf = fit([x for x, _ in rows], [y for _, y in rows], **kw)
+    clf.meta.update({"data": str(args.data), "held_out_accuracy": accuracy, "held_out": n_hold})
+    clf.save(args.out)
+    print(f"wrote {args.out} ({len(clf.vocab)} features, labels {clf.labels})")
+    return 0
+
+
+def _explain(args) -> int:
+    from opd.data import load_jsonl
+    from opd.routing.merge import load_merge_config
+    from opd.routing.router import Router, RoutingError
+
+    cfg = load_merge_config(args.config)
+    router = Router(cfg.routing, cfg.teachers, base_dir=args.config.resolve().parent)
+    samples, _ = load_jsonl(args.data, on_error="stop")
+    failed = 0
+    for i, s in enumerate(samples):
+        show = not args.limit or i < args.limit
+        try:
+            r = router.route(s)
+        except RoutingError as e:
+            failed += 1
+            if show:
+                print(f"{i:5d}  UNROUTED  {e}")
+            continue
+        if not show:
+            continue
+        if args.json:
+            print(json.dumps({"index": i, "prompt": s.prompt, "teacher": r.teacher, "weights": r.weights,
+                              "rule": r.rule, "domain": r.domain, "reason": r.reason}))
+        else:
+            prompt = " ".join(s.prompt.split())
+            prompt = prompt if len(prompt) <= 40 else prompt[:37] + "..."
+            print(f"{i:5d}  {r.teacher:<10} {r.rule:<13} {prompt!r:<44} {r.reason}")
+    st = router.stats()
+    out = sys.stderr if args.json else sys.stdout
+    print(f"routed {len(samples) - failed} of {len(samples)}", file=out)
+    print("by rule:    " + ", ".join(f"{k} {v}" for k, v in sorted(st["rule"].items())), file=out)
+    print("by teacher: " + ", ".join(f"{k} {v}" for k, v in sorted(st["teacher"].items())), file=out)
+    return 1 if failed else 0
+
+
+def run(args) -> int:
+    return _fit(args) if args.route_command == "fit" else _explain(args)
