@@ -1,0 +1,62 @@
+"""Data-parallel student workers on Ray: same weights as one process with the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opd.checkpoint import latest_checkpoint, load_checkpoint
+from opd.cluster import StudentWorkers
+from opd.cluster_dp import (DataParallelGroup, WorkerDiedError, load_student, local_step, make_optimizer,
+                            split_batch)
+
+LR = 0.5
+
+
+def _batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (4, 12), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[:2, 3:9] = -100  # the first shard trains far fewer tokens than the second
+    return {"input_ids": ids, "labels": labels}
+
+
+def test_two_workers_match_one_process_and_a_dead_worker_stops_the_job(ray_cluster, tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    batches = [_batch(1), _batch(2)]
+    ref = load_student(tiny_model_dir)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opt = make_optimizer(ref, "sgd", LR, 0.0)
+    ref_losses = [local_step(ref, opt, b) for b in batches]
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+
+    group = DataParallelGroup.start(tiny_model_dir, StudentWorkers(num_workers=2, num_cpus_per_worker=0.5),
+                                    optimizer="sgd", lr=LR)
+    try:
+        results = [group.step(split_batch(b, 2)) for b in batches]
+        assert [r.tokens for r in results] == [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+        assert [r.loss for r in results] == pytest.approx(ref_losses, rel=1e-5)
+        for rank in (0, 1):
+            got = group.weights(rank)
+            moved = max(float((want[n] - start[n]).abs().max()) for n in want)
+            assert moved > 1e-3  # the steps changed the weights far beyond the tolerance below
+            for n in want:
+                torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6)
+
+        ckpt = group.save_checkpoint(str(tmp_path / "ckpt"), 2, {"note": "after two steps"})
+        assert latest_checkpoint(tmp_path / "ckpt").name == "step_000002"
+
+        ray_cluster.kill(group.workers[1], no_restart=True)
+        with pytest.raises(WorkerDiedError, match="rank 1 of 2 died") as err:
+            group.step(split_batch(_batch(3), 2))
+        assert err.value.rank == 1 and err.value.last_checkpoint == ckpt
+        assert group.workers == []  # the surviving rank was stopped, not left in all_reduce
+    finally:
+        group.shutdown()
+
+    fresh = load_student(tiny_model_dir)
+    state = load_checkpoint(latest_checkpoint(tmp_path / "ckpt"), model=fresh, restore_rng=False)
+    assert state["step"] == 2 and state["note"] == "after two steps"
+    for n, p in fresh.named_parameters():
+        torch.testing.assert_close(p.detach(), want[n], rtol=1e-5, atol=1e-6)
