@@ -4,8 +4,9 @@ Model: multinomial logistic regression on sparse features of the lowercased prom
 character 2..4-grams ("c:" prefix) and word/punctuation tokens ("w:" prefix). A feature's
 value is log(1 + count), and each prompt's vector has unit L2 norm, so long prompts do
 not get sharper probabilities just by being long. Trained full-batch with Adam on the
-mean cross-entropy plus an L2 penalty; the features are a vocabulary of the `max_features`
-most frequent ones (by document frequency). Logistic regression rather than naive Bayes
+mean cross-entropy plus an L2 penalty, with the bias fixed at the log class priors (a
+prompt with no known feature gets the priors). The features are the `max_features` most
+frequent ones (by document frequency). Logistic regression rather than naive Bayes
 because its probabilities are usable as confidences (the `min_confidence` of the rule);
 naive Bayes with hundreds of n-grams puts p=1.0000 on nearly everything.
 
@@ -137,8 +138,11 @@ def fit(texts: list[str], labels: list[str], *, ngram_range: tuple[int, int] = (
     n, d, c = len(texts), len(vocab), len(label_set)
     y = np.asarray([label_set.index(lab) for lab in labels])
     onehot_N_C = np.eye(c)[y]
-    w_D_C, b_C = np.zeros((d, c)), np.zeros(c)
-    m_w, v_w, m_b, v_b = np.zeros_like(w_D_C), np.zeros_like(w_D_C), np.zeros(c), np.zeros(c)
+    # the bias is fixed at the log class priors: a prompt with no known feature gets the priors,
+    # not whatever a free bias absorbed from length differences between the classes
+    b_C = np.log(onehot_N_C.mean(0))
+    w_D_C = np.zeros((d, c))
+    m_w, v_w = np.zeros_like(w_D_C), np.zeros_like(w_D_C)
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     for t in range(1, epochs + 1):
         # logits = X @ W + b, with X sparse: scatter-add each entry's contribution into its row
@@ -150,12 +154,10 @@ def fit(texts: list[str], labels: list[str], *, ngram_range: tuple[int, int] = (
         # grad W = X^T @ G + l2 W
         gw = np.stack([np.bincount(cols, weights=vals * g_N_C[rows, j], minlength=d) for j in range(c)], 1)
         gw += l2 * w_D_C
-        gb = g_N_C.sum(0)
-        for param, g, m, v in ((w_D_C, gw, m_w, v_w), (b_C, gb, m_b, v_b)):
-            m *= beta1
-            m += (1 - beta1) * g
-            v *= beta2
-            v += (1 - beta2) * g * g
-            param -= lr * (m / (1 - beta1 ** t)) / (np.sqrt(v / (1 - beta2 ** t)) + eps)
+        m_w *= beta1
+        m_w += (1 - beta1) * gw
+        v_w *= beta2
+        v_w += (1 - beta2) * gw * gw
+        w_D_C -= lr * (m_w / (1 - beta1 ** t)) / (np.sqrt(v_w / (1 - beta2 ** t)) + eps)
     meta = {"train_samples": n, "label_counts": dict(Counter(labels)), "epochs": epochs, "l2": l2}
     return Classifier(label_set, vocab, w_D_C, b_C, ngram_range, meta)
