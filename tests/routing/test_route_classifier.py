@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import labelled_prompts
+from routing_prompts import labelled_prompts
 
 from opd.routing.classifier import Classifier, fit
 
