@@ -1,0 +1,152 @@
+"""The child side of rl/rewards/sandbox.py: limit itself, then run the solution and each test.
+
+Run as `python -I _sandbox_child.py CONFIG_JSON` with {"code", "tests"} JSON on stdin.
+`-I` keeps this file's folder off sys.path (so `import math` is the stdlib's). Results go
+to an inherited pipe as lines "TOKEN {json}", one per test and a final "done" line.
+The limits and their honesty notes are described in sandbox.py.
+"""
+
+import ast
+import builtins
+import json
+import os
+import resource
+import sys
+
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+
+_PROCESS_EVENTS = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
+                   "subprocess.Popen", "os.kill", "os.killpg", "pty.spawn"}
+_NETWORK_EVENTS = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
+                   "socket.gethostbyname", "socket.gethostbyaddr", "socket.sendto"}
+_NATIVE_EVENTS = {"ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function",
+                  "ctypes.addressof"}
+# event -> positions of path arguments that are written to
+_PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1),
+                "os.link": (1,), "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,),
+                "os.truncate": (0,), "os.utime": (0,), "shutil.rmtree": (0,), "shutil.copyfile": (1,),
+                "shutil.copytree": (1,), "shutil.chown": (0,), "os.chflags": (0,), "os.lchown": (0,)}
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def _isolate_network() -> bool:
+    """Enter a fresh network namespace (only a downed loopback): nothing is reachable."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        for flags in (CLONE_NEWNET, CLONE_NEWUSER | CLONE_NEWNET):
+            if libc.unshare(flags) == 0:
+                return True
+    except Exception:
+        pass
+    return False
+
+
+def _install_hook(workdir: str, allow_subprocess: bool) -> None:
+    realpath, join, getcwd = os.path.realpath, os.path.join, os.getcwd
+    busy = [False]
+
+    def outside(path) -> bool:
+        if isinstance(path, int):  # an fd the process already holds
+            return False
+        if not isinstance(path, (str, bytes)):
+            try:
+                path = os.fspath(path)
+            except TypeError:
+                return True
+        if isinstance(path, bytes):
+            path = path.decode(errors="replace")
+        full = realpath(join(getcwd(), path))
+        return not (full == workdir or full.startswith(workdir + os.sep) or full == "/dev/null")
+
+    def hook(event, args):
+        if busy[0]:
+            return
+        if event in _NETWORK_EVENTS:
+            raise PermissionError(f"sandbox: network access refused ({event})")
+        if event in _NATIVE_EVENTS:
+            raise PermissionError(f"sandbox: native calls refused ({event})")
+        if event in _PROCESS_EVENTS and not allow_subprocess:
+            raise PermissionError(f"sandbox: new processes refused ({event})")
+        if event == "open":
+            path, mode, flags = args
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
+                     (mode is None and isinstance(flags, int) and flags & _WRITE_FLAGS)
+            if writes:
+                busy[0] = True
+                try:
+                    bad = outside(path)
+                finally:
+                    busy[0] = False
+                if bad:
+                    raise PermissionError(f"sandbox: writing outside the working directory refused ({path!r})")
+        elif event in _PATH_EVENTS:
+            busy[0] = True
+            try:
+                bad = any(i < len(args) and outside(args[i]) for i in _PATH_EVENTS[event])
+            finally:
+                busy[0] = False
+            if bad:
+                raise PermissionError(f"sandbox: {event} outside the working directory refused")
+
+    sys.addaudithook(hook)
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    payload = json.loads(sys.stdin.read())
+    fd, token = cfg["result_fd"], cfg["token"]
+    workdir = os.path.realpath(cfg["workdir"])
+
+    def emit(obj) -> None:
+        os.write(fd, (token + " " + json.dumps(obj) + "\n").encode())
+
+    # 1. isolate and limit (order: namespaces need root, so before dropping privileges)
+    netns = _isolate_network()
+    if cfg["drop_to_nobody"]:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    mb = 1 << 20
+    for res, value in ((resource.RLIMIT_AS, cfg["memory_mb"] * mb), (resource.RLIMIT_FSIZE, cfg["max_file_mb"] * mb),
+                       (resource.RLIMIT_NPROC, cfg["max_processes"]), (resource.RLIMIT_CPU, cfg["cpu_s"]),
+                       (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(res, (value, value))
+    os.chdir(workdir)
+
+    # 2. split the tests: each top-level assert is one test, other statements are setup
+    try:
+        statements = ast.parse(payload["tests"]).body
+    except SyntaxError as e:
+        emit({"kind": "done", "total": 0, "error": f"tests do not parse: {e}", "netns": netns})
+        return
+    total = sum(isinstance(s, ast.Assert) for s in statements)
+    compiled = [(isinstance(s, ast.Assert), compile(ast.Module(body=[s], type_ignores=[]), "tests.py", "exec"))
+                for s in statements]
+
+    # 3. from here on the audit hook guards network, processes, native calls and writes
+    _install_hook(workdir, cfg["allow_subprocess"])
+    ns = {"__name__": "__solution__", "__builtins__": builtins}
+    try:
+        exec(compile(payload["code"], "solution.py", "exec"), ns)
+    except BaseException as e:  # noqa: BLE001 - anything the solution does wrong scores 0
+        emit({"kind": "done", "total": total, "error": f"solution raised {type(e).__name__}: {e}"[:300],
+              "netns": netns})
+        return
+    index = 0
+    for is_test, code in compiled:
+        try:
+            exec(code, ns)
+            ok, err = True, ""
+        except BaseException as e:  # noqa: BLE001
+            ok, err = False, f"{type(e).__name__}: {e}"[:300]
+        if is_test:
+            emit({"kind": "test", "index": index, "ok": ok, "error": err})
+            index += 1
+    emit({"kind": "done", "total": total, "netns": netns})
+
+
+if __name__ == "__main__":
+    main()

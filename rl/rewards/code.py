@@ -1,0 +1,49 @@
+"""Code reward: the fraction of the sample's unit tests the response's code passes.
+
+The code is the last ```python fenced block of the response (or the last fenced block,
+or an unclosed one cut off by the length limit), else the raw response. It runs in
+the sandbox (sandbox.py) with a time and memory limit, no network and a temporary
+working directory; a hang or a crash scores 0 and never blocks the caller longer than
+the time limit.
+"""
+
+from __future__ import annotations
+
+import re
+
+from opd.rl.rewards.sandbox import SandboxLimits, run_many, run_tests
+
+_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_code(response: str) -> str:
+    blocks = _FENCE.findall(response)
+    if not blocks:
+        return response
+    python = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
+    return (python or [body for _, body in blocks])[-1]
+
+
+def limits_from(options: dict) -> SandboxLimits:
+    known = {"timeout_s", "memory_mb", "max_file_mb", "max_processes", "allow_subprocess"}
+    unknown = set(options) - known - {"workers"}
+    if unknown:
+        raise ValueError(f"unknown code reward option(s) {sorted(unknown)}; expected {sorted(known | {'workers'})}")
+    return SandboxLimits(**{k: v for k, v in options.items() if k in known})
+
+
+def code_reward(sample, response: str, **options) -> float:
+    if not sample.tests:
+        return 0.0
+    return run_tests(extract_code(response), sample.tests, limits_from(options)).reward
+
+
+def code_reward_batch(samples, responses: list[str], **options) -> list[float]:
+    """Score many responses, `workers` sandboxes at a time (default 2)."""
+    limits = limits_from(options)
+    jobs = [(i, extract_code(r), s.tests) for i, (s, r) in enumerate(zip(samples, responses)) if s.tests]
+    results = run_many([(c, t) for _, c, t in jobs], limits, workers=int(options.get("workers", 2)))
+    rewards = [0.0] * len(responses)
+    for (i, _, _), res in zip(jobs, results):
+        rewards[i] = res.reward
+    return rewards

@@ -1,0 +1,91 @@
+"""Math reward: extract the final answer from a response and compare it with the reference.
+
+Extraction, first that applies:
+1. the last `\\boxed{...}` (nested braces allowed);
+2. the last marked final answer: `#### 42`, `Answer: 42`, `final answer is 42`;
+3. the last number in the text.
+Comparison: equal after light normalisation (spaces, `$`, a trailing period, thousands
+commas), or numerically equal (integers, decimals, `a/b` fractions) within 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+_MARKED = re.compile(r"(?:####|final answer(?: is)?\s*[:=]?|answer(?: is)?\s*[:=])\s*([^\n]+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+
+
+def _last_boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None  # unclosed: not an answer
+
+
+def extract_answer(text: str) -> str | None:
+    """The response's final answer as a string, or None when there is none."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    marked = _MARKED.findall(text)
+    if marked:
+        value = marked[-1].strip()
+        num = _NUMBER.match(value.replace("$", "").strip())
+        # "Answer: 42 apples" -> "42"; "Answer: x+1" stays as written
+        return num.group(0).strip() if num else value.rstrip(".").strip()
+    numbers = _NUMBER.findall(text)
+    return numbers[-1].strip() if numbers else None
+
+
+def normalize(ans: str) -> str:
+    s = ans.strip().replace("$", "").replace(" ", "")
+    s = s.rstrip(".")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    if s.startswith("\\text{") and s.endswith("}"):
+        s = s[len("\\text{"):-1]
+    return s
+
+
+def to_number(ans: str) -> Fraction | None:
+    s = normalize(ans)
+    m = re.fullmatch(r"(-?\d+(?:\.\d+)?|-?\.\d+)(?:/(\d+))?", s)
+    if m is None:
+        frac = re.fullmatch(r"\\(?:d|t)?frac\{(-?\d+)\}\{(\d+)\}", s)
+        if frac is None:
+            return None
+        num, den = frac.group(1), frac.group(2)
+    else:
+        num, den = m.group(1), m.group(2) or "1"
+    if int(den) == 0:
+        return None
+    return Fraction(num) / Fraction(den)
+
+
+def answers_match(predicted: str | None, reference: str, rel_tol: float = 1e-6) -> bool:
+    if predicted is None:
+        return False
+    if normalize(predicted) == normalize(reference):
+        return True
+    a, b = to_number(predicted), to_number(reference)
+    if a is None or b is None:
+        return False
+    return abs(a - b) <= rel_tol * max(1, abs(b))
+
+
+def math_reward(sample, response: str, **_options) -> float:
+    """1.0 when the extracted answer matches `sample.answer`, else 0.0 (also without one)."""
+    if sample.answer is None:
+        return 0.0
+    return 1.0 if answers_match(extract_answer(response), sample.answer) else 0.0

@@ -1,0 +1,112 @@
+"""The code sandbox: hostile answers score 0 within the time limit and the caller keeps running.
+
+Also part of the reliability/security scope (issue 10): these are the limits it relies on.
+"""
+
+import os
+import time
+import uuid
+
+import pytest
+
+from opd.rl.rewards.sandbox import SandboxLimits, _drop_to_nobody, run_many, run_tests
+
+TESTS = "assert add(1, 2) == 3\nassert add(2, 2) == 4\n"
+GOOD = "def add(a, b):\n    return a + b\n"
+LIMITS = SandboxLimits(timeout_s=3.0, memory_mb=256)
+
+
+def test_correct_solution_scores_one():
+    r = run_tests(GOOD, TESTS, LIMITS)
+    assert (r.reward, r.passed, r.total, r.status) == (1.0, 2, 2, "ok")
+
+
+def test_half_correct_scores_half_with_counts():
+    r = run_tests("def add(a, b):\n    return 3\n", TESTS, LIMITS)
+    assert (r.reward, r.passed, r.total) == (0.5, 1, 2)
+    assert "AssertionError" in r.detail
+
+
+def test_setup_lines_in_tests_are_not_counted():
+    tests = "import math\nX = 2\nassert add(X, X) == 4\nassert math.isclose(add(0.1, 0.2), 0.3)\n"
+    r = run_tests(GOOD, tests, LIMITS)
+    assert (r.passed, r.total) == (2, 2)
+
+
+HOSTILE = {
+    "infinite loop": "while True:\n    pass\n",
+    "fork bomb": "import os\nwhile True:\n    os.fork()\n" + GOOD,
+    "subprocess": "import subprocess\nsubprocess.run(['sh', '-c', 'echo hi'])\n" + GOOD,
+    "memory hog": "hog = []\nwhile True:\n    hog.append(bytearray(20_000_000))\n" + GOOD,
+    "network call": "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)\n" + GOOD,
+    "raw socket": "import socket\nsocket.socket()\n" + GOOD,
+    "write outside": "open({path!r}, 'w').write('escaped')\n" + GOOD,
+    "delete outside": "import os\nos.remove({path!r})\n" + GOOD,
+    "kill the parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + GOOD,
+    "hard exit": "import os\nos._exit(0)\n",
+    "sleep in a test": GOOD + "import time\ntime.sleep(100)\n",
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_code_scores_zero_within_the_time_limit(name, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("intact")
+    code = HOSTILE[name].format(path=str(victim))
+    t0 = time.monotonic()
+    r = run_tests(code, TESTS, LIMITS)
+    elapsed = time.monotonic() - t0
+    assert r.reward == 0.0, (name, r)
+    assert elapsed < LIMITS.timeout_s + 2.0, (name, elapsed)
+    assert victim.read_text() == "intact"           # nothing outside the temp dir changed
+    assert os.getpid() > 0 and run_tests(GOOD, TESTS, LIMITS).reward == 1.0   # the caller still works
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+def test_timeout_kills_the_whole_process_group():
+    # allow_subprocess: the child starts a grandchild that would outlive a plain kill of the child
+    marker = f"opd-sandbox-grandchild-{uuid.uuid4().hex}"
+    code = ("import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+            "time.sleep(60)\n")
+    r = run_tests(code, "assert True\n", SandboxLimits(timeout_s=2.0, memory_mb=512, allow_subprocess=True))
+    assert r.status == "timeout" and r.reward == 0.0
+    time.sleep(0.2)
+    assert _processes_with(marker) == []
+
+
+def test_fork_bomb_with_processes_allowed_is_capped_by_rlimit_nproc():
+    if os.geteuid() == 0 and not _drop_to_nobody():
+        pytest.skip("running as root with a Python installation `nobody` cannot read: the kernel ignores "
+                    "RLIMIT_NPROC for root, so only the audit hook (tested above) stops fork bombs here")
+    code = "import os\nwhile True:\n    os.fork()\n"
+    t0 = time.monotonic()
+    r = run_tests(code, TESTS, SandboxLimits(timeout_s=2.0, memory_mb=256, max_processes=16, allow_subprocess=True))
+    assert r.reward == 0.0 and time.monotonic() - t0 < 5.0
+
+
+def test_network_is_unreachable_even_without_the_audit_hook_when_namespaces_work():
+    r = run_tests(GOOD, TESTS, LIMITS)
+    if not r.isolated_network:
+        pytest.skip("network namespaces unavailable here: only the audit hook blocks sockets")
+    assert r.isolated_network
+
+
+def test_run_many_in_parallel_keeps_order():
+    jobs = [(GOOD, TESTS), ("while True: pass\n", TESTS), ("def add(a, b):\n    return 3\n", TESTS)]
+    t0 = time.monotonic()
+    res = run_many(jobs, SandboxLimits(timeout_s=2.0, memory_mb=256), workers=3)
+    assert [r.reward for r in res] == [1.0, 0.0, 0.5]
+    assert time.monotonic() - t0 < 4.0   # the hang did not serialize the others

@@ -1,0 +1,74 @@
+"""Reward functions: math extraction and comparison, format, length, user functions, combination, verify."""
+
+import pytest
+
+from opd.data import Sample
+from opd.rl.config import RewardConfig
+from opd.rl.rewards import build_reward, extract_answer, extract_code, verify
+from opd.rl.rewards.math import answers_match
+from opd.rl.rewards.shaping import format_reward, length_penalty
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("so the result is \\boxed{42}.", "42"),
+    ("first \\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("work... #### 1,234", "1,234"),
+    ("Answer: 17 apples", "17"),
+    ("The final answer is -3.5.", "-3.5"),
+    ("3 + 4 = 7, and 7 * 2 = 14", "14"),
+    ("Answer: x+1", "x+1"),
+    ("no digits here", None),
+    ("unclosed \\boxed{12", "12"),   # falls back to the last number
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("pred,ref,ok", [
+    ("42", "42", True), ("42.0", "42", True), ("1,234", "1234", True), ("1/2", "0.5", True),
+    ("\\frac{1}{2}", "0.5", True), ("$7$", "7", True), ("41", "42", False), (None, "1", False),
+    ("x+1", "x + 1", True), ("0.3333", "1/3", False), ("0.3333333", "1/3", True),
+])
+def test_answers_match(pred, ref, ok):
+    assert answers_match(pred, ref) is ok
+
+
+def test_verify_dispatches_by_domain():
+    math_s = Sample(prompt="2+2?", answer="4")
+    assert verify(math_s, "it is \\boxed{4}") == 1.0
+    assert verify(math_s, "it is 5") == 0.0
+    code_s = Sample(prompt="add", tests="assert add(1, 1) == 2\nassert add(0, 0) == 0\nassert add(2, 1) == 3")
+    assert verify(code_s, "```python\ndef add(a, b):\n    return a + b\n```") == 1.0
+    assert verify(code_s, "def add(a, b):\n    return 2 * a\n") == pytest.approx(2 / 3)
+    assert verify(Sample(prompt="hello"), "hi") is None
+
+
+def test_extract_code():
+    assert extract_code("text\n```python\nx = 1\n```\nmore\n```py\ny = 2\n```") == "y = 2\n"
+    assert extract_code("```\nz = 3\n```") == "z = 3\n"
+    assert extract_code("```python\ncut = 1") == "cut = 1"       # truncated by the length limit
+    assert extract_code("w = 4") == "w = 4"
+
+
+def test_format_and_length():
+    s = Sample(prompt="p")
+    assert format_reward(s, "so \\boxed{3}") == 1.0
+    assert format_reward(s, "Answer: 3") == 1.0
+    assert format_reward(s, "three") == 0.0
+    assert length_penalty(s, "x" * 10, soft_max=10, hard_max=20) == 0.0
+    assert length_penalty(s, "x" * 15, soft_max=10, hard_max=20) == pytest.approx(-0.5)
+    assert length_penalty(s, "x" * 99, soft_max=10, hard_max=20) == -1.0
+
+
+def test_combined_with_user_function(tmp_path):
+    (tmp_path / "mine.py").write_text("def short(sample, text):\n    return 1.0 if len(text) < 5 else 0.0\n")
+    specs = [RewardConfig(name="math", weight=1.0), RewardConfig(name="format", weight=0.5),
+             RewardConfig(name="python", weight=2.0, path="mine.py:short")]
+    reward = build_reward(specs, base_dir=tmp_path)
+    samples = [Sample(prompt="q", answer="4")] * 3
+    total, parts = reward(samples, ["Answer: 4", "4", "wrong answer"])
+    assert parts["math"] == [1.0, 1.0, 0.0]
+    assert parts["format"] == [1.0, 0.0, 0.0]
+    assert parts["python:short"] == [0.0, 1.0, 0.0]
+    assert total == [1.5, 3.0, 0.0]
+    assert reward.describe() == {"math": 1.0, "format": 0.5, "python:short": 2.0}
