@@ -8,9 +8,11 @@ Reliability, all inside the I/O thread:
 - every request has a deadline (`timeout_s` since its last sign of progress); the client
   pings the server every `heartbeat_s` while it waits, so a dead server is noticed after
   `3 * heartbeat_s` of silence even when `timeout_s` is long;
-- on a timeout the DEALER is replaced (a new connection), HELLO is sent again and every
-  outstanding request is re-sent; a WELCOME with other fingerprints than the first one
-  fails everything with FINGERPRINT_CHANGED rather than mixing two teachers;
+- every (re)connection starts with HELLO, and no request goes out on it before its
+  WELCOME has been checked: a WELCOME with other fingerprints than the first one fails
+  everything with FINGERPRINT_CHANGED rather than mixing two teachers. A lost connection
+  (seen by the socket monitor, e.g. a killed server) re-sends every outstanding request
+  after the next WELCOME; a timeout replaces the DEALER (a new connection) likewise;
 - retryable ERRORs (BUSY, SHUTTING_DOWN, INTERNAL) are retried after an exponential
   back-off, at most `retries` times; anything else raises `TeacherError(code, message)`;
 - full-vocabulary streams grant one CREDIT per chunk the caller has consumed, and resume
@@ -82,6 +84,7 @@ class _Call:
     topk: TopKResult | None = None
     delivered_rows: int = 0            # full mode: rows handed to the caller
     server_credit: int = 0             # full mode: chunks the server may still send
+    sent: bool = False                 # on the wire on the current, verified connection
 
 
 def _as_curve(curve) -> tuple[bytes, bytes, bytes] | None:
@@ -204,18 +207,24 @@ class TeacherClient:
     def _connect(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)   # queue nothing for a peer that is not connected
         if self._curve is not None:
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         self._sock = sock
+        self._verified = False              # WELCOME checked on the current connection
         self._last_recv = time.monotonic()
         self._last_ping = 0.0
 
     def _io_loop(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
         self._connect()
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll(timeout=max(10, int(self.heartbeat_s * 250))))
@@ -234,6 +243,9 @@ class TeacherClient:
                         self._fail_all(TeacherError("CLOSED", "client closed"))
                         return
                     self._on_command(what, call, now)
+                if self._monitor in ready:
+                    while self._monitor.poll(0):
+                        self._on_event(recv_monitor_message(self._monitor)["event"], now)
                 if self._sock in ready:
                     for _ in range(256):
                         try:
@@ -242,30 +254,54 @@ class TeacherClient:
                             break
                         self._last_recv = now
                         self._on_message(frames, now)
-                if self._tick(now):
-                    poller.unregister(self._sock)
-                    self._sock.close(linger=0)
+                if self._tick(now):  # replace the connection
+                    for sock in (self._sock, self._monitor):
+                        poller.unregister(sock)
+                    self._close_socket()
                     self._connect()
                     poller.register(self._sock, zmq.POLLIN)
-                    self._resend_all(time.monotonic())
+                    poller.register(self._monitor, zmq.POLLIN)
+                    self.reconnects += 1
+                    self._unsend_all()
         finally:
-            self._sock.close(linger=0)
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    def _on_event(self, event: int, now: float) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            # A (re)connection, maybe to a restarted server: check who it is before any SCORE.
+            self._last_recv = now
+            self._send(encode(Hello(version=self.protocol_version, client=self.name)))
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._verified = False
+            self._unsend_all()
+
+    def _unsend_all(self) -> None:
+        """The connection was lost: every request goes out again after the next WELCOME."""
+        self._verified = False
+        for call in self._calls.values():
+            call.sent = False
 
     def _on_command(self, what: str, call: _Call, now: float) -> None:
         if what == "submit":
             self._send_call(call, now)
-        elif what == "credit" and call.rid in self._calls:
+        elif what == "credit" and self._calls.get(call.rid) is call and call.sent:
             call.server_credit += 1
             call.deadline = now + self.timeout_s
             self._send(encode(Credit(request_id=call.rid, chunks=1)))
-        elif what == "cancel" and self._calls.pop(call.rid, None) is not None:
+        elif what == "cancel" and self._calls.pop(call.rid, None) is not None and call.sent:
             self._send(encode(Cancel(request_id=call.rid)))
 
-    def _send(self, frames) -> None:
+    def _send(self, frames) -> bool:
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
         except zmq.Again:
-            pass  # the connection is not up or full: the request's deadline will retry it
+            return False  # not connected or full: the deadline or the next WELCOME sends it again
 
     def _send_call(self, call: _Call, now: float) -> None:
         call.retry_at = None
@@ -279,18 +315,8 @@ class TeacherClient:
         call.rid = next(self._rids)
         call.score.request_id = call.rid
         call.server_credit = call.score.window
+        call.sent = self._verified and self._send(encode(call.score, call.arrays))
         self._calls[call.rid] = call
-        self._send(encode(call.score, call.arrays))
-
-    def _resend_all(self, now: float) -> None:
-        """After a reconnect: HELLO first (fingerprint check), then every outstanding request."""
-        self.reconnects += 1
-        calls = [*self._hellos, *self._calls.values()]
-        if not self._hellos:
-            self._send_call(_Call("hello"), now)
-        for call in calls:
-            if call.retry_at is None:
-                self._send_call(call, now)
 
     def _tick(self, now: float) -> bool:
         """Retries due, pings, deadlines. True when the connection should be replaced."""
@@ -306,12 +332,13 @@ class TeacherClient:
             self._send(encode(Ping(t=time.time())))
         silent = now - self._last_recv > 3 * self.heartbeat_s
         expired = [c for c in outstanding if c.retry_at is None and (silent or now > c.deadline)
-                   and not (c.kind == "full" and c.server_credit <= 0 and not silent)]
+                   and not (c.kind == "full" and c.sent and c.server_credit <= 0 and not silent)]
         if not expired:
             return False
         why = f"server silent for {now - self._last_recv:.1f}s" if silent else f"no answer within timeout_s={self.timeout_s}"
         for call in expired:
             call.attempts += 1
+            call.deadline = now + self.timeout_s
             if call.attempts > self.retries:
                 self._fail(call, TeacherError("TIMEOUT", f"{why} from {self.address} after {call.attempts} "
                                                          f"attempts; raise timeout_s/retries or check the server"))
@@ -377,6 +404,12 @@ class TeacherClient:
             for call in self._hellos:
                 call.future.set_result(msg)
             self._hellos.clear()
+            if not self._verified:
+                self._verified = True
+                now = time.monotonic()
+                for call in list(self._calls.values()):
+                    if not call.sent and call.retry_at is None:
+                        self._send_call(call, now)
             return
         self._fatal = err
         self._fail_all(err)
