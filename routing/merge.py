@@ -7,6 +7,7 @@ paths (data sets, SFT set, classifier files) are relative to the config file's f
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ def _resolve(base: Path, p: str | None) -> str | None:
     if p is None:
         return None
     q = Path(p).expanduser()
-    return str(q if q.is_absolute() else base / q)
+    return os.path.normpath(q if q.is_absolute() else base / q)
 
 
 def resolve_merge_paths(cfg: MergeConfig, base_dir: str | Path) -> MergeConfig:

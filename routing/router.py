@@ -156,7 +156,7 @@ class Router:
         if spec.kind == "pattern":
             for rx in compiled:
                 if rx.search(sample.prompt):
-                    return self._decide(spec, f"pattern[{index}]", f"pattern {rx.pattern!r} matched", sample)
+                    return self._decide(spec, f"pattern[{index}]", f"pattern '{rx.pattern}' matched", sample)
             return None
         if spec.kind == "keywords":
             lowered = sample.prompt.lower()

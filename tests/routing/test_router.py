@@ -34,7 +34,7 @@ def test_pattern_rule_reports_the_matching_regex():
                RuleSpec(kind="fallback", teacher="general"))
     got = r.route(Sample(prompt="Compute 12 * 7 please"))
     assert (got.teacher, got.rule) == ("math", "pattern[0]")
-    assert "'\\\\d+\\\\s*[+*-]\\\\s*\\\\d+' matched" in got.reason
+    assert got.reason == r"pattern '\d+\s*[+*-]\s*\d+' matched -> teacher math"
     assert r.route(Sample(prompt="Tell me a joke")).teacher == "general"
 
 

@@ -1,0 +1,92 @@
+"""The example merge configs against demo-shaped data, and `opd route fit | explain`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from routing_prompts import labelled_prompts
+
+from opd.cli import main
+from opd.data import Sample, write_jsonl
+from opd.routing import (MixtureSampler, Router, load_datasets, load_merge_config, mixture_ratios)
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = ["merge_math_code.yaml", "merge_math_code_general.yaml"]
+
+
+@pytest.fixture(scope="module")
+def demo_tree(tmp_path_factory):
+    """configs/ copied next to runs/demo/data/ with the demo's data generator, as `make demo` lays it out."""
+    from opd.demo_data import write_demo_data
+
+    root = tmp_path_factory.mktemp("repo")
+    shutil.copytree(REPO / "configs", root / "configs")
+    write_demo_data(root / "runs" / "demo" / "data", n_train=60, n_eval=20, seed=0)
+    return root
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_example_configs_load_and_route_demo_data(demo_tree, name):
+    from opd.train_config import load_train_config
+
+    path = demo_tree / "configs" / name
+    train = load_train_config(path)               # valid as an `opd train` config
+    cfg = load_merge_config(path)                 # and its merge section on its own
+    assert [Path(d.path).resolve() for d in cfg.datasets] == [Path(d.path).resolve() for d in train.merge.datasets]
+    assert cfg.teachers == train.merge.teachers and cfg.routing == train.merge.routing
+    data = load_datasets(cfg)
+    assert set(data) == {d.domain for d in cfg.datasets} and all(len(v) == 60 for v in data.values())
+    router = Router(cfg.routing, cfg.teachers, base_dir=path.parent)
+    for domain, samples in data.items():
+        for s in samples:
+            r = router.route(s)
+            assert (r.teacher, r.rule) == (domain, "domain_field")
+            # without the domain field the pattern/keyword rules still find the right teacher
+            bare = router.route(Sample(prompt=s.prompt))
+            expected = domain if domain in ("math", "code") else cfg.routing.rules[-1].teacher
+            assert bare.teacher == expected, (s.prompt, bare)
+    sampler = MixtureSampler(data, mixture_ratios(cfg), seed=0)
+    batch = sampler.sample(10)
+    assert len(batch) == 10
+    if cfg.sft is not None:
+        assert Path(cfg.sft.path).is_file() and cfg.normalize == "running_mean"
+
+
+def test_route_fit_then_explain(tmp_path, capsys):
+    rows = [{"prompt": x, "domain": y} for x, y in labelled_prompts(60, seed=5)]
+    write_jsonl(tmp_path / "labelled.jsonl", rows)
+    out = tmp_path / "cfg" / "router.json"
+    assert main(["route", "fit", "--data", str(tmp_path / "labelled.jsonl"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    acc = float(re.search(r"held-out accuracy: ([0-9.]+)", printed).group(1))
+    assert acc > 0.9 and out.is_file()
+    assert json.loads(out.read_text())["meta"]["held_out_accuracy"] == pytest.approx(acc)
+
+    # a plain merge file (MergeConfig at the top level) whose classifier path is relative to it
+    (tmp_path / "cfg" / "merge.yaml").write_text(
+        "teachers:\n"
+        "  - {name: math, address: 'tcp://127.0.0.1:5601', domains: [math]}\n"
+        "  - {name: code, address: 'tcp://127.0.0.1:5602', domains: [code]}\n"
+        "  - {name: general, address: 'tcp://127.0.0.1:5603', domains: [general]}\n"
+        "datasets:\n  - {domain: math, path: prompts.jsonl}\n"
+        "routing:\n  rules:\n    - {kind: domain_field}\n"
+        "    - {kind: classifier, path: router.json, min_confidence: 0.5}\n"
+        "    - {kind: fallback, teacher: general}\n")
+    write_jsonl(tmp_path / "cfg" / "prompts.jsonl", [
+        {"prompt": "Compute 17*3.", "domain": "math"},
+        {"prompt": "Implement is_prime in Python with a loop."},
+        {"prompt": "Write a short poem about tea."}])
+    assert load_merge_config(tmp_path / "cfg" / "merge.yaml").routing.rules[1].path == str(out)
+    code = main(["route", "explain", "--config", str(tmp_path / "cfg" / "merge.yaml"),
+                 "--data", str(tmp_path / "cfg" / "prompts.jsonl")])
+    printed = capsys.readouterr().out
+    assert code == 0
+    lines = printed.splitlines()
+    assert "math" in lines[0] and "domain 'math' -> teacher math" in lines[0]
+    assert re.search(r"code\s+classifier .*classifier p=0\.\d\d for code -> teacher code", lines[1])
+    assert re.search(r"general\s+classifier", lines[2])
+    assert "by rule:    classifier 2, domain_field 1" in printed
