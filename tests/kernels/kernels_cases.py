@@ -1,0 +1,132 @@
+"""One comparison case: an implementation vs the naive reference in fp64 (values and grads).
+
+Shared by test_kernels_torch.py (in process) and kernels_triton_cases.py (run under
+TRITON_INTERPRET=1 in a subprocess). Tolerance follows the dtype, as in Cut Cross-Entropy:
+fp32 must be within RTOL_FP32 (relative to the largest reference magnitude); bf16/fp16
+may be no worse than PyTorch's own reference computed in that dtype, plus BF16_EPS.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss
+
+RTOL_FP32 = 1e-5
+BF16_EPS = 1e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    impl: str = "torch"
+    teacher: str = "full"        # "full" | "topk"
+    beta: float = 0.0
+    temperature: float = 1.0
+    scale_by_t2: bool = False
+    mask: bool = True
+    pad: int = 7                 # vocab_size = V - pad
+    dtype: str = "float32"
+    extreme: bool = False        # put +-1e4 logits in every row, both sides
+    fused: bool = False
+    N: int = 12
+    V: int = 101                 # not a multiple of any block size
+    H: int = 24
+    k: int = 6
+    reduction: str = "mean"
+
+    def name(self) -> str:
+        return "-".join(f"{k}={v}" for k, v in asdict(self).items() if v != getattr(Case, k))
+
+
+def _inputs(case: Case):
+    g = torch.Generator().manual_seed(zlib.crc32(case.name().encode()))
+    n, v = case.N, case.V
+    vocab = v - case.pad
+    hidden = torch.randn(n, case.H, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, case.H, generator=g, dtype=torch.float64) * 0.4
+    student = hidden @ weight.T if case.fused else torch.randn(n, v, generator=g, dtype=torch.float64) * 2
+    teacher = student.detach() * 0.7 + torch.randn(n, v, generator=g, dtype=torch.float64) * 1.5
+    if case.extreme and not case.fused:
+        cols = torch.randint(0, vocab, (n, 2), generator=g)
+        student.scatter_(1, cols[:, :1], 1e4)
+        student.scatter_(1, cols[:, 1:], -1e4)
+        teacher.scatter_(1, cols[:, 1:], 1e4)   # teacher's favourite is the student's worst
+    teacher[:, vocab:] = float("nan")           # padding must never be read as a number
+    mask = (torch.rand(n, generator=g) > 0.3) if case.mask else None
+    if mask is not None:
+        mask[0] = True
+    return hidden, weight, student, teacher, mask, vocab
+
+
+def _topk(teacher: torch.Tensor, vocab: int, k: int, temperature: float) -> TopKTeacher:
+    """What the server sends: top-k of log_softmax(teacher / T) and the exact tail."""
+    lp = torch.log_softmax(teacher[:, :vocab] / temperature, dim=-1)
+    vals, ids = lp.topk(k, dim=-1)
+    tail = torch.logsumexp(lp.scatter(1, ids, float("-inf")), dim=-1)   # exact, even if tiny
+    return TopKTeacher(ids, vals.float(), tail.float())
+
+
+def _run(case: Case, impl: str, dtype: torch.dtype, hidden, weight, student, teacher, mask, vocab):
+    opts = dict(beta=case.beta, temperature=case.temperature, scale_by_t2=case.scale_by_t2,
+                mask=mask, reduction=case.reduction, vocab_size=vocab, impl=impl)
+    if case.teacher == "topk":
+        teacher_arg = _topk(teacher, vocab, case.k, case.temperature)
+    else:
+        teacher_arg = teacher.to(dtype)
+    if case.fused:
+        h = hidden.detach().to(dtype).clone().requires_grad_()
+        w = weight.detach().to(dtype).clone().requires_grad_()
+        loss = fused_linear_distill_loss(h, w, teacher_arg, **opts)
+        loss.sum().backward()
+        return loss.detach().double(), [h.grad.double(), w.grad.double()]
+    x = student.detach().to(dtype).clone().requires_grad_()
+    loss = distill_loss(x, teacher_arg, **opts)
+    loss.sum().backward()
+    return loss.detach().double(), [x.grad.double()]
+
+
+def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = ref.abs().max().clamp(min=1e-12)
+    return float(((a - ref).abs().max() / scale).item())
+
+
+def check(case: Case) -> dict:
+    """Errors of case.impl and the tolerance they must meet; 'ok' says whether they do."""
+    data = _inputs(case)
+    dtype = getattr(torch, case.dtype)
+    truth_loss, truth_grads = _run(case, "reference", torch.float64, *data)
+    loss, grads = _run(case, case.impl, dtype, *data)
+    errors = [_rel_err(loss, truth_loss)] + [_rel_err(g, t) for g, t in zip(grads, truth_grads)]
+    if dtype == torch.float32:
+        tols = [RTOL_FP32] * len(errors)
+    else:   # PyTorch's own error in this dtype, plus eps
+        ref_loss, ref_grads = _run(case, "reference", dtype, *data)
+        tols = [_rel_err(ref_loss, truth_loss) + BF16_EPS] + \
+               [_rel_err(g, t) + BF16_EPS for g, t in zip(ref_grads, truth_grads)]
+    finite = bool(torch.isfinite(loss).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
+    ok = finite and all(e <= t for e, t in zip(errors, tols))
+    hidden, weight, student, teacher, mask, vocab = data
+    if mask is not None and not case.fused:   # masked rows: exactly no gradient
+        ok = ok and bool((grads[0][~mask] == 0).all())
+    if case.pad:                              # padding columns: exactly no gradient
+        ok = ok and bool((grads[-1][vocab:] == 0).all() if case.fused else (grads[0][:, vocab:] == 0).all())
+    return {"case": case.name(), "errors": errors, "tolerances": tols, "finite": finite, "ok": ok,
+            "loss": float(truth_loss.sum())}
+
+
+# Few and tiny: the interpreter runs every program instance on numpy.
+TRITON_CASES = [
+    *[Case(impl="triton", teacher=t, beta=b, temperature=T, scale_by_t2=T != 1.0)
+      for t in ("full", "topk") for b, T in ((0.0, 2.0), (0.5, 0.5), (1.0, 1.0))],
+    Case(impl="triton", teacher="full", beta=1.0, temperature=0.5, extreme=True),
+    Case(impl="triton", teacher="topk", beta=0.0, temperature=0.5, extreme=True),
+    Case(impl="triton", teacher="full", beta=0.5, dtype="bfloat16"),
+    Case(impl="triton", teacher="topk", beta=1.0, dtype="bfloat16", reduction="none", mask=False),
+    *[Case(impl="triton", teacher=t, beta=b, temperature=2.0, fused=True, N=20)
+      for t in ("full", "topk") for b in (0.0, 0.5, 1.0)],
+    Case(impl="triton", teacher="topk", beta=0.5, fused=True, dtype="bfloat16", N=20),
+]
+

@@ -1,0 +1,122 @@
+"""Chunked PyTorch implementation (impl="torch") vs the naive reference in fp64."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kernels_cases import Case, check  # noqa: E402
+
+from opd.kernels import TopKTeacher, distill_loss, sampled_token_reverse_kl  # noqa: E402
+from opd.kernels import chunked  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Force several row blocks and vocabulary chunks (V=101 is not a multiple of 32)."""
+    monkeypatch.setattr(chunked, "LOGITS_CHUNK", 32)
+    monkeypatch.setattr(chunked, "TILE_ELEMENTS", 32 * 5)
+    monkeypatch.setattr(chunked, "LINEAR_ROWS", 5)
+
+
+def _assert(result):
+    assert result["ok"], result
+
+
+@pytest.mark.parametrize("teacher", ["full", "topk"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature,scale", [(0.5, False), (1.0, False), (2.0, True), (0.5, True)])
+def test_torch_matches_reference(teacher, beta, temperature, scale):
+    _assert(check(Case(teacher=teacher, beta=beta, temperature=temperature, scale_by_t2=scale)))
+
+
+@pytest.mark.parametrize("teacher", ["full", "topk"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_torch_fused_linear_matches_reference(teacher, beta):
+    _assert(check(Case(teacher=teacher, beta=beta, temperature=2.0, fused=True)))
+
+
+@pytest.mark.parametrize("teacher", ["full", "topk"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_torch_extreme_logits(teacher, beta):
+    _assert(check(Case(teacher=teacher, beta=beta, temperature=0.5, extreme=True)))
+
+
+@pytest.mark.parametrize("teacher", ["full", "topk"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_torch_bf16_no_worse_than_pytorch(teacher, fused):
+    _assert(check(Case(teacher=teacher, beta=0.5, dtype="bfloat16", fused=fused)))
+
+
+def test_torch_per_row_and_no_padding():
+    _assert(check(Case(teacher="full", beta=1.0, pad=0, mask=False, reduction="none")))
+    _assert(check(Case(teacher="topk", beta=0.0, pad=0, reduction="none")))
+
+
+def test_forward_kl_known_value():
+    """Two tokens: KL([0.75, 0.25] || [0.5, 0.5]) written out by hand."""
+    student = torch.zeros(1, 2, requires_grad=True)
+    teacher = torch.log(torch.tensor([[0.75, 0.25]]))
+    expected = 0.75 * torch.log(torch.tensor(1.5)) + 0.25 * torch.log(torch.tensor(0.5))
+    loss = distill_loss(student, teacher, impl="torch")
+    assert torch.allclose(loss, expected, rtol=1e-6)
+    loss.backward()   # dL/ds = S - T
+    assert torch.allclose(student.grad, torch.tensor([[-0.25, 0.25]]), atol=1e-7)
+
+
+def test_topk_is_lower_bound_and_exact_when_tails_match():
+    torch.manual_seed(0)
+    student = torch.randn(4, 50)
+    teacher = torch.randn(4, 50)
+    lp = torch.log_softmax(teacher, -1)
+    vals, ids = lp.topk(5)
+    tail = torch.log(-torch.expm1(torch.logsumexp(vals, -1)))
+    full = distill_loss(student, teacher, reduction="none", impl="torch")
+    topk = distill_loss(student, TopKTeacher(ids, vals, tail), reduction="none", impl="torch")
+    assert (topk <= full + 1e-6).all() and (topk < full).any()
+    # Same tail shape: the student equals the teacher outside the top k (up to a constant).
+    same_tail = teacher.clone()
+    same_tail.scatter_(1, ids, torch.randn(4, 5))
+    full = distill_loss(same_tail, teacher, reduction="none", impl="torch")
+    topk = distill_loss(same_tail, TopKTeacher(ids, vals, tail), reduction="none", impl="torch")
+    assert torch.allclose(topk, full, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_rows_and_mean():
+    torch.manual_seed(1)
+    student, teacher = torch.randn(6, 30), torch.randn(6, 30)
+    mask = torch.tensor([True, False, True, True, False, True])
+    rows = distill_loss(student, teacher, beta=0.5, reduction="none", impl="torch")
+    mean = distill_loss(student, teacher, beta=0.5, mask=mask, impl="torch")
+    assert torch.allclose(mean, rows[mask].mean(), rtol=1e-6)
+
+
+def test_sampled_token_reverse_kl():
+    student = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, -0.2]])
+    teacher = torch.tensor([[-1.5, -1.0, -0.5], [-1.0, -0.3, -9.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    est = sampled_token_reverse_kl(student, teacher, mask)
+    expected = torch.tensor([[0.5, -1.0, 0.0], [-2.0, 0.2, 8.8]])
+    assert torch.allclose(est, expected, atol=1e-6) and est[0, 2] == 0
+    # Its mean over samples from the student is KL(student || teacher).
+    torch.manual_seed(0)
+    s_lp, t_lp = torch.log_softmax(torch.randn(8), 0), torch.log_softmax(torch.randn(8), 0)
+    x = torch.multinomial(s_lp.exp(), 200_000, replacement=True)
+    kl = (s_lp.exp() * (s_lp - t_lp)).sum()
+    assert abs(sampled_token_reverse_kl(s_lp[x], t_lp[x]).mean() - kl) < 0.02
+
+
+def test_bad_arguments():
+    x = torch.randn(2, 5)
+    with pytest.raises(ValueError):
+        distill_loss(x, torch.randn(2, 6))
+    with pytest.raises(ValueError):
+        distill_loss(x, x, beta=1.5)
+    with pytest.raises(ValueError):
+        distill_loss(x, x, vocab_size=6)
+    with pytest.raises(ValueError):
+        distill_loss(x, x, impl="cuda")
