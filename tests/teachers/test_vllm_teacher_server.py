@@ -1,0 +1,69 @@
+"""The vLLM backend behind the real ZeroMQ server: WELCOME, answers, and UNSUPPORTED on the wire."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+SEQS = [list(range(40, 70)), [5, 6, 7, 8, 9, 10]]
+STARTS = [10, 1]
+
+
+def _check_over_the_wire(client, expected_fingerprint: str, reference) -> None:
+    from opd.teachers.client import TeacherError
+
+    info = client.info()
+    assert info.backend == "vllm" and info.modes == ["topk"]
+    assert info.tokenizer_fingerprint == expected_fingerprint
+    got = client.score_topk(SEQS, STARTS, k=8)
+    assert got.row_offsets == [0, 20, 25]
+    torch.testing.assert_close(got.logprobs, reference.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.token_logprob, reference.token_logprob, atol=1e-5, rtol=0)
+    with pytest.raises(TeacherError) as hot:
+        client.score_topk(SEQS, STARTS, k=8, temperature=0.5)
+    assert hot.value.code == "UNSUPPORTED" and "hf" in hot.value.message
+    with pytest.raises(TeacherError) as full:
+        list(client.score_full(SEQS, STARTS))
+    assert full.value.code == "UNSUPPORTED"
+
+
+def _reference(backend):
+    from opd.teachers.backend import ScoreRequest
+
+    ids = torch.tensor([t for s in SEQS for t in s])
+    req = ScoreRequest(request_id=1, mode="topk", ids=ids, offsets=(0, len(SEQS[0]), len(ids)),
+                       response_starts=tuple(STARTS), k=8, temperature=1.0, dtype="float32", chunk_rows=1024)
+    return backend.score_topk([req])[0]
+
+
+def test_vllm_backend_behind_server(vllm_teacher_backend, free_tcp_address):
+    """In-process server around the session's engine (a second engine would cost ~40 s)."""
+    from opd.teachers.client import TeacherClient
+    from opd.teachers.server import TeacherServer
+
+    server = TeacherServer(vllm_teacher_backend, free_tcp_address)
+    loop = threading.Thread(target=server.serve_forever, daemon=True)
+    loop.start()
+    try:
+        with TeacherClient(server.address, timeout_s=60) as client:
+            _check_over_the_wire(client, vllm_teacher_backend.tokenizer_fingerprint, _reference(vllm_teacher_backend))
+    finally:
+        server.stop()
+        loop.join(timeout=30)
+    assert not loop.is_alive()
+
+
+@pytest.mark.slow
+def test_serve_teacher_cli_with_vllm_backend(vllm_model_dir, vllm_teacher_backend):
+    """`opd serve-teacher --backend vllm` as its own process (starts a second engine)."""
+    from opd.teachers.client import TeacherClient
+    from opd.teachers.launch import start_server_process
+
+    with start_server_process(["--model", vllm_model_dir, "--backend", "vllm", "--max-k", "16"],
+                              threads=None) as server:
+        with TeacherClient(server.address, timeout_s=60) as client:
+            _check_over_the_wire(client, vllm_teacher_backend.tokenizer_fingerprint, _reference(vllm_teacher_backend))
