@@ -1,0 +1,169 @@
+"""From rollouts and teacher answers to one distillation loss (the maths of a train step).
+
+Shapes use suffixes: B sequences, L padded length, N response rows (all sequences'
+response tokens concatenated, sequence by sequence), V vocabulary, H hidden, k top-k.
+
+Row convention (the same as the teacher protocol): row i of sequence b is the token at
+position p_b + i, where p_b = len(prompt_b); the student's distribution for it comes from
+the logits at position p_b + i - 1. Only response rows carry loss: prompt and padding
+positions are masked out, and rows after the answer's end are trimmed off before the
+teacher ever sees them.
+
+Per-row weights implement the merge loss  sum_d lambda_d * L^d  where L^d is domain d's
+mean loss (per token, or per sequence then over sequences). Weights are computed over the
+whole step batch before it is cut into micro-batches, so the step's loss and gradient do
+not depend on the micro-batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+# ---- trimming ---------------------------------------------------------------------------
+
+def trim_length(response_ids: list[int], *, eos_ids: set[int], trim: str, marker: str | None = None,
+                tokenizer=None) -> int:
+    """How many response tokens to keep: all of them, through the first EOS, or through the
+    token that completes the first occurrence of `marker` (whichever comes first)."""
+    n = len(response_ids)
+    if trim == "none":
+        return n
+    keep = n
+    for i, t in enumerate(response_ids):
+        if t in eos_ids:
+            keep = i + 1
+            break
+    if trim == "marker" and marker:
+        if marker in tokenizer.decode(response_ids[:keep]):
+            # Smallest prefix whose text holds the marker (monotone in the prefix length).
+            lo, hi = 1, keep
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if marker in tokenizer.decode(response_ids[:mid]):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            keep = lo
+    return keep
+
+
+# ---- packing and masks ------------------------------------------------------------------
+
+@dataclass
+class Packed:
+    """A right-padded batch and where its response rows are."""
+    input_ids_B_L: torch.Tensor       # long, padding = pad_id
+    attention_B_L: torch.Tensor       # long, 1 on real tokens
+    row_b_N: torch.Tensor             # long, sequence of each row
+    row_pos_N: torch.Tensor           # long, logit position that predicts the row's token
+    targets_N: torch.Tensor           # long, the row's token
+    row_offsets: list[int]            # [B + 1]: sequence b owns rows row_offsets[b]:row_offsets[b+1]
+
+
+def response_mask(prompt_lens: list[int], response_lens: list[int], length: int) -> torch.Tensor:
+    """bool [B, length]: True at logit positions whose next token is a response token.
+
+    Position t predicts token t + 1, so sequence b's rows sit at t = p_b - 1 ... p_b + n_b - 2.
+    Prompt positions and right padding are False.
+    """
+    mask = torch.zeros(len(prompt_lens), length, dtype=torch.bool)
+    for b, (p, n) in enumerate(zip(prompt_lens, response_lens)):
+        mask[b, p - 1:p - 1 + n] = True
+    return mask
+
+
+def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Packed:
+    """Right-pad prompt + response sequences and index their response rows."""
+    if any(len(p) < 1 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    width = max(lens)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        ids[b, :lens[b]] = torch.tensor(p + r, dtype=torch.long)
+        attn[b, :lens[b]] = 1
+    mask = response_mask([len(p) for p in prompts], [len(r) for r in responses], width)
+    row_b, row_pos = mask.nonzero(as_tuple=True)      # row-major: sequence by sequence, in order
+    offsets = [0]
+    for r in responses:
+        offsets.append(offsets[-1] + len(r))
+    return Packed(ids, attn, row_b, row_pos, ids[row_b, row_pos + 1], offsets)
+
+
+# ---- per-row weights (normalization) ----------------------------------------------------
+
+def row_weights(row_offsets: list[int], groups: list[str], group_weight: dict[str, float],
+                length_norm: Literal["token", "sequence"]) -> torch.Tensor:
+    """fp32 [N]: the weight of each row so that sum(w * loss_row) = sum_g lambda_g * L^g.
+
+    groups[b] is sequence b's group (domain); L^g is the mean over g's rows ("token") or
+    the mean over g's sequences of each sequence's mean row loss ("sequence").
+    Sequences without rows contribute nothing.
+    """
+    n = row_offsets[-1]
+    w = torch.zeros(n, dtype=torch.float32)
+    lens = [row_offsets[b + 1] - row_offsets[b] for b in range(len(groups))]
+    tokens: dict[str, int] = {}
+    seqs: dict[str, int] = {}
+    for g, ln in zip(groups, lens):
+        if ln > 0:
+            tokens[g] = tokens.get(g, 0) + ln
+            seqs[g] = seqs.get(g, 0) + 1
+    for b, (g, ln) in enumerate(zip(groups, lens)):
+        if ln == 0:
+            continue
+        lam = group_weight.get(g, 1.0)
+        w[row_offsets[b]:row_offsets[b + 1]] = lam / tokens[g] if length_norm == "token" else lam / (seqs[g] * ln)
+    return w
+
+
+# ---- the student side -------------------------------------------------------------------
+
+def _parts(model):
+    """(decoder body, LM head) of a causal LM, through a peft wrapper when there is one."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def student_rows(model, packed: Packed, *, fused: bool):
+    """The student's response rows: logits [N, V], or (hidden [N, H], lm_head weight [V, H]) when fused.
+
+    The fused path runs only the decoder body, so [B, L, V] logits are never built.
+    """
+    device = next(model.parameters()).device
+    ids, attn = packed.input_ids_B_L.to(device), packed.attention_B_L.to(device)
+    b, pos = packed.row_b_N.to(device), packed.row_pos_N.to(device)
+    if fused:
+        body, head = _parts(model)
+        hidden_B_L_H = body(input_ids=ids, attention_mask=attn).last_hidden_state
+        return hidden_B_L_H[b, pos], head.weight
+    logits_B_L_V = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    return logits_B_L_V[b, pos]
+
+
+def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:
+    """Student logits [N, V] without grad from either form of `student_rows` (for diagnostics)."""
+    if isinstance(rows, tuple):
+        hidden, weight = rows
+        with torch.no_grad():
+            return torch.cat([hidden[a:a + chunk].detach() @ weight.detach().T
+                              for a in range(0, max(len(hidden), 1), chunk)])[:len(hidden)]
+    return rows.detach()
+
+
+def select_rows(rows, index: torch.Tensor):
+    if isinstance(rows, tuple):
+        return rows[0][index], rows[1]
+    return rows[index]
+
+
+def sft_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Mean cross-entropy of the reference response tokens given their prompts."""
+    packed = pack(prompts, responses, pad_id)
+    logits_N_V = student_rows(model, packed, fused=False).float()
+    return torch.nn.functional.cross_entropy(logits_N_V, packed.targets_N.to(logits_N_V.device))

@@ -1,0 +1,51 @@
+"""`opd train CONFIG.yaml`: on-policy distillation of a student from live teacher servers.
+
+The config (opd/train_config.py) is checked completely before anything loads; every
+teacher is then checked (reachable, same tokenizer as the student) before any compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from opd.config import ConfigError, describe
+from opd.train_config import TrainConfig, load_train_config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("config", type=Path, help="YAML train config (see configs/train_single.yaml)")
+    p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                   help="continue from the latest checkpoint under run.out_dir (or the given checkpoint dir); "
+                        "the first step after resuming has the loss the uninterrupted run had")
+    p.add_argument("--steps", type=int, default=None, help="override run.steps (e.g. to extend a finished run)")
+    p.add_argument("--out-dir", type=Path, default=None, help="override run.out_dir")
+    p.epilog = ("Config keys (YAML; unknown keys are refused with file:line; relative paths are relative "
+                "to the config file):\n\n" + describe(TrainConfig, "  "))
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from opd.trainer import Trainer, TrainError
+
+    try:
+        cfg = load_train_config(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.steps is not None:
+        cfg = replace(cfg, run=replace(cfg.run, steps=args.steps))
+    if args.out_dir is not None:
+        cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
+    try:
+        result = Trainer(cfg, resume=args.resume, base_dir=Path(args.config).resolve().parent).run()
+    except TrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    last = result["evals"][-1] if result["evals"] else {}
+    print(f"done: {result['step']} steps, held-out KL {last.get('eval/kl', float('nan')):.4f}; "
+          f"run directory {result['out_dir']} (card.md, metrics.jsonl, plots/, checkpoints/)")
+    return 0

@@ -1,0 +1,162 @@
+"""The config of `opd train`: one frozen struct per part of the job, loaded from YAML.
+
+    student   what is trained (model dir, dtype, device, full fine-tuning or LoRA)
+    merge     the teachers, the prompt sets and how samples find their teacher
+              (routing/config.py's MergeConfig; a single-teacher run lists one teacher)
+    rollout   how the student samples (engine, temperature, top-p, lengths)
+    loss      what is done with the teacher's answers (normalization, trimming, fused path)
+    optim     AdamW and its schedule, accumulation, micro-batches
+    run       steps, evaluation, checkpoints, seed, output directory, pipelining
+
+Per-teacher loss settings (mode, k, beta, temperature, T^2, weight) live on each teacher
+in `merge.teachers`, because in a merge every teacher may need its own. Relative paths
+(student path, data sets, out_dir) are relative to the config file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from opd.config import field, load_yaml
+from opd.routing.config import MergeConfig
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int = field(16, help="LoRA rank r", min=1)
+    alpha: float = field(32.0, help="LoRA alpha (the update is scaled by alpha / rank)", min=0.0)
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      help="names of the linear layers that get adapters")
+    dropout: float = field(0.0, help="dropout on the adapter input", min=0.0, max=1.0)
+
+
+@dataclass(frozen=True)
+class StudentConfig:
+    path: str = field(help="local model directory of the student (transformers format)")
+    dtype: Literal["float32", "bfloat16", "float16"] = field("float32", help="dtype of the trained weights")
+    device: str = field("cpu", help="torch device of the student, e.g. cpu, cuda, cuda:1")
+    lora: LoraSpec | None = field(None, help="train a peft LoRA adapter instead of every weight (omit: full fine-tuning)")
+    gradient_checkpointing: bool = field(False, help="recompute activations in backward (less memory, slower)")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = field("hf", help="hf: transformers generate on the trained model; "
+                                                     "vllm: a vLLM engine that receives the weights after each step")
+    prompts_per_step: int = field(8, help="prompts drawn per optimizer step", min=1)
+    samples_per_prompt: int = field(1, help="responses sampled per prompt", min=1)
+    temperature: float = field(1.0, help="student sampling temperature (0: greedy)", min=0.0)
+    top_p: float = field(1.0, help="nucleus sampling threshold", min=0.0, max=1.0)
+    max_new_tokens: int = field(64, help="length limit of a response", min=1)
+    batch_size: int = field(64, help="sequences generated together (hf engine)", min=1)
+    vllm_gpu_memory_utilization: float = field(0.3, help="vllm engine: share of GPU memory it may take",
+                                               min=0.01, max=1.0)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    length_norm: Literal["token", "sequence"] = field(
+        "token", help="token: every response token weighs the same; sequence: each response's mean, "
+                      "then the mean over responses (short answers are not drowned by long ones)")
+    trim: Literal["none", "eos", "marker"] = field(
+        "eos", help="drop positions after the answer is complete: eos: after the first EOS; marker: after "
+                    "the first occurrence of answer_end_marker (and after EOS); none: keep all")
+    answer_end_marker: str | None = field(None, help="text that ends an answer (trim: marker), e.g. '</answer>'")
+    fused_linear: bool = field(False, help="compute the loss from hidden states and the LM head weight in "
+                                           "chunks, so the student's [tokens x vocab] logits never exist")
+    impl: Literal["auto", "torch", "triton"] = field("auto", help="kernel implementation passed to opd.kernels")
+    full_dtype: Literal["float32", "bfloat16", "float16"] = field(
+        "float32", help="full mode: dtype of teacher logits on the wire and in memory")
+
+    def __post_init__(self):
+        if self.trim == "marker" and not self.answer_end_marker:
+            raise ValueError("trim: marker needs answer_end_marker")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = field(1e-5, help="peak AdamW learning rate", min=0.0)
+    schedule: Literal["constant", "cosine", "linear"] = field("constant", help="learning-rate schedule after warm-up")
+    warmup_steps: int = field(0, help="linear warm-up steps from 0 to lr", min=0)
+    min_lr_ratio: float = field(0.0, help="cosine/linear: final lr as a fraction of lr", min=0.0, max=1.0)
+    weight_decay: float = field(0.0, help="AdamW weight decay", min=0.0)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], help="AdamW betas")
+    eps: float = field(1e-8, help="AdamW epsilon", min=0.0)
+    grad_clip: float = field(1.0, help="clip the global gradient norm to this (0: no clipping)", min=0.0)
+    grad_accum: int = field(1, help="optimizer steps accumulate this many step batches", min=1)
+    micro_batch_size: int = field(8, help="sequences per forward/backward pass (memory bound); the step's "
+                                          "loss is the same for any value", min=1)
+
+    def __post_init__(self):
+        if len(self.betas) != 2:
+            raise ValueError(f"betas needs two values, got {self.betas}")
+
+
+@dataclass(frozen=True)
+class TeacherClientSettings:
+    connect_timeout_s: float = field(10.0, help="at start: seconds to wait for each teacher's WELCOME before "
+                                                "refusing to train", min=0.1)
+    timeout_s: float = field(60.0, help="seconds to wait for one teacher answer before retrying", min=0.1)
+    retries: int = field(3, help="retries of a failed or timed-out request", min=0)
+    backoff_s: float = field(0.2, help="first retry delay (doubles each retry)", min=0.0)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = field(100, help="optimizer steps", min=1)
+    out_dir: str = field("runs/opd", help="run directory: metrics, plots, checkpoints, card")
+    seed: int = field(0, help="seed of sampling, data order and initialization", min=0)
+    pipeline: bool = field(True, help="sample the next batch and send it to the teachers before training the "
+                                      "current one; its rollouts then come from weights one step old")
+    eval_every: int = field(0, help="evaluate on the held-out prompts every N steps (0: only at start and end)",
+                            min=0)
+    eval_prompts: int = field(16, help="held-out prompts per evaluation (from datasets' eval_path)", min=1)
+    checkpoint_every: int = field(0, help="checkpoint every N steps (0: only at the end)", min=0)
+    keep_checkpoints: int = field(2, help="newest checkpoints kept on disk", min=1)
+    ngram: int = field(4, help="n of the repeated n-gram ratio diagnostic", min=1)
+    lopsided_factor: float = field(3.0, help="warn when a domain's loss share or eval accuracy is this many "
+                                             "times above (or below 1/this of) the median over domains", min=1.01)
+    progress: bool = field(True, help="show a progress bar")
+    on_data_error: Literal["stop", "skip"] = field("stop", help="malformed JSONL lines: stop, or skip and count")
+    tensorboard: bool = field(True, help="also write TensorBoard events when it is installed")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    student: StudentConfig = field(help="the model being trained")
+    merge: MergeConfig = field(help="teachers, prompt sets, routing, SFT mix, domain weights")
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, help="student sampling")
+    loss: LossConfig = field(default_factory=LossConfig, help="normalization, trimming, kernel path")
+    optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer and schedule")
+    teacher_client: TeacherClientSettings = field(default_factory=TeacherClientSettings,
+                                                  help="timeouts and retries towards the teacher servers")
+    run: RunConfig = field(default_factory=RunConfig, help="steps, evaluation, checkpoints, seed, output")
+
+
+def _resolve(base: Path, p: str | None) -> str | None:
+    if p is None:
+        return None
+    q = Path(p).expanduser()
+    return str(q if q.is_absolute() else (base / q))
+
+
+def resolve_paths(cfg: TrainConfig, base_dir: str | Path) -> TrainConfig:
+    """Make every relative path of `cfg` relative to `base_dir` (the config file's folder)."""
+    base = Path(base_dir)
+    merge = cfg.merge
+    merge = replace(
+        merge,
+        datasets=[replace(d, path=_resolve(base, d.path), eval_path=_resolve(base, d.eval_path))
+                  for d in merge.datasets],
+        sft=replace(merge.sft, path=_resolve(base, merge.sft.path)) if merge.sft else None,
+    )
+    return replace(cfg, student=replace(cfg.student, path=_resolve(base, cfg.student.path)), merge=merge,
+                   run=replace(cfg.run, out_dir=_resolve(base, cfg.run.out_dir)))
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    """Load and check a train config; relative paths resolved against the file's folder."""
+    cfg = load_yaml(path, TrainConfig)
+    return resolve_paths(cfg, Path(path).resolve().parent)

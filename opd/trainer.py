@@ -1,0 +1,799 @@
+"""The on-policy distillation loop, top to bottom.
+
+One optimizer step (`Trainer.run`):
+  1. take a batch of prompts (mixture of the domains' prompt sets) and route each to its teacher;
+  2. the student samples responses with its current weights (rollout engine);
+  3. each teacher scores the responses routed to it (top-k, full vocabulary or sampled token),
+     after trimming positions past the answer's end;
+  4. the loss from opd.kernels on response rows only (prompt and padding masked), per-domain
+     weights, optional SFT cross-entropy; backward in micro-batches;
+  5. one optimizer step on the student (the teachers never change), then the rollout engine
+     receives the new weights.
+With `run.pipeline`, step 2 and 3 of the NEXT batch happen before step 4 of the current one,
+so the teachers score while the student trains; that batch's rollouts then come from weights
+one optimizer step old (staleness 1, recorded per step and in the card). Without it every
+batch is sampled from the current weights (staleness 0).
+
+Deviation from the textbook: with `merge.normalize: running_mean`, a domain's multiplier is
+its running mean loss up to the previous step (the current step's loss is only known after
+its backward); the first step uses 1.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from opd import distill
+from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from opd.config import to_dict
+from opd.data import Cycler, Sample, encode_prompt, load_jsonl
+from opd.diagnostics import DomainTally, topk_overlap
+from opd.metrics import MetricsLogger, plot_metrics
+from opd.rollout.base import Rollout, SamplingParams
+from opd.train_config import TrainConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or continue; the message says what to change."""
+
+
+def divergence_words(beta: float) -> str:
+    if beta == 0.0:
+        return "forward KL(teacher || student): mode-covering"
+    if beta == 1.0:
+        return "reverse KL(student || teacher): mode-seeking"
+    return f"generalized JSD with beta={beta:g} (between forward and reverse KL)"
+
+
+# ---- the pieces a step needs ------------------------------------------------------------
+
+@dataclass
+class Route:
+    """Where a sample goes: teacher weights (sum 1), its domain for metrics, and why."""
+    weights: dict[str, float]
+    domain: str
+    rule: str = ""
+    reason: str = ""
+
+
+@dataclass
+class Answer:
+    """One teacher's rows for the sequences it scored, in request order."""
+    topk: object | None            # kernels.TopKTeacher [R, k] (topk / sampled modes)
+    logits: torch.Tensor | None    # [R, V] raw logits (full mode)
+    token_logprob: torch.Tensor    # [R]
+    row_offsets: list[int]         # [B_t + 1]
+    latency_s: float
+
+
+@dataclass
+class Batch:
+    index: int                      # batches drawn so far (the data position)
+    samples: list[Sample]
+    routes: list[Route]             # per prompt
+    rollouts: list[Rollout]         # per sequence, samples_per_prompt per prompt
+    keep: list[int]                 # trimmed response length per sequence
+    policy_version: int             # optimizer steps the sampling weights had taken
+    futures: dict[str, Future] = field(default_factory=dict)
+    members: dict[str, list[int]] = field(default_factory=dict)  # teacher -> sequences it scores
+
+    def route_of(self, seq: int) -> Route:
+        return self.routes[self.rollouts[seq].prompt_index]
+
+    def to_state(self) -> dict:
+        return {"index": self.index, "policy_version": self.policy_version, "keep": self.keep,
+                "samples": [asdict(s) for s in self.samples], "routes": [asdict(r) for r in self.routes],
+                "rollouts": [asdict(r) for r in self.rollouts]}
+
+    @staticmethod
+    def from_state(d: dict) -> "Batch":
+        return Batch(index=d["index"], samples=[Sample(**s) for s in d["samples"]],
+                     routes=[Route(**r) for r in d["routes"]], rollouts=[Rollout(**r) for r in d["rollouts"]],
+                     keep=list(d["keep"]), policy_version=d["policy_version"])
+
+
+def load_student(cfg, seed: int):
+    """(model, tokenizer): full fine-tuning or a fresh peft LoRA adapter, in train mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=TORCH_DTYPES[cfg.dtype]).to(cfg.device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
+                                                 target_modules=list(cfg.lora.target_modules),
+                                                 lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM"))
+        if cfg.gradient_checkpointing:
+            model.enable_input_require_grads()
+    model.train()
+    return model, tokenizer
+
+
+def lr_lambda(optim, steps: int):
+    def f(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - optim.warmup_steps) / max(1, steps - optim.warmup_steps))
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
+        return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * shape
+    return f
+
+
+def connect_teachers(cfg: TrainConfig, student_fingerprint: str, student_path: str) -> dict:
+    """One TeacherClient per teacher, checked before any compute: reachable, same tokenizer,
+    able to answer the configured mode and k. Returns {name: (client, welcome)}."""
+    from opd.teachers.client import TeacherClient, TeacherError
+
+    s = cfg.teacher_client
+    out: dict = {}
+    try:
+        for i, spec in enumerate(cfg.merge.teachers):
+            if spec.curve_server_key:
+                raise TrainError(f"merge.teachers[{i}] ({spec.name}): CURVE needs a client key pair as well; "
+                                 f"opd train does not load one yet, remove curve_server_key or use a tunnel")
+            # A short-lived client with a short timeout answers "reachable?" quickly; the working
+            # client below retries patiently during training.
+            check = TeacherClient(spec.address, timeout_s=s.connect_timeout_s, retries=0, name="opd-train-check")
+            try:
+                welcome = check.info()
+            except TeacherError as e:
+                raise TrainError(f"teacher {spec.name!r} at {spec.address} is unreachable ({e}); start it with "
+                                 f"`opd serve-teacher` or fix merge.teachers[{i}].address "
+                                 f"(waited teacher_client.connect_timeout_s = {s.connect_timeout_s}s)") from None
+            finally:
+                check.close()
+            if welcome.tokenizer_fingerprint != student_fingerprint:
+                raise TrainError(
+                    f"teacher {spec.name!r} at {spec.address} uses tokenizer fingerprint "
+                    f"{welcome.tokenizer_fingerprint}, the student ({student_path}) {student_fingerprint}: "
+                    f"token-level distillation needs one shared vocabulary")
+            wanted = "full" if spec.mode == "full" else "topk"
+            if wanted not in welcome.modes:
+                raise TrainError(f"teacher {spec.name!r} serves modes {welcome.modes}, not {wanted!r} "
+                                 f"(merge.teachers[{i}].mode: {spec.mode})")
+            if spec.mode != "full" and spec.k > welcome.max_k:
+                raise TrainError(f"merge.teachers[{i}].k = {spec.k} exceeds teacher {spec.name!r}'s max_k "
+                                 f"{welcome.max_k}")
+            client = TeacherClient(spec.address, timeout_s=s.timeout_s, retries=s.retries,
+                                   backoff_s=s.backoff_s, name=f"opd-train:{spec.name}")
+            out[spec.name] = (client, client.info())
+    except BaseException:
+        for client, _ in out.values():
+            client.close()
+        raise
+    return out
+
+
+# ---- the trainer ------------------------------------------------------------------------
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, resume: str | Path | bool | None = None, base_dir: str | Path = "."):
+        self.cfg = cfg
+        self.out = Path(cfg.run.out_dir)
+        self.base_dir = Path(base_dir)
+        self.resume = resume
+        self.version = 0          # optimizer steps taken
+        self.step = 0
+        self.batches = 0          # batches drawn
+        self.staleness: list[int] = []
+        self.teacher_samples: dict[str, float] = {t.name: 0.0 for t in cfg.merge.teachers}
+        self.tail_mass: dict[str, list[float]] = {t.name: [] for t in cfg.merge.teachers}
+        self.warnings: list[str] = []
+        self.evals: list[dict] = []
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self) -> None:
+        from opd.fingerprint import model_fingerprint, tokenizer_fingerprint
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.run.seed)
+        self.model, self.tok = load_student(cfg.student, cfg.run.seed)
+        self.student_fp = tokenizer_fingerprint(self.tok)
+        self.student_model_fp = model_fingerprint(cfg.student.path)
+        self.specs = {t.name: t for t in cfg.merge.teachers}
+        # Teachers are checked before the data is read or a single token sampled.
+        self.clients = connect_teachers(cfg, self.student_fp, cfg.student.path)
+        self.pool = ThreadPoolExecutor(max_workers=2 * len(self.specs), thread_name_prefix="teacher-full")
+        self._load_data()
+        self._make_router()
+        self.stop_ids = {self.tok.eos_token_id} - {None}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o, cfg.run.steps))
+        from opd.routing.normalize import DomainLossNormalizer
+
+        self.normalizer = DomainLossNormalizer(cfg.merge.normalize, cfg.merge.normalize_momentum)
+        self.multipliers: dict[str, float] = {}
+        self.pending: Batch | None = None
+        resume_step = self._maybe_resume()
+        self.engine = self._make_engine()
+        self.metrics = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=resume_step)
+        self.verify = _verifier()
+
+    def _load_data(self) -> None:
+        cfg = self.cfg
+        self.datasets: dict[str, list[Sample]] = {}
+        self.eval_sets: dict[str, list[Sample]] = {}
+        self.data_reports = {}
+        for d in cfg.merge.datasets:
+            samples, report = load_jsonl(d.path, on_error=cfg.run.on_data_error, default_domain=d.domain)
+            self.datasets.setdefault(d.domain, []).extend(samples)
+            self.data_reports[d.path] = report
+            if d.eval_path:
+                ev, _ = load_jsonl(d.eval_path, on_error=cfg.run.on_data_error, default_domain=d.domain)
+                self.eval_sets.setdefault(d.domain, []).extend(ev)
+        ratios = {d.domain: d.ratio for d in cfg.merge.datasets}
+        from opd.routing.mixture import MixtureSampler
+
+        self.sampler = MixtureSampler(self.datasets, ratios, seed=cfg.run.seed)
+        self.sft = None
+        if cfg.merge.sft is not None:
+            sft, _ = load_jsonl(cfg.merge.sft.path, on_error=cfg.run.on_data_error)
+            missing = [i for i, s in enumerate(sft) if not s.response]
+            if missing:
+                raise TrainError(f"{cfg.merge.sft.path}: SFT samples need a `response` (sample {missing[0] + 1} has none)")
+            self.sft = Cycler(sft, seed=cfg.run.seed + 1)
+
+    def _make_router(self) -> None:
+        from opd.routing.router import Router
+
+        self.router = Router(self.cfg.merge.routing, self.cfg.merge.teachers, self.base_dir)
+        # Held-out prompts: round-robin over domains, routed once (eval must not shift routing stats).
+        pools = [list(v) for v in self.eval_sets.values()]
+        picked: list[Sample] = []
+        while len(picked) < self.cfg.run.eval_prompts and any(pools):
+            for p in pools:
+                if p and len(picked) < self.cfg.run.eval_prompts:
+                    picked.append(p.pop(0))
+        self.eval_samples = picked
+        self.eval_routes = [self._route(s) for s in picked]
+
+    def _route(self, sample: Sample) -> Route:
+        r = self.router.route(sample)
+        return Route(weights={t: float(w) for t, w in r.weights.items() if w > 0},
+                     domain=r.domain or sample.domain or r.teacher, rule=r.rule, reason=r.reason)
+
+    def _make_engine(self):
+        cfg = self.cfg
+        if cfg.rollout.engine == "vllm":
+            from opd.rollout.vllm import VLLMRolloutEngine
+
+            lora = {"rank": cfg.student.lora.rank} if cfg.student.lora else None
+            engine = VLLMRolloutEngine(cfg.student.path, lora=lora, seed=cfg.run.seed, dtype=cfg.student.dtype,
+                                       gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization)
+            engine.sync_weights(self.model)  # a resumed or LoRA student differs from the directory
+            return engine
+        from opd.rollout.hf import HFRolloutEngine
+
+        return HFRolloutEngine(self.model, self.tok, batch_size=cfg.rollout.batch_size)
+
+    def _maybe_resume(self) -> int | None:
+        if not self.resume:
+            return None
+        ckpt = Path(self.resume) if not isinstance(self.resume, bool) else latest_checkpoint(self.out / "checkpoints")
+        if ckpt is not None and ckpt.name == "checkpoints":
+            ckpt = latest_checkpoint(ckpt)
+        if ckpt is None:
+            raise TrainError(f"--resume: no complete checkpoint under {self.out / 'checkpoints'}")
+        state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.step = self.version = state["step"]
+        self.batches = state["batches"]
+        self.sampler.load_state(state["sampler"])
+        if self.sft is not None and state.get("sft") is not None:
+            self.sft.load_state(state["sft"])
+        self.normalizer.load_state(state["normalizer"])
+        self.multipliers = state["multipliers"]
+        self.staleness = state["staleness"]
+        self.teacher_samples = state["teacher_samples"]
+        self.tail_mass = {k: [v] if v is not None else [] for k, v in state["tail_mass"].items()}
+        if state.get("pending"):
+            self.pending = Batch.from_state(state["pending"])
+        print(f"resumed from {ckpt} at step {self.step}", flush=True)
+        return self.step
+
+    # -- 1-3: a batch, its rollouts, the teachers' answers ----------------------------------
+    def _sample_batch(self) -> Batch:
+        r = self.cfg.rollout
+        samples = self.sampler.sample(r.prompts_per_step)
+        routes = [self._route(s) for s in samples]
+        prompts = [encode_prompt(self.tok, s.prompt) for s in samples]
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches)
+        rollouts = self.engine.generate(prompts, params)
+        batch = Batch(index=self.batches, samples=samples, routes=routes, rollouts=rollouts,
+                      keep=[self._trim(ro.response_ids) for ro in rollouts], policy_version=self.version)
+        self.batches += 1
+        return batch
+
+    def _trim(self, response: list[int]) -> int:
+        loss = self.cfg.loss
+        return distill.trim_length(response, eos_ids=self.stop_ids, trim=loss.trim,
+                                   marker=loss.answer_end_marker, tokenizer=self.tok)
+
+    def _submit(self, batch: Batch) -> Batch:
+        """Send every teacher the sequences routed to it (prompt + trimmed response)."""
+        batch.members = {}
+        for seq in range(len(batch.rollouts)):
+            for t in batch.route_of(seq).weights:
+                batch.members.setdefault(t, []).append(seq)
+        for t, seqs in batch.members.items():
+            ros = [batch.rollouts[i] for i in seqs]
+            sequences = [ro.prompt_ids + ro.response_ids[:batch.keep[i]] for ro, i in zip(ros, seqs)]
+            starts = [len(ro.prompt_ids) for ro in ros]
+            batch.futures[t] = self._request(t, sequences, starts)
+        return batch
+
+    def _request(self, teacher: str, sequences: list[list[int]], starts: list[int]) -> Future:
+        spec, client = self.specs[teacher], self.clients[teacher][0]
+        t0 = time.perf_counter()
+        if spec.mode == "full":
+            def collect() -> Answer:
+                chunks = list(client.score_full(sequences, starts, temperature=spec.temperature,
+                                                dtype=self.cfg.loss.full_dtype))
+                rows = sum(len(s) - st for s, st in zip(sequences, starts))
+                if chunks:
+                    logits = torch.cat([c.logits for c in chunks])
+                    token_lp = torch.cat([c.token_logprob for c in chunks])
+                else:
+                    logits, token_lp = torch.zeros(0, 0), torch.zeros(0)
+                offsets = [0]
+                for s, st in zip(sequences, starts):
+                    offsets.append(offsets[-1] + len(s) - st)
+                assert offsets[-1] == rows == len(token_lp), "teacher returned a wrong number of rows"
+                return Answer(None, logits, token_lp, offsets, time.perf_counter() - t0)
+            return self.pool.submit(collect)
+
+        from opd.kernels import TopKTeacher
+
+        inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature)
+        outer: Future = Future()
+
+        def done(f: Future) -> None:
+            try:
+                r = f.result()
+                outer.set_result(Answer(TopKTeacher(r.ids, r.logprobs, r.tail_logmass), None, r.token_logprob,
+                                        list(r.row_offsets), time.perf_counter() - t0))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting trainer
+                outer.set_exception(e)
+        inner.add_done_callback(done)
+        return outer
+
+    def _answers(self, batch: Batch) -> dict[str, Answer]:
+        from opd.teachers.client import TeacherError
+
+        out = {}
+        for t, fut in batch.futures.items():
+            try:
+                out[t] = fut.result()
+            except TeacherError as e:
+                if e.code == "FINGERPRINT_CHANGED":
+                    raise TrainError(f"teacher {t!r} restarted with a different model; stopping rather than "
+                                     f"mixing two teachers: {e.message}") from None
+                raise TrainError(f"teacher {t!r} at {self.specs[t].address} failed: {e}") from None
+        return out
+
+    # -- 4: the loss ------------------------------------------------------------------------
+    def _loss_rows(self, spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.Tensor):
+        """(loss rows with grad, KL rows for metrics) of one teacher on selected answer rows."""
+        from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
+
+        impl = self.cfg.loss.impl
+        t2 = spec.temperature ** 2 if spec.scale_by_t2 else 1.0
+        if spec.mode == "sampled":
+            logits = rows if not isinstance(rows, tuple) else rows[0] @ rows[1].T
+            student_lp = torch.log_softmax(logits.float() / spec.temperature, -1).gather(
+                -1, targets[:, None].to(logits.device)).squeeze(-1)
+            est = sampled_token_reverse_kl(student_lp, answer.token_logprob[idx].to(student_lp.device))
+            # Policy gradient with advantage -est: d/dθ of est * log p_student(x).
+            return est * student_lp * t2, est
+        if spec.mode == "full":
+            teacher = answer.logits[idx].float()
+        else:
+            t = answer.topk
+            teacher = type(t)(t.ids[idx], t.logprobs[idx], t.tail_logmass[idx])
+        if isinstance(rows, tuple):
+            hidden, weight = rows
+            teacher = teacher.to(hidden.device) if isinstance(teacher, torch.Tensor) else type(teacher)(
+                *(x.to(hidden.device) for x in teacher))
+            if isinstance(teacher, torch.Tensor) and teacher.shape[1] != weight.shape[0]:
+                raise TrainError(f"teacher vocabulary {teacher.shape[1]} != student LM head {weight.shape[0]}")
+            kl = fused_linear_distill_loss(hidden, weight, teacher, beta=spec.beta, temperature=spec.temperature,
+                                           reduction="none", impl=impl)
+        else:
+            teacher = teacher.to(rows.device) if isinstance(teacher, torch.Tensor) else type(teacher)(
+                *(x.to(rows.device) for x in teacher))
+            if isinstance(teacher, torch.Tensor) and teacher.shape[1] != rows.shape[1]:
+                v = min(teacher.shape[1], rows.shape[1])
+                teacher, rows = teacher[:, :v], rows[:, :v]
+            kl = distill_loss(rows, teacher, beta=spec.beta, temperature=spec.temperature, reduction="none",
+                              impl=impl)
+        return kl * t2, kl.detach()
+
+    def _train_batch(self, batch: Batch, answers: dict[str, Answer], scale: float, tally: DomainTally) -> dict:
+        cfg = self.cfg
+        n_seq = len(batch.rollouts)
+        for seq, ro in enumerate(batch.rollouts):
+            tally.add_response(batch.route_of(seq).domain, ro.response_ids, ro.finish_reason)
+        responses = [ro.response_ids[:k] for ro, k in zip(batch.rollouts, batch.keep)]
+        offsets = [0]
+        for r in responses:
+            offsets.append(offsets[-1] + len(r))
+        domains = [batch.route_of(s).domain for s in range(n_seq)]
+        lam = {d: cfg.merge.domain_weights.get(d, 1.0) * self.multipliers.get(d, 1.0) for d in set(domains)}
+        weights_N = distill.row_weights(offsets, domains, lam, cfg.loss.length_norm) * scale
+        # Where each sequence's rows sit in each teacher's answer.
+        where = {t: {seq: answers[t].row_offsets[j] for j, seq in enumerate(seqs)}
+                 for t, seqs in batch.members.items()}
+        domain_loss: dict[str, float] = {}
+        total = 0.0
+        mb = cfg.optim.micro_batch_size
+        for a in range(0, n_seq, mb):
+            seqs = list(range(a, min(a + mb, n_seq)))
+            packed = distill.pack([batch.rollouts[s].prompt_ids for s in seqs], [responses[s] for s in seqs],
+                                  self.tok.pad_token_id)
+            if packed.row_offsets[-1] == 0:
+                continue
+            rows = distill.student_rows(self.model, packed, fused=cfg.loss.fused_linear)
+            device = rows[0].device if isinstance(rows, tuple) else rows.device
+            loss = torch.zeros((), device=device)
+            logits_for_diag = None
+            for t in batch.members:
+                spec = self.specs[t]
+                local, remote, w_rows, row_domain = [], [], [], []
+                for j, s in enumerate(seqs):
+                    w = batch.route_of(s).weights.get(t, 0.0)
+                    if w <= 0 or s not in where[t]:
+                        continue
+                    n = len(responses[s])
+                    local.extend(range(packed.row_offsets[j], packed.row_offsets[j] + n))
+                    remote.extend(range(where[t][s], where[t][s] + n))
+                    w_rows.append(weights_N[offsets[s]:offsets[s] + n] * w * spec.weight)
+                    row_domain += [domains[s]] * n
+                if not local:
+                    continue
+                local_i, remote_i = torch.tensor(local), torch.tensor(remote)
+                sel = distill.select_rows(rows, local_i.to(device))
+                loss_rows, kl_rows = self._loss_rows(spec, sel, answers[t], remote_i, packed.targets_N[local_i])
+                w_cat = torch.cat(w_rows).to(device)
+                loss = loss + (w_cat * loss_rows).sum()
+                # Diagnostics per domain, from the same rows.
+                contrib = (w_cat * loss_rows).detach().cpu()
+                if logits_for_diag is None:
+                    logits_for_diag = distill.rows_logits(rows)
+                overlap = topk_overlap(logits_for_diag[local_i.to(logits_for_diag.device)],
+                                       self._teacher_topk_ids(spec, answers[t], remote_i))
+                tail = answers[t].topk.tail_logmass[remote_i].exp() if answers[t].topk is not None else None
+                if tail is not None:
+                    self.tail_mass[t].append(float(tail.mean()))
+                for d in sorted(set(row_domain)):
+                    m = torch.tensor([x == d for x in row_domain])
+                    tally.add_rows(d, "kl", kl_rows.cpu()[m])
+                    tally.add_rows(d, "topk_overlap", overlap[m])
+                    if tail is not None:
+                        tally.add_rows(d, "teacher_tail_mass", tail[m])
+                    domain_loss[d] = domain_loss.get(d, 0.0) + float(contrib[m].sum()) / max(lam[d], 1e-12)
+                    tally.add_loss(d, float(contrib[m].sum()))
+            loss.backward()
+            total += float(loss.detach())
+        return {"loss": total, "domain_loss": domain_loss}
+
+    def _teacher_topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor:
+        if answer.topk is not None:
+            return answer.topk.ids[idx]
+        return answer.logits[idx].float().topk(min(spec.k, answer.logits.shape[1]), -1).indices
+
+    def _sft_step(self, scale: float) -> float | None:
+        if self.sft is None:
+            return None
+        spec = self.cfg.merge.sft
+        samples = self.sft.take(spec.batch_size)
+        prompts = [encode_prompt(self.tok, s.prompt) for s in samples]
+        eos = [self.tok.eos_token_id] if self.tok.eos_token_id is not None else []
+        responses = [self.tok(s.response, add_special_tokens=False)["input_ids"] + eos for s in samples]
+        ce = distill.sft_loss(self.model, prompts, responses, self.tok.pad_token_id)
+        (spec.lambda_sft * scale * ce).backward()
+        return float(ce.detach())
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> dict:
+        try:
+            self.setup()
+            return self._loop()
+        finally:
+            self.close()
+
+    def _loop(self) -> dict:
+        cfg = self.cfg
+        from tqdm import tqdm
+
+        if self.step == 0:
+            self._evaluate()
+        accum = cfg.optim.grad_accum
+        last_batch = cfg.run.steps * accum
+        if self.pending is not None:
+            self._submit(self.pending)
+        bar = tqdm(total=cfg.run.steps, initial=self.step, disable=not cfg.run.progress, desc="opd train",
+                   dynamic_ncols=True)
+        while self.step < cfg.run.steps:
+            t_step = time.perf_counter()
+            tally = DomainTally()
+            sums = {"loss": 0.0, "tokens": 0, "wait_s": 0.0, "rollout_s": 0.0, "response_tokens": 0, "responses": 0}
+            latencies, stale, domain_loss, sft_losses = [], [], {}, []
+            for _ in range(accum):
+                # 1-2. this batch: sampled before (pipelined) or now, from the current weights.
+                t0 = time.perf_counter()
+                batch = self.pending if self.pending is not None else self._submit(self._sample_batch())
+                self.pending = None
+                # Pipelining: sample the next batch and start its scoring before training this one.
+                # The look-ahead also runs after the last batch (not submitted) so that a run
+                # extended with --resume continues exactly as if it had never stopped.
+                if cfg.run.pipeline:
+                    self.pending = self._sample_batch()
+                    if self.batches <= last_batch:
+                        self._submit(self.pending)
+                sums["rollout_s"] += time.perf_counter() - t0
+                # 3. the teachers' answers.
+                t0 = time.perf_counter()
+                answers = self._answers(batch)
+                sums["wait_s"] += time.perf_counter() - t0
+                latencies += [a.latency_s for a in answers.values()]
+                stale.append(self.version - batch.policy_version)
+                for seq in range(len(batch.rollouts)):
+                    for t, w in batch.route_of(seq).weights.items():
+                        self.teacher_samples[t] = self.teacher_samples.get(t, 0.0) + w
+                # 4. loss and backward, micro-batch by micro-batch.
+                out = self._train_batch(batch, answers, 1.0 / accum, tally)
+                sums["loss"] += out["loss"]
+                sums["tokens"] += sum(batch.keep)
+                sums["response_tokens"] += sum(len(ro.response_ids) for ro in batch.rollouts)
+                sums["responses"] += len(batch.rollouts)
+                for d, v in out["domain_loss"].items():
+                    domain_loss[d] = domain_loss.get(d, 0.0) + v
+                sft = self._sft_step(1.0 / accum)
+                if sft is not None:
+                    sft_losses.append(sft)
+                    sums["loss"] += cfg.merge.sft.lambda_sft * sft / accum
+            # 5. the optimizer step, then the rollout engine gets the new weights.
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
+                                                       else float("inf"))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+            self.step += 1
+            self.engine.sync_weights(self.model)
+            for d, v in domain_loss.items():  # running-mean multipliers for the next step
+                self.multipliers[d] = self.normalizer.scale(d, v)
+            self.staleness += stale
+            elapsed = time.perf_counter() - t_step
+            row = self._step_metrics(sums, tally, latencies, stale, grad_norm, elapsed, sft_losses)
+            self.metrics.log(self.step, row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row.get('kl', float('nan')):.4f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}", teacher_s=f"{row['teacher_latency_s']:.3f}")
+            if (cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0) or self.step == cfg.run.steps:
+                self._checkpoint()
+            if (cfg.run.eval_every and self.step % cfg.run.eval_every == 0) or self.step == cfg.run.steps:
+                self._evaluate()
+        bar.close()
+        plot_metrics(self.out, {"loss": ["loss", "sft_loss"], "kl": ["kl", "eval/kl"],
+                                "response_length": ["response_len", "eval/response_len"],
+                                "eval_accuracy": ["eval/accuracy"]})
+        self._write_card()
+        return {"step": self.step, "evals": self.evals, "out_dir": str(self.out)}
+
+    def _step_metrics(self, sums, tally: DomainTally, latencies, stale, grad_norm, elapsed, sft_losses) -> dict:
+        cfg = self.cfg
+        row = {"loss": sums["loss"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+               "tokens": sums["tokens"], "tokens_per_s": sums["tokens"] / max(elapsed, 1e-9),
+               "step_s": elapsed, "rollout_s": sums["rollout_s"], "teacher_wait_s": sums["wait_s"],
+               "teacher_latency_s": sum(latencies) / max(len(latencies), 1),
+               "staleness": sum(stale) / len(stale)}
+        kl = tally.row_mean("kl")
+        if kl is not None:
+            row["kl"] = kl
+        tail = tally.row_mean("teacher_tail_mass")
+        if tail is not None:
+            row["teacher_tail_mass"] = tail
+        if sft_losses:
+            row["sft_loss"] = sum(sft_losses) / len(sft_losses)
+        diag = tally.metrics(self.stop_ids, cfg.run.ngram)
+        row.update(diag)
+        domains = sorted({k.split("/")[1] for k in diag})
+        for d in domains:
+            if f"diag/{d}/kl" in diag:
+                row[f"kl/{d}"] = diag[f"diag/{d}/kl"]
+        row["response_len"] = sums["response_tokens"] / max(sums["responses"], 1)
+        self._warn_lopsided({d: diag.get(f"diag/{d}/loss_share") for d in domains}, "loss share")
+        return row
+
+    def _warn_lopsided(self, values: dict, what: str) -> None:
+        from opd.routing.normalize import lopsided
+
+        for d in lopsided({k: v for k, v in values.items() if v is not None}, self.cfg.run.lopsided_factor):
+            msg = (f"step {self.step}: domain {d!r} {what} {values[d]:.3g} is far from the other domains' "
+                   f"({', '.join(f'{k}: {v:.3g}' for k, v in values.items() if v is not None)}); "
+                   f"the student may be becoming lopsided (merge.domain_weights / merge.normalize)")
+            self.warnings.append(msg)
+            print("warning:", msg, flush=True)
+
+    # -- evaluation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def _evaluate(self) -> dict | None:
+        """Held-out KL to each sample's teacher (the training divergence, no T^2) and accuracy."""
+        if not self.eval_samples:
+            return None
+        from opd.kernels import distill_loss
+
+        r = self.cfg.rollout
+        prompts = [encode_prompt(self.tok, s.prompt) for s in self.eval_samples]
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                n=1, seed=self.cfg.run.seed + 12_345)
+        rollouts = self.engine.generate(prompts, params)
+        keep = [self._trim(ro.response_ids) for ro in rollouts]
+        batch = Batch(index=-1, samples=self.eval_samples, routes=self.eval_routes, rollouts=rollouts,
+                      keep=keep, policy_version=self.version)
+        answers = self._answers(self._submit(batch))
+        tally = DomainTally()
+        accuracy: dict[str, list[float]] = {}
+        for i, (s, ro) in enumerate(zip(self.eval_samples, rollouts)):
+            d = self.eval_routes[i].domain
+            tally.add_response(d, ro.response_ids, ro.finish_reason)
+            if self.verify is not None:
+                text = self.tok.decode(ro.response_ids, skip_special_tokens=True)
+                v = self.verify(s, text)
+                if v is not None:
+                    accuracy.setdefault(d, []).append(float(v))
+        was = self.model.training
+        self.model.eval()
+        for t, seqs in batch.members.items():
+            spec, ans = self.specs[t], answers[t]
+            for j, s in enumerate(seqs):
+                n = keep[s]
+                if n == 0:
+                    continue
+                packed = distill.pack([rollouts[s].prompt_ids], [rollouts[s].response_ids[:n]], self.tok.pad_token_id)
+                logits = distill.student_rows(self.model, packed, fused=False).float()
+                idx = torch.arange(ans.row_offsets[j], ans.row_offsets[j] + n)
+                teacher = ans.logits[idx].float().to(logits.device) if ans.topk is None else \
+                    type(ans.topk)(*(x[idx].to(logits.device) for x in ans.topk))
+                if isinstance(teacher, torch.Tensor) and teacher.shape[1] != logits.shape[1]:
+                    v = min(teacher.shape[1], logits.shape[1])
+                    teacher, logits = teacher[:, :v], logits[:, :v]
+                kl = distill_loss(logits, teacher, beta=spec.beta, temperature=spec.temperature, reduction="none")
+                d = self.eval_routes[rollouts[s].prompt_index].domain
+                tally.add_rows(d, "kl", kl)
+                tally.add_rows(d, "topk_overlap", topk_overlap(logits, self._teacher_topk_ids(spec, ans, idx)))
+        self.model.train(was)
+        diag = tally.metrics(self.stop_ids, self.cfg.run.ngram, prefix="eval")
+        row = {k: v for k, v in diag.items() if not k.endswith("loss_share")}
+        kl = tally.row_mean("kl")
+        if kl is not None:
+            row["eval/kl"] = kl
+        for d in {k.split("/")[1] for k in diag}:
+            if f"eval/{d}/kl" in diag:
+                row[f"eval/kl/{d}"] = diag[f"eval/{d}/kl"]
+        lens = [ro.response_ids for ro in rollouts]
+        row["eval/response_len"] = sum(map(len, lens)) / len(lens)
+        if accuracy:
+            row["eval/accuracy"] = sum(sum(v) for v in accuracy.values()) / sum(len(v) for v in accuracy.values())
+            for d, v in accuracy.items():
+                row[f"eval/accuracy/{d}"] = sum(v) / len(v)
+            if len(accuracy) > 1:
+                self._warn_lopsided({d: row[f"eval/accuracy/{d}"] for d in accuracy}, "eval accuracy")
+        self.metrics.log(self.step, row)
+        self.evals.append({"step": self.step, **row})
+        return row
+
+    # -- checkpoint and card ----------------------------------------------------------------
+    def _checkpoint(self) -> Path:
+        state = {"batches": self.batches, "sampler": self.sampler.state(),
+                 "sft": self.sft.state() if self.sft is not None else None,
+                 "normalizer": self.normalizer.state(), "multipliers": self.multipliers,
+                 "staleness": self.staleness, "teacher_samples": self.teacher_samples,
+                 "tail_mass": {t: (sum(v) / len(v) if v else None) for t, v in self.tail_mass.items()},
+                 "pending": self.pending.to_state() if self.pending is not None else None,
+                 "config": to_dict(self.cfg)}
+        return save_checkpoint(self.out / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
+                               scheduler=self.scheduler, state=state, keep=self.cfg.run.keep_checkpoints)
+
+    def _write_card(self) -> None:
+        from opd.card import write_card
+
+        cfg = self.cfg
+        total = sum(self.teacher_samples.values()) or 1.0
+        teachers = {}
+        for t in cfg.merge.teachers:
+            w = self.clients[t.name][1]
+            tail = self.tail_mass.get(t.name) or []
+            teachers[t.name] = {
+                "address": t.address, "model": w.model_id, "model_fingerprint": w.model_fingerprint,
+                "tokenizer_fingerprint": w.tokenizer_fingerprint, "domains": t.domains,
+                "scoring": (f"full vocabulary ({cfg.loss.full_dtype} logits)" if t.mode == "full" else
+                            f"top-k, k={t.k}" if t.mode == "topk" else
+                            f"sampled token (reverse-KL advantage), top-{t.k} for diagnostics"),
+                "mean_teacher_tail_mass": (sum(tail) / len(tail)) if tail and t.mode != "full" else
+                ("0 (full vocabulary)" if t.mode == "full" else "not measured"),
+                "temperature": t.temperature, "divergence": divergence_words(t.beta), "beta": t.beta,
+                "t2_scaling": t.scale_by_t2, "loss_weight": t.weight,
+                "sample_share": self.teacher_samples.get(t.name, 0.0) / total,
+            }
+        st = self.staleness or [0]
+        lora = cfg.student.lora
+        facts = {
+            "student": {"path": cfg.student.path, "model_fingerprint": self.student_model_fp,
+                        "tokenizer_fingerprint": self.student_fp, "dtype": cfg.student.dtype,
+                        "training": (f"LoRA r={lora.rank} alpha={lora.alpha} on {', '.join(lora.target_modules)} "
+                                     f"dropout={lora.dropout} (checkpoints hold the adapter alone)")
+                        if lora else "full fine-tuning",
+                        "trained_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad)},
+            **{f"teacher {k}": v for k, v in teachers.items()},
+            "trajectories": {
+                "source": f"sampled by the student being trained ({cfg.rollout.engine} engine)",
+                "pipelined": cfg.run.pipeline,
+                "staleness": (f"mean {sum(st) / len(st):.3g}, max {max(st)} optimizer steps between the sampling "
+                              f"weights and the trained weights"),
+                "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                "max_new_tokens": cfg.rollout.max_new_tokens, "samples_per_prompt": cfg.rollout.samples_per_prompt,
+                "trimming": cfg.loss.trim + (f" (marker {cfg.loss.answer_end_marker!r})" if cfg.loss.trim == "marker"
+                                             else ""),
+            },
+            "objective": {
+                "loss": "sum_d lambda_d * L_OPD^d + lambda_sft * L_SFT",
+                "length_normalization": f"per {cfg.loss.length_norm}",
+                "domain_weights": cfg.merge.domain_weights, "domain_normalization": cfg.merge.normalize,
+                "sft_mix": (f"lambda_sft={cfg.merge.sft.lambda_sft} on {cfg.merge.sft.path} "
+                            f"({cfg.merge.sft.batch_size} per step)") if cfg.merge.sft else "none",
+                "fused_linear": cfg.loss.fused_linear,
+            },
+            "data": {"ratios": {d.domain: d.ratio for d in cfg.merge.datasets},
+                     "prompts": {d: len(v) for d, v in self.datasets.items()},
+                     "eval_prompts": len(self.eval_samples), "routing_rules": [r.kind for r in cfg.merge.routing.rules]
+                     or ["single teacher"]},
+            "run": {"steps": self.step, "seed": cfg.run.seed, "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
+                    "prompts_per_step": cfg.rollout.prompts_per_step, "grad_accum": cfg.optim.grad_accum,
+                    "eval_kl_first": self.evals[0].get("eval/kl") if self.evals else None,
+                    "eval_kl_last": self.evals[-1].get("eval/kl") if self.evals else None,
+                    "warnings": self.warnings[-5:]},
+        }
+        write_card(self.out, "On-policy distillation run", facts)
+
+    def close(self) -> None:
+        for obj in ("engine",):
+            if hasattr(self, obj):
+                getattr(self, obj).close()
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+        if hasattr(self, "pool"):
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        for client, _ in getattr(self, "clients", {}).values():
+            client.close()
+
+
+def _verifier():
+    """`opd.rl.rewards.verify(sample, text) -> float | None` when that module provides it."""
+    try:
+        from opd.rl.rewards import verify
+    except ImportError:
+        return None
+    return verify
