@@ -127,13 +127,17 @@ class RayCluster:
         return self._groups[name]
 
     def teacher_pool(self, name: str, **client_kwargs):
-        """A client with TeacherClient's API that balances over the replicas of `name`."""
+        """A client with TeacherClient's API that balances over the replicas of `name`.
+
+        `client_kwargs` go to ReplicaPool (timeout_s, retries, backoff_s, heartbeat_s, curve, name);
+        timeout_s and recheck_s default to this config's request_timeout_s and recheck_s.
+        """
         from opd.cluster_pool import ReplicaPool
 
         if name not in self._pools:
             group = self.teacher_group(name)
-            self._pools[name] = ReplicaPool(group.addresses, timeout_s=self.cfg.request_timeout_s,
-                                            recheck_s=self.cfg.recheck_s, **client_kwargs)
+            kwargs = {"timeout_s": self.cfg.request_timeout_s, "recheck_s": self.cfg.recheck_s, **client_kwargs}
+            self._pools[name] = ReplicaPool(group.addresses, **kwargs)
         return self._pools[name]
 
     def data_parallel(self, model_dir: str, **kwargs):

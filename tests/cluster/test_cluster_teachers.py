@@ -7,9 +7,8 @@ import time
 import pytest
 import torch
 
-from opd.cluster import TeacherReplicas
+from opd.cluster import ClusterConfig, RayCluster, TeacherReplicas
 from opd.cluster_pool import FingerprintMismatch, ReplicaPool
-from opd.cluster_teachers import TeacherGroup
 from opd.teachers.launch import start_server_process
 
 SEQS = [[5, 17, 99, 3, 42, 7, 8], [120, 4, 9, 11, 250]]
@@ -18,12 +17,17 @@ K = 4
 
 
 @pytest.fixture(scope="module")
-def group(ray_cluster, tiny_model_dir):
+def cluster(ray_cluster, tiny_model_dir):
     spec = TeacherReplicas(name="tiny", model=str(tiny_model_dir), replicas=2, num_cpus=0.5,
                            serve_args=["--max-k", "8"], startup_timeout_s=120, max_restarts=3)
-    g = TeacherGroup.start(spec, bind="auto")
-    yield g
-    g.shutdown()
+    c = RayCluster.start(ClusterConfig(mode="ray", teachers=[spec], request_timeout_s=20, recheck_s=0.2))
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group(cluster):
+    return cluster.teacher_group("tiny")
 
 
 def _same(a, b) -> None:
@@ -36,12 +40,12 @@ def _requests(pool) -> dict[str, int]:
     return {s["address"]: s["requests"] for s in pool.replica_stats()}
 
 
-def test_two_replicas_share_the_load_fail_over_and_come_back(group):
+def test_two_replicas_share_the_load_fail_over_and_come_back(cluster, group):
     infos = group.infos()
     assert len({i["address"] for i in infos}) == 2 and all(i["address"].startswith("tcp://127.0.0.1:") for i in infos)
     assert len({(i["model_fingerprint"], i["tokenizer_fingerprint"]) for i in infos}) == 1
 
-    with ReplicaPool(group.addresses, timeout_s=20, heartbeat_s=0.3, recheck_s=0.2) as pool:
+    with cluster.teacher_pool("tiny", heartbeat_s=0.3) as pool:
         assert pool.info().teacher == "tiny" and pool.info().model_fingerprint == infos[0]["model_fingerprint"]
         ref = pool.score_topk(SEQS, STARTS, K)
         assert ref.ids.shape == (sum(len(s) - st for s, st in zip(SEQS, STARTS)), K)

@@ -1,0 +1,31 @@
+"""The cluster config: the shipped example loads, and bad values are refused with their key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opd.cluster import ClusterConfig, RayCluster
+from opd.config import ConfigError, from_dict, load_yaml
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "cluster_ray.yaml"
+
+
+def test_example_config_loads():
+    cfg = load_yaml(EXAMPLE, ClusterConfig)
+    assert cfg.mode == "ray" and cfg.address == "auto"
+    assert [(t.name, t.replicas, t.num_gpus) for t in cfg.teachers] == [("math", 2, 1.0), ("code", 1, 1.0)]
+    assert cfg.teacher("math").serve_args[:2] == ["--max-k", "64"]
+    assert cfg.student.num_workers == 2 and cfg.student.backend == "auto"
+
+
+def test_bad_cluster_configs_are_refused():
+    with pytest.raises(ConfigError, match="student.num_workers"):
+        from_dict({"mode": "ray", "student": {"num_workers": 0}}, ClusterConfig)
+    with pytest.raises(ConfigError, match="unknown key 'teachers\\[0\\].gpus'"):
+        from_dict({"teachers": [{"name": "a", "model": "m", "gpus": 1}]}, ClusterConfig)
+    with pytest.raises(ConfigError, match="unique"):
+        from_dict({"teachers": [{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]}, ClusterConfig)
+    with pytest.raises(ValueError, match="mode: ray"):
+        RayCluster.start(ClusterConfig())
