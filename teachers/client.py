@@ -43,8 +43,8 @@ class TeacherError(Exception):
     """A request that failed for good. `code` is an ErrorCode value or TIMEOUT / FINGERPRINT_CHANGED / CLOSED."""
 
     def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
         self.code = code.value if isinstance(code, ErrorCode) else str(code)
+        super().__init__(f"{self.code}: {message}")
         self.message = message
 
 
@@ -104,12 +104,13 @@ def _as_curve(curve) -> tuple[bytes, bytes, bytes] | None:
 
 class TeacherClient:
     def __init__(self, address: str, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.2,
-                 curve=None, heartbeat_s: float = 1.0, name: str = "opd",
+                 max_backoff_s: float = 5.0, curve=None, heartbeat_s: float = 1.0, name: str = "opd",
                  protocol_version: tuple[int, int] = PROTOCOL_VERSION):
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         self.heartbeat_s = heartbeat_s
         self.name = name
         self.protocol_version = tuple(protocol_version)
@@ -384,7 +385,8 @@ class TeacherClient:
         elif isinstance(msg, Error):
             if msg.code in RETRYABLE and call.attempts < self.retries:
                 call.attempts += 1
-                call.retry_at = now + self.backoff_s * 2 ** (call.attempts - 1) * (0.5 + random.random())
+                delay = min(self.backoff_s * 2 ** (call.attempts - 1), self.max_backoff_s)
+                call.retry_at = now + delay * (0.5 + random.random())  # jitter: retries do not arrive in step
             else:
                 self._fail(call, TeacherError(msg.code, msg.message))
 

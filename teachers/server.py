@@ -58,6 +58,7 @@ class _Job:
     arrived: float
     credit: int = 0                       # full mode: CHUNKs the worker may still send
     cancelled: bool = False
+    cancel_code: ErrorCode = ErrorCode.CANCELLED   # SHUTTING_DOWN when the server quits first
     started: float = 0.0
     stream: object = None                 # full mode: the backend's chunk iterator
     chunks_sent: int = 0
@@ -97,7 +98,7 @@ class TeacherServer:
             self.router.curve_server = True
             self.router.curve_secretkey = curve_secret_key
             self.router.curve_publickey = curve_public_key
-        self.router.bind(bind)
+        self._bind(bind)
         self.address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         pipe = _PIPE.format(id(self))
         self.pipe = self.ctx.socket(zmq.PAIR)
@@ -113,6 +114,18 @@ class TeacherServer:
         self.stats = collections.Counter()
         self._worker = threading.Thread(target=self._worker_loop, args=(pipe,), name="teacher-worker", daemon=True)
         self._worker.start()
+
+    def _bind(self, address: str, wait_s: float = 3.0) -> None:
+        # A server restarted on the same port in one process may find the old listener
+        # still closing (zmq closes sockets asynchronously): wait for it briefly.
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.router.bind(address)
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     # ---- control -------------------------------------------------------------------------
 
@@ -287,7 +300,7 @@ class TeacherServer:
         with self._cv:
             self._stop_worker = True
             for job in self._jobs.values():
-                job.cancelled = True
+                job.cancelled, job.cancel_code = True, ErrorCode.SHUTTING_DOWN
             self._cv.notify()
         self._worker.join(timeout=30)
         self._forward(1 << 30)
@@ -362,6 +375,10 @@ class TeacherServer:
         log.exception("backend failed on request %d", job.req.request_id)
         self._done(out, job, error(job.req.request_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:1000]))
 
+    def _cancelled(self, job: _Job):
+        why = "server shut down before finishing" if job.cancel_code == ErrorCode.SHUTTING_DOWN else "cancelled"
+        return error(job.req.request_id, job.cancel_code, why)
+
     def _compute_topk(self, out, group: list[_Job]) -> None:
         started = time.monotonic()
         for job in group:
@@ -375,7 +392,7 @@ class TeacherServer:
             answers, live = [], []
         for job in group:
             if job.cancelled:
-                self._done(out, job, error(job.req.request_id, ErrorCode.CANCELLED, "cancelled"))
+                self._done(out, job, self._cancelled(job))
         for job, ans in zip(live, answers):
             out.send_multipart([job.peer, *encode(TopK(request_id=job.req.request_id,
                                                        row_offsets=job.req.row_offsets()), tuple(ans))], copy=False)
@@ -385,7 +402,7 @@ class TeacherServer:
         rid = job.req.request_id
         if job.cancelled:
             job.stream = None
-            return self._done(out, job, error(rid, ErrorCode.CANCELLED, "cancelled"))
+            return self._done(out, job, self._cancelled(job))
         try:
             if start:
                 job.started = time.monotonic()

@@ -1,0 +1,184 @@
+"""Client behaviour against in-process servers over real TCP: BUSY and retries, timeouts,
+reconnection to a restarted teacher, a changed fingerprint, CURVE, and the CLI's guards."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from conftest import free_port
+from opd.teachers.client import TeacherClient, TeacherError
+from opd.teachers.protocol import Done, Error, ErrorCode, Score, TopK, decode, encode
+from opd.teachers.server import ServerLimits, TeacherServer
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_teacher_dir):
+    from opd.teachers.hf_backend import HFBackend
+
+    return HFBackend(tiny_teacher_dir, name="teacher", max_k=16)
+
+
+@pytest.fixture(scope="module")
+def other_teacher(tiny_model_dir):
+    from opd.teachers.hf_backend import HFBackend
+
+    return HFBackend(tiny_model_dir, name="other", max_k=16)
+
+
+@contextlib.contextmanager
+def running(backend, bind="tcp://127.0.0.1:*", **kwargs):
+    server = TeacherServer(backend, bind, **kwargs)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
+SEQS = [[10, 20, 30, 40, 50, 60], [7, 8, 9]]
+STARTS = [2, 1]
+
+
+def test_busy_past_inflight_budget_then_client_retries(teacher):
+    limits = ServerLimits(max_tokens_per_request=64, max_inflight_tokens=64)
+    seq = (np.arange(60) % 200).astype("<i4")
+    with running(teacher, limits=limits) as server:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        for rid in range(6):  # 6 x 60 tokens against a budget of 64, sent without waiting
+            sock.send_multipart(encode(Score(request_id=rid, mode="topk", response_starts=[1], k=4),
+                                       (seq, np.array([0, 60], dtype="<i4"))))
+        outcome = {}
+        while len(outcome) < 6:
+            assert sock.poll(10_000)
+            msg, _ = decode(sock.recv_multipart())
+            if isinstance(msg, Error):
+                assert msg.code == ErrorCode.BUSY and msg.retryable
+                outcome[msg.request_id] = "busy"
+            elif isinstance(msg, Done):
+                outcome[msg.request_id] = "done"
+        sock.close()
+        assert "busy" in outcome.values() and "done" in outcome.values()
+        assert server.stats["busy"] == list(outcome.values()).count("busy")
+
+        with TeacherClient(server.address, retries=50, backoff_s=0.005, max_backoff_s=0.05) as client:
+            want = client.score_topk([seq.tolist()], [1], k=4)
+            futures = [client.submit_topk([seq.tolist()], [1], k=4) for _ in range(6)]
+            for f in futures:
+                got = f.result(timeout=60)
+                assert torch.equal(got.ids, want.ids)
+                torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-6, rtol=0)
+
+
+def test_timeout_when_nobody_answers():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with TeacherClient(address, timeout_s=0.3, retries=1, heartbeat_s=0.1) as client:
+        t0 = time.monotonic()
+        with pytest.raises(TeacherError) as e:
+            client.info()
+        assert e.value.code == "TIMEOUT" and address in e.value.message
+        assert time.monotonic() - t0 < 5
+
+
+def test_restart_same_teacher_is_transparent_other_teacher_is_refused(teacher, other_teacher):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with TeacherClient(address, timeout_s=5, heartbeat_s=0.2) as client:
+        with running(teacher, address):
+            first = client.score_topk(SEQS, STARTS, k=4)
+        with running(teacher, address):        # same model again: the client carries on
+            time.sleep(0.3)
+            again = client.score_topk(SEQS, STARTS, k=4)
+            assert torch.equal(first.ids, again.ids)
+        with running(other_teacher, address):  # another model: refuse rather than mix teachers
+            time.sleep(0.3)
+            with pytest.raises(TeacherError) as e:
+                client.score_topk(SEQS, STARTS, k=4)
+    assert e.value.code == "FINGERPRINT_CHANGED"
+    assert teacher.model_fingerprint in e.value.message and other_teacher.model_fingerprint in e.value.message
+
+
+def test_server_dies_mid_stream_client_resumes_on_restart(teacher):
+    """The server goes away after the first chunk; the restarted one finishes the stream and
+    the caller sees every row exactly once."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    seq = list(range(1, 41))
+    with TeacherClient(address, timeout_s=5, heartbeat_s=0.2, retries=5) as client:
+        with running(teacher, address, limits=ServerLimits(drain_timeout_s=0.2)):  # dies with work in flight
+            want = torch.cat([c.logits for c in client.score_full([seq], [1], chunk_rows=8, window=1)])
+            stream = client.score_full([seq], [1], chunk_rows=8, window=1)
+            chunks = [next(stream)]
+        with running(teacher, address):
+            chunks += list(stream)
+    assert [c.row_start for c in chunks] == [0, 8, 16, 24, 32]
+    torch.testing.assert_close(torch.cat([c.logits for c in chunks]), want, atol=0, rtol=0)
+
+
+def test_curve_admits_allowed_keys_only(teacher, tmp_path):
+    from opd.teachers.keys import generate, load_allow_list, load_keypair
+
+    server_pub, server_sec = generate(tmp_path / "keys", "server")
+    ok_pub, ok_sec = generate(tmp_path / "clients", "trainer")
+    _, bad_sec = generate(tmp_path / "other", "intruder")
+    public, secret = load_keypair(server_sec)
+    ctx = zmq.Context()  # its own context: the ZAP handler must not see other tests' sockets
+    with running(teacher, curve_secret_key=secret, curve_public_key=public,
+                 curve_allow=load_allow_list(tmp_path / "clients"), context=ctx) as server:
+        with TeacherClient(server.address, timeout_s=5, curve=(ok_sec, server_pub)) as client:
+            r = client.score_topk(SEQS, STARTS, k=4)
+            assert r.ids.shape == (6, 4) and r.row_offsets == [0, 4, 6]
+        for curve in [(bad_sec, server_pub), None]:
+            with TeacherClient(server.address, timeout_s=0.5, retries=0, heartbeat_s=0.2, curve=curve) as client:
+                with pytest.raises(TeacherError) as e:
+                    client.info()
+                assert e.value.code == "TIMEOUT"
+    ctx.term()
+
+
+def test_non_loopback_bind_needs_curve_or_insecure(tiny_teacher_dir, capsys):
+    from opd.cli import main
+    from opd.teachers.serve import check_bind
+
+    code = main(["serve-teacher", "--model", str(tiny_teacher_dir), "--bind", f"tcp://0.0.0.0:{free_port()}"])
+    assert code == 2 and "--insecure" in capsys.readouterr().err
+    assert check_bind("tcp://0.0.0.0:5555", curve=False, insecure=True) is None
+    assert "WITHOUT authentication" in capsys.readouterr().err
+    assert check_bind("tcp://10.1.2.3:5555", curve=True, insecure=False) is None
+    assert check_bind("tcp://127.0.0.1:5555", curve=False, insecure=False) is None
+    assert check_bind("tcp://[::1]:5555", curve=False, insecure=False) is None
+
+
+def test_help_lists_every_option(tmp_path):
+    from opd.teachers import keys, serve
+
+    for argv, module in [(["serve-teacher", "--help"], serve), (["keys", "generate", "--help"], None)]:
+        out = subprocess.run([sys.executable, "-m", "opd.cli", *argv], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        if module is not None:
+            parser = argparse.ArgumentParser()
+            module.add_arguments(parser)
+            options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+            assert len(options) >= 17
+            for option in options:
+                assert option in out.stdout, option
+    for option in ("--out", "--name", "--force"):
+        assert option in out.stdout
+    from opd.cli import main
+
+    assert main(["keys", "generate", "--out", str(tmp_path), "--name", "t"]) == 0
+    assert (tmp_path / "t.key").is_file() and (tmp_path / "t.key_secret").stat().st_mode & 0o077 == 0
+    with pytest.raises(FileExistsError):
+        keys.generate(tmp_path, "t")
