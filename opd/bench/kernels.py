@@ -1,0 +1,247 @@
+"""`opd bench kernels`: distillation losses, forward + backward: extra peak memory and time.
+
+Providers side by side: the naive reference (kernels/reference.py), this project's
+implementation (impl="auto": chunked PyTorch on CPU, Triton on CUDA) and, when
+`liger_kernel` is importable, Liger-Kernel's JSD / fused linear JSD (a benchmark extra).
+
+Every (case, provider) runs in its own subprocess so peak memory is honest: on CPU the
+peak RSS is reset after the inputs exist (/proc/self/clear_refs, falling back to
+ru_maxrss) and `peak_extra_bytes` = peak RSS during the runs - RSS with only the inputs;
+on CUDA it is torch.cuda.max_memory_allocated over the inputs. The gradient itself counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+# name -> (fused, teacher kind, beta, N, V, H)
+CASES = {
+    "kl_full": (False, "full", 0.0, 2048, 152064, 0),
+    "jsd_full": (False, "full", 0.5, 2048, 152064, 0),
+    "kl_topk": (False, "topk", 0.0, 2048, 152064, 0),
+    "fused_kl_full": (True, "full", 0.0, 2048, 152064, 1024),
+    "fused_kl_topk": (True, "topk", 0.0, 2048, 152064, 1024),
+}
+QUICK = dict(N=64, V=4096, H=64)
+TOPK = 64
+PROVIDERS = ("reference", "opd", "liger")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", default=None, help="write the rows to this JSON file")
+    parser.add_argument("--cases", nargs="+", default=["kl_full", "fused_kl_full"], choices=sorted(CASES),
+                        help="cases to run")
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--quick", action="store_true", help=f"small shapes {QUICK} (smoke test)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
+    parser.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per (case, provider)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+
+
+def _liger_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def _spec(case: str, quick: bool) -> dict:
+    fused, teacher, beta, n, v, h = CASES[case]
+    if quick:
+        n, v, h = QUICK["N"], QUICK["V"], QUICK["H"] if fused else 0
+    return dict(case=case, fused=fused, teacher=teacher, beta=beta, N=n, V=v, H=h)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        print(json.dumps(_worker(json.loads(args.worker))), flush=True)
+        return 0
+    device = args.device
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for case in args.cases:
+        for provider in args.providers:
+            if provider == "liger" and not _liger_available():
+                continue
+            spec = dict(_spec(case, args.quick), provider=provider, dtype=args.dtype,
+                        repeats=args.repeats, device=device, warmup=args.quick)
+            rows.append(_in_subprocess(spec, args.timeout))
+            _print_row(rows[-1], header=len(rows) == 1)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if not _liger_available() and "liger" in args.providers:
+        print("(liger_kernel not importable: Liger rows skipped; pip install 'opd[bench]')")
+    return 0
+
+
+def _in_subprocess(spec: dict, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "opd.bench.kernels", "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return _row(spec, error=f"timeout after {timeout:.0f} s")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return _row(spec, error=f"exit {proc.returncode}: {tail[0][:200]}")
+    return json.loads(lines[-1])
+
+
+def _row(spec: dict, peak: int | None = None, times: list[float] | None = None, error: str | None = None):
+    from opd.kernels.loss import divergence_name
+    return {"case": spec["case"], "impl": spec["provider"], "divergence": divergence_name(spec["beta"]),
+            "teacher": spec["teacher"], "fused": spec["fused"], "N": spec["N"], "V": spec["V"],
+            "H": spec["H"], "dtype": spec["dtype"], "device": spec["device"],
+            "peak_extra_bytes": peak, "median_ms": statistics.median(times) * 1e3 if times else None,
+            "runs": len(times or []), "error": error}
+
+
+def _print_row(row: dict, header: bool) -> None:
+    if header:
+        print(f"{'case':<15}{'impl':<11}{'div':<12}{'N':>6}{'V':>8}{'H':>6} {'dtype':<9}"
+              f"{'peak extra MB':>14}{'median ms':>11}")
+    peak = "-" if row["peak_extra_bytes"] is None else f"{row['peak_extra_bytes'] / 2**20:.0f}"
+    ms = "-" if row["median_ms"] is None else f"{row['median_ms']:.0f}"
+    print(f"{row['case']:<15}{row['impl']:<11}{row['divergence']:<12}{row['N']:>6}{row['V']:>8}"
+          f"{row['H']:>6} {row['dtype']:<9}{peak:>14}{ms:>11}" + (f"  {row['error']}" if row["error"] else ""),
+          flush=True)
+
+
+# ---- worker (one subprocess per case and provider) -------------------------------------
+
+def _rss_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")   # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _inputs(spec: dict, torch, device):
+    """Inputs built in place (no temporaries), so the baseline RSS is the inputs only."""
+    from opd.kernels import TopKTeacher
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dtype = getattr(torch, spec["dtype"])
+    n, v, h = spec["N"], spec["V"], spec["H"]
+
+    def randn(*shape, scale=1.0):
+        t = torch.empty(*shape, dtype=torch.float32)
+        t.normal_(generator=g).mul_(scale)
+        return t.to(device=device, dtype=dtype) if (dtype != torch.float32 or device != "cpu") else t
+
+    inputs = {}
+    if spec["fused"]:
+        inputs["hidden"], inputs["weight"] = randn(n, h), randn(v, h, scale=h ** -0.5)
+        if spec["provider"] == "liger":
+            inputs["teacher_hidden"], inputs["teacher_weight"] = randn(n, h), randn(v, h, scale=h ** -0.5)
+    else:
+        inputs["student"] = randn(n, v, scale=2.0)
+    if spec["teacher"] == "full":
+        if not (spec["fused"] and spec["provider"] == "liger"):
+            inputs["teacher"] = randn(n, v, scale=2.0)
+    else:
+        step = v // TOPK
+        offsets = torch.randint(0, step, (n, 1), generator=g)
+        ids = (offsets + torch.arange(TOPK) * step).to(device)                 # distinct per row
+        lp = torch.log_softmax(torch.randn(n, TOPK + 1, generator=g) * 3, -1).to(device)
+        inputs["teacher"] = TopKTeacher(ids, lp[:, :TOPK].contiguous(), lp[:, TOPK].contiguous())
+    return inputs
+
+
+def _step_fn(spec: dict, inputs: dict, torch):
+    from opd.kernels import distill_loss, fused_linear_distill_loss
+    impl = "reference" if spec["provider"] == "reference" else "auto"
+    beta = spec["beta"]
+    leaves = [inputs["hidden"], inputs["weight"]] if spec["fused"] else [inputs["student"]]
+    for t in leaves:
+        t.requires_grad_(True)
+    if spec["provider"] == "liger":
+        return _liger_step(spec, inputs, leaves, torch)
+
+    def step():
+        if spec["fused"]:
+            loss = fused_linear_distill_loss(inputs["hidden"], inputs["weight"], inputs["teacher"],
+                                             beta=beta, impl=impl)
+        else:
+            loss = distill_loss(inputs["student"], inputs["teacher"], beta=beta, impl=impl)
+        loss.backward()
+    return step, leaves
+
+
+def _liger_step(spec, inputs, leaves, torch):
+    if spec["teacher"] != "full":
+        raise SystemExit("liger has no top-k teacher loss")
+    if spec["fused"]:
+        from liger_kernel.transformers import LigerFusedLinearJSDLoss
+        loss_fn = LigerFusedLinearJSDLoss(jsd_beta=max(spec["beta"], 1e-8) if spec["beta"] < 1 else 1.0)
+
+        def step():
+            loss_fn(inputs["hidden"], inputs["weight"], inputs["teacher_hidden"],
+                    inputs["teacher_weight"]).backward()
+        return step, leaves
+    from liger_kernel.transformers import LigerJSD
+    loss_fn = LigerJSD(beta=spec["beta"])
+
+    def step():
+        log_s = torch.log_softmax(inputs["student"].float(), -1)
+        log_t = torch.log_softmax(inputs["teacher"].float(), -1)
+        loss_fn(log_s, log_t).backward()
+    return step, leaves
+
+
+def _worker(spec: dict) -> dict:
+    import torch
+    device = torch.device(spec["device"])
+    inputs = _inputs(spec, torch, device)
+    step, leaves = _step_fn(spec, inputs, torch)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _rss_bytes("VmRSS")
+        if not _reset_peak():
+            base = _rss_bytes("VmHWM")
+    times = []
+    if spec.get("warmup"):   # quick shapes: first-call overheads would dominate
+        step()
+    for _ in range(max(1, spec["repeats"])):
+        for t in leaves:
+            t.grad = None
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM")) - base
+    return _row(spec, peak=peak, times=times)
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="opd bench kernels")
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))
