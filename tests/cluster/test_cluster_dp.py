@@ -9,6 +9,9 @@ from opd.checkpoint import latest_checkpoint, load_checkpoint
 from opd.cluster import StudentWorkers
 from opd.cluster_dp import (DataParallelGroup, WorkerDiedError, load_student, local_step, make_optimizer,
                             split_batch)
+from opd.cluster_rollout import RolloutPool
+from opd.rollout.base import SamplingParams
+from opd.rollout.hf import HFRolloutEngine
 
 LR = 0.5
 
@@ -31,6 +34,7 @@ def test_two_workers_match_one_process_and_a_dead_worker_stops_the_job(ray_clust
     ref_losses = [local_step(ref, opt, b) for b in batches]
     want = {n: p.detach() for n, p in ref.named_parameters()}
 
+    rollouts = RolloutPool.start(tiny_model_dir, 2, num_cpus_per_worker=0.5)  # loads while the workers train
     group = DataParallelGroup.start(tiny_model_dir, StudentWorkers(num_workers=2, num_cpus_per_worker=0.5),
                                     optimizer="sgd", lr=LR)
     try:
@@ -47,6 +51,18 @@ def test_two_workers_match_one_process_and_a_dead_worker_stops_the_job(ray_clust
         ckpt = group.save_checkpoint(str(tmp_path / "ckpt"), 2, {"note": "after two steps"})
         assert latest_checkpoint(tmp_path / "ckpt").name == "step_000002"
 
+        # Rollout actors sample from the trained weights once synced to the checkpoint.
+        from transformers import AutoTokenizer
+        assert rollouts.sync_weights(ckpt) == 2
+        prompts, greedy = [[72, 105, 32], [50, 43, 50, 61], [100, 101]], SamplingParams(temperature=0.0,
+                                                                                         max_new_tokens=5)
+        got_r = rollouts.generate(prompts, greedy)
+        want_r = HFRolloutEngine(ref, AutoTokenizer.from_pretrained(str(tiny_model_dir))).generate(prompts, greedy)
+        assert [r.prompt_index for r in got_r] == [0, 1, 2]
+        assert [r.response_ids for r in got_r] == [r.response_ids for r in want_r]
+        for g, w in zip(got_r, want_r):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+
         ray_cluster.kill(group.workers[1], no_restart=True)
         with pytest.raises(WorkerDiedError, match="rank 1 of 2 died") as err:
             group.step(split_batch(_batch(3), 2))
@@ -54,6 +70,7 @@ def test_two_workers_match_one_process_and_a_dead_worker_stops_the_job(ray_clust
         assert group.workers == []  # the surviving rank was stopped, not left in all_reduce
     finally:
         group.shutdown()
+        rollouts.shutdown()
 
     fresh = load_student(tiny_model_dir)
     state = load_checkpoint(latest_checkpoint(tmp_path / "ckpt"), model=fresh, restore_rng=False)
