@@ -1,0 +1,52 @@
+"""`opd rl CONFIG.yaml`: GRPO training of a domain expert against verifiable rewards.
+
+Writes RUN/metrics.jsonl, RUN/plots/, RUN/card.md, RUN/checkpoints/ (resumable) and
+RUN/model/ (a full model directory, LoRA merged) that `opd serve-teacher` can load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from opd.config import ConfigError, describe, load_yaml
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from opd.rl.config import RLConfig
+
+    parser.add_argument("config", help="RL config YAML (see configs/rl_math.yaml); keys:\n" + describe(RLConfig))
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN/checkpoints")
+    parser.add_argument("--steps", type=int, default=None, help="override run.steps")
+    parser.add_argument("--out", default=None, help="override run.out_dir")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def load_config(path: str, steps: int | None = None, out: str | None = None):
+    from opd.rl.config import RLConfig
+
+    cfg = load_yaml(path, RLConfig)
+    run = cfg.run
+    if steps is not None:
+        run = dataclasses.replace(run, steps=steps)
+    if out is not None:
+        run = dataclasses.replace(run, out_dir=out)
+    return dataclasses.replace(cfg, run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.steps, args.out)
+    except ConfigError as e:
+        print(f"opd rl: {e}", file=sys.stderr)
+        return 2
+    from opd.rl.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(cfg, config_dir=Path(args.config).resolve().parent, resume=args.resume)
+    summary = trainer.train()
+    print(json.dumps(summary, indent=1))
+    print(f"run folder: {cfg.run.out_dir} (metrics.jsonl, plots/, card.md, model/)")
+    return 0

@@ -1,0 +1,413 @@
+"""GRPO training of a domain expert against verifiable rewards, one loop read top to bottom.
+
+Each step:
+  1. take P prompts; sample G responses to each with the current policy
+  2. score every response with the weighted reward functions
+  3. group-relative advantages (grpo / dr_grpo / batch_std / rloo); all-equal groups get 0
+  4. the reference's log-probs of the sampled tokens (only when kl_beta > 0): with LoRA the
+     same model with its adapter switched off, with full fine-tuning a frozen copy
+  5. `epochs` passes of clipped-surrogate updates against the rollout log-probs, plus
+     beta * KL(policy || reference), aggregated as configured
+  6. metrics (reward, group std, share of all-equal groups, length, clip fraction, KL,
+     entropy), a warning when most groups carry no signal, eval, checkpoint
+
+Deviation from DeepSeekMath's GRPO worth knowing: the importance ratio is taken against
+the rollout engine's raw log-probs (what `Rollout.logprobs` holds), not a recomputed
+forward pass; with the hf engine these are the same weights, so the first epoch's ratio
+is 1 up to float noise. See docs/grpo.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from opd.card import write_card
+from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from opd.config import to_dict
+from opd.data import Cycler, encode_prompt, load_jsonl
+from opd.metrics import MetricsLogger, plot_metrics
+from opd.rl import grpo
+from opd.rl.config import RLConfig
+from opd.rl.rewards import build_reward, verify_batch
+from opd.rollout import SamplingParams
+
+PLOT_GROUPS = {
+    "reward": ["reward"], "groups": ["groups"], "length": ["length"], "kl": ["kl"],
+    "clip_fraction": ["clip_fraction"], "entropy": ["entropy"], "loss": ["loss"], "eval": ["eval"],
+}
+
+
+# ---- building blocks (model, engine, batch) -----------------------------------------------
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_policy(cfg: RLConfig):
+    """(model, tokenizer) with LoRA applied when configured; the model is in train mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, cfg.model.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
+    model.to(resolve_device(cfg.model.device))
+    if cfg.model.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lc = cfg.model.lora
+        present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        targets = [t for t in lc.target_modules if t in present]
+        if not targets:
+            raise ValueError(f"none of lora.target_modules {lc.target_modules} exist in {cfg.model.path}")
+        model = get_peft_model(model, LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                                 target_modules=targets, task_type="CAUSAL_LM"))
+    model.train()
+    return model, tokenizer
+
+
+def make_engine(cfg: RLConfig, model, tokenizer):
+    if cfg.rollout.engine == "hf":
+        from opd.rollout.hf import HFRolloutEngine
+
+        return HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+    from opd.rollout.vllm import VLLMRolloutEngine  # lazy: vLLM is heavy and optional
+
+    lora = {"rank": cfg.model.lora.rank} if cfg.model.lora is not None else None
+    engine = VLLMRolloutEngine(cfg.model.path, lora=lora, max_model_len=cfg.rollout.max_model_len,
+                               seed=cfg.run.seed, dtype=cfg.model.dtype)
+    engine.sync_weights(model)
+    return engine
+
+
+@dataclasses.dataclass
+class Batch:
+    input_ids_B_L: torch.Tensor
+    attention_B_L: torch.Tensor
+    position_B_L: torch.Tensor
+    response_B_T: torch.Tensor      # response token ids
+    mask_B_T: torch.Tensor          # 1 on real response tokens
+    old_logprobs_B_T: torch.Tensor  # rollout policy's raw log-probs
+    start: int                      # column where every response begins
+
+    def rows(self, idx: slice) -> "Batch":
+        return Batch(self.input_ids_B_L[idx], self.attention_B_L[idx], self.position_B_L[idx],
+                     self.response_B_T[idx], self.mask_B_T[idx], self.old_logprobs_B_T[idx], self.start)
+
+
+def collate(rollouts, pad_id: int) -> Batch:
+    """Left-pad prompts so every response starts at the same column W, right-pad responses."""
+    W = max(len(r.prompt_ids) for r in rollouts)
+    T = max(max(len(r.response_ids) for r in rollouts), 1)
+    B = len(rollouts)
+    ids = torch.full((B, W + T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, W + T), dtype=torch.long)
+    resp = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    old = torch.zeros((B, T), dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        ids[i, W - p:W] = torch.tensor(r.prompt_ids)
+        ids[i, W:W + n] = torch.tensor(r.response_ids, dtype=torch.long)
+        attn[i, W - p:W + n] = 1
+        resp[i, :n] = torch.tensor(r.response_ids, dtype=torch.long)
+        mask[i, :n] = 1.0
+        old[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # the positions `generate` used with left padding
+    return Batch(ids, attn, pos, resp, mask, old, W)
+
+
+def response_logits(model, batch: Batch) -> torch.Tensor:
+    """Logits that predict each response token: [B, T, V]."""
+    device = next(model.parameters()).device
+    out = model(input_ids=batch.input_ids_B_L.to(device), attention_mask=batch.attention_B_L.to(device),
+                position_ids=batch.position_B_L.to(device))
+    T = batch.response_B_T.shape[1]
+    return out.logits[:, batch.start - 1:batch.start - 1 + T]
+
+
+# ---- the trainer --------------------------------------------------------------------------
+
+class GRPOTrainer:
+    def __init__(self, cfg: RLConfig, *, config_dir: str | Path | None = None, resume: bool = False):
+        self.cfg = cfg
+        self.out = Path(cfg.run.out_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        torch.manual_seed(cfg.run.seed)
+        self.model, self.tokenizer = load_policy(cfg)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+            else self.tokenizer.eos_token_id
+        self.is_lora = cfg.model.lora is not None
+        # Full fine-tuning needs its own frozen reference; LoRA switches the adapter off instead.
+        self.reference = None
+        if cfg.algorithm.kl_beta > 0 and not self.is_lora:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        train_samples, self.train_report = load_jsonl(cfg.data.train, on_error=cfg.data.on_error)
+        self.eval_samples = (load_jsonl(cfg.data.eval, on_error=cfg.data.on_error)[0][:cfg.data.eval_prompts]
+                             if cfg.data.eval else [])
+        self.data = Cycler(train_samples, seed=cfg.run.seed)
+        self.reward = build_reward(cfg.rewards, base_dir=config_dir)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        warm = cfg.optim.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
+        self.start_step = 0
+        if resume:
+            ckpt = latest_checkpoint(self.ckpt_dir)
+            if ckpt is None:
+                raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}")
+            state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+            self.data.load_state(state["data"])
+            self.start_step = int(state["step"])
+        self.engine = make_engine(cfg, self.model, self.tokenizer)
+        self.last_flat_warning = -10**9
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        cfg, P, G = self.cfg, self.cfg.data.prompts_per_step, self.cfg.rollout.group_size
+        logger = MetricsLogger(self.out, resume_step=self.start_step if self.start_step else None)
+        self.write_card()
+        history = []
+        bar = tqdm(range(self.start_step, cfg.run.steps), initial=self.start_step, total=cfg.run.steps,
+                   desc="grpo", dynamic_ncols=True)
+        try:
+            for step in bar:
+                t0 = time.time()
+                # 1. P prompts, G responses each, from the current policy
+                samples_P = self.data.take(P)
+                prompt_ids_P = [encode_prompt(self.tokenizer, s.prompt) for s in samples_P]
+                params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                        max_new_tokens=cfg.rollout.max_new_tokens, n=G,
+                                        seed=cfg.run.seed * 1_000_003 + step)
+                rollouts_B = self.engine.generate(prompt_ids_P, params)
+                texts_B = [self.decode(r) for r in rollouts_B]
+                t_rollout = time.time() - t0
+                # 2. rewards
+                samples_B = [samples_P[r.prompt_index] for r in rollouts_B]
+                rewards_B, parts = self.reward(samples_B, texts_B)
+                rewards_P_G = torch.tensor(rewards_B, dtype=torch.float32).view(P, G)
+                t_reward = time.time() - t0 - t_rollout
+                # 3. group-relative advantages
+                adv_B = grpo.group_advantages(rewards_P_G, cfg.algorithm.advantage).flatten()
+                # 4. reference log-probs of the sampled tokens
+                batch = collate(rollouts_B, self.pad_id)
+                ref_B_T = self.reference_logprobs(batch) if cfg.algorithm.kl_beta > 0 else None
+                # 5. clipped updates
+                upd = self.update(batch, adv_B, ref_B_T)
+                if cfg.rollout.engine != "hf":
+                    self.engine.sync_weights(self.model)
+                # 6. metrics, warnings, eval, checkpoint
+                metrics = self.step_metrics(rewards_P_G, parts, rollouts_B, upd)
+                metrics.update({"time/rollout": t_rollout, "time/reward": t_reward,
+                                "time/step": time.time() - t0, "lr": self.scheduler.get_last_lr()[0]})
+                self.warn_if_flat(step, metrics)
+                done = step + 1
+                if self.eval_samples and cfg.run.eval_every and done % cfg.run.eval_every == 0 \
+                        and done != cfg.run.steps:
+                    metrics.update(self.evaluate())
+                if done == cfg.run.steps and self.eval_samples:
+                    metrics.update(self.evaluate())
+                logger.log(done, metrics)
+                history.append(metrics)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", flat=f"{metrics['groups/all_equal']:.2f}",
+                                kl=f"{metrics['kl']:.4f}")
+                if (cfg.run.ckpt_every and done % cfg.run.ckpt_every == 0) or done == cfg.run.steps:
+                    save_checkpoint(self.ckpt_dir, done, model=self.model, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, state={"data": self.data.state()},
+                                    keep=cfg.run.keep_checkpoints)
+        finally:
+            bar.close()
+            logger.close()
+            self.engine.close()
+        plot_metrics(self.out, PLOT_GROUPS)
+        self.save_final_model()
+        summary = self.summary(history)
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    # -- step pieces -----------------------------------------------------------------------
+
+    def decode(self, rollout) -> str:
+        ids = rollout.response_ids[:-1] if rollout.finish_reason == "eos" else rollout.response_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        out = []
+        mb = self.cfg.algorithm.micro_batch_size
+        for i in range(0, batch.mask_B_T.shape[0], mb):
+            part = batch.rows(slice(i, i + mb))
+            if self.is_lora:
+                with self.model.disable_adapter():  # the base weights are the reference
+                    logits = response_logits(self.model, part)
+            else:
+                logits = response_logits(self.reference, part)
+            out.append(grpo.token_logprobs(logits, part.response_B_T.to(logits.device)).cpu())
+        return torch.cat(out)
+
+    def update(self, batch: Batch, adv_B: torch.Tensor, ref_B_T: torch.Tensor | None) -> dict:
+        """`epochs` passes, each split into `minibatches` optimizer steps of micro-batches."""
+        a = self.cfg.algorithm
+        B = adv_B.shape[0]
+        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "ratio": 0.0,
+                "grad_norm": 0.0}
+        n_tok_total, n_steps = 0.0, 0
+        mb_size = math.ceil(B / a.minibatches)
+        self.model.train()
+        for _epoch in range(a.epochs):
+            order = torch.randperm(B) if a.minibatches > 1 else torch.arange(B)
+            for m0 in range(0, B, mb_size):
+                rows = order[m0:m0 + mb_size]
+                mini = Batch(batch.input_ids_B_L[rows], batch.attention_B_L[rows], batch.position_B_L[rows],
+                             batch.response_B_T[rows], batch.mask_B_T[rows], batch.old_logprobs_B_T[rows],
+                             batch.start)
+                n_seq, n_tok = len(rows), float(mini.mask_B_T.sum())
+                self.optimizer.zero_grad(set_to_none=True)
+                for u0 in range(0, n_seq, a.micro_batch_size):
+                    sl = slice(u0, u0 + a.micro_batch_size)
+                    part = mini.rows(sl)
+                    adv = adv_B[rows][sl]
+                    logits = response_logits(self.model, part)
+                    dev = logits.device
+                    mask = part.mask_B_T.to(dev)
+                    lp = grpo.token_logprobs(logits, part.response_B_T.to(dev))
+                    pg_B_T, clipped_B_T = grpo.clipped_surrogate(lp, part.old_logprobs_B_T.to(dev), adv.to(dev),
+                                                                 a.eps_low, a.eps_high)
+                    agg = dict(num_sequences=n_seq, num_tokens=n_tok, max_tokens=self.cfg.rollout.max_new_tokens)
+                    pg = grpo.aggregate(pg_B_T, mask, a.loss_aggregation, **agg)
+                    loss = pg
+                    if ref_B_T is not None:
+                        kl_B_T = grpo.kl_to_reference(lp, ref_B_T[rows][sl].to(dev), a.kl_estimator)
+                        loss = loss + a.kl_beta * grpo.aggregate(kl_B_T, mask, a.loss_aggregation, **agg)
+                    else:
+                        with torch.no_grad():  # tracked against the rollout policy when no reference
+                            kl_B_T = grpo.kl_to_reference(lp.detach(), part.old_logprobs_B_T.to(dev), "k3")
+                    loss.backward()
+                    with torch.no_grad():
+                        k = float(mask.sum())
+                        n_tok_total += k
+                        sums["kl"] += float((kl_B_T.detach() * mask).sum())
+                        sums["clip_fraction"] += float((clipped_B_T.float() * mask).sum())
+                        sums["entropy"] += float((grpo.entropy(logits.detach()) * mask).sum())
+                        sums["ratio"] += float((torch.exp(lp.detach() - part.old_logprobs_B_T.to(dev)) * mask).sum())
+                        sums["loss"] += float(loss.detach())
+                        sums["pg_loss"] += float(pg.detach())
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm if a.max_grad_norm > 0 else float("inf"))
+                sums["grad_norm"] += float(norm)
+                self.optimizer.step()
+                n_steps += 1
+        self.scheduler.step()
+        per_tok = max(n_tok_total, 1.0)
+        return {"loss": sums["loss"] / n_steps, "loss/pg": sums["pg_loss"] / n_steps,
+                "kl": sums["kl"] / per_tok, "clip_fraction": sums["clip_fraction"] / per_tok,
+                "entropy": sums["entropy"] / per_tok, "ratio/mean": sums["ratio"] / per_tok,
+                "grad_norm": sums["grad_norm"] / n_steps}
+
+    def step_metrics(self, rewards_P_G: torch.Tensor, parts: dict, rollouts_B, upd: dict) -> dict:
+        flat_P = grpo.equal_groups(rewards_P_G)
+        lo, hi = float(rewards_P_G.min()), float(rewards_P_G.max())
+        group_value_P = rewards_P_G[:, 0]
+        lengths = torch.tensor([len(r.response_ids) for r in rollouts_B], dtype=torch.float32)
+        m = {"reward/mean": float(rewards_P_G.mean()),
+             "reward/group_std": float(rewards_P_G.std(dim=1).mean()) if rewards_P_G.shape[1] > 1 else 0.0,
+             "groups/all_equal": float(flat_P.float().mean()),
+             "groups/all_top": float((flat_P & (group_value_P == hi) & (hi > lo)).float().mean()) if hi > lo else
+             float(flat_P.float().mean() if hi > 0 else 0.0),
+             "groups/all_bottom": float((flat_P & (group_value_P == lo) & (hi > lo)).float().mean()) if hi > lo else
+             float(flat_P.float().mean() if hi <= 0 else 0.0),
+             "length/mean": float(lengths.mean()), "length/max": float(lengths.max()),
+             "length/truncated": float(sum(r.finish_reason == "length" for r in rollouts_B) / len(rollouts_B))}
+        for name, vals in parts.items():
+            m[f"reward/{name}"] = sum(vals) / len(vals)
+        m.update(upd)
+        return m
+
+    def warn_if_flat(self, step: int, m: dict) -> None:
+        share = m["groups/all_equal"]
+        if share <= self.cfg.run.flat_warning or step - self.last_flat_warning < 10:
+            return
+        self.last_flat_warning = step
+        top, bottom = m["groups/all_top"], m["groups/all_bottom"]
+        if top >= bottom and top > 0:
+            why = "most groups are all-correct: the data are too easy for this model"
+        elif bottom > 0:
+            why = "most groups are all-wrong: the data are too hard for this model (or the answer format is unknown to it)"
+        else:
+            why = "responses in a group get identical rewards"
+        tqdm.write(f"[opd rl] warning at step {step + 1}: {share:.0%} of groups got the same reward for all "
+                   f"{self.cfg.rollout.group_size} responses and carry no gradient; {why}, or the temperature "
+                   f"({self.cfg.rollout.temperature}) is too low for responses to differ. Reward will stay flat.")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Greedy responses to the held-out prompts: mean combined reward and verifier accuracy."""
+        prompts = [encode_prompt(self.tokenizer, s.prompt) for s in self.eval_samples]
+        rollouts = self.engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens, n=1))
+        texts = [self.decode(r) for r in rollouts]
+        total, _ = self.reward(self.eval_samples, texts)
+        out = {"eval/reward": sum(total) / len(total)}
+        verified = [v for v in verify_batch(self.eval_samples, texts) if v is not None]
+        if verified:
+            out["eval/accuracy"] = sum(verified) / len(verified)
+        return out
+
+    # -- outputs ---------------------------------------------------------------------------
+
+    def write_card(self) -> None:
+        c = self.cfg
+        write_card(self.out, "GRPO training card", {
+            "model": {"start": c.model.path, "training": "LoRA" if self.is_lora else "full fine-tuning",
+                      **({"lora": to_dict(c.model.lora)} if self.is_lora else {}), "dtype": c.model.dtype},
+            "objective": {"advantage estimator": c.algorithm.advantage, "group size G": c.rollout.group_size,
+                          "prompts per step P": c.data.prompts_per_step, "eps_low": c.algorithm.eps_low,
+                          "eps_high": c.algorithm.eps_high, "epochs per batch": c.algorithm.epochs,
+                          "minibatches": c.algorithm.minibatches, "kl beta": c.algorithm.kl_beta,
+                          "kl estimator": c.algorithm.kl_estimator,
+                          "reference": ("adapter off (LoRA)" if self.is_lora else "frozen copy")
+                          if c.algorithm.kl_beta > 0 else "none (beta = 0)",
+                          "loss aggregation": c.algorithm.loss_aggregation},
+            "rewards": self.reward.describe(),
+            "sampling": {"engine": c.rollout.engine, "temperature": c.rollout.temperature, "top_p": c.rollout.top_p,
+                         "max_new_tokens": c.rollout.max_new_tokens},
+            "data": {"train": c.data.train, "train samples": self.train_report.loaded,
+                     "skipped lines": self.train_report.skipped, "eval": c.data.eval or "(none)"},
+            "optimizer": {"AdamW lr": c.optim.lr, "weight decay": c.optim.weight_decay,
+                          "warmup steps": c.optim.warmup_steps, "max grad norm": c.algorithm.max_grad_norm},
+            "run": {"steps": c.run.steps, "seed": c.run.seed, "out": str(self.out)},
+        })
+
+    def save_final_model(self) -> None:
+        """RUN/model: a full, loadable model directory (a LoRA adapter is merged into it)."""
+        model = self.model
+        if self.is_lora:
+            model = copy.deepcopy(self.model).merge_and_unload()
+        target = self.out / "model"
+        model.save_pretrained(str(target), safe_serialization=True)
+        self.tokenizer.save_pretrained(str(target))
+
+    @staticmethod
+    def summary(history: list[dict]) -> dict:
+        if not history:
+            return {}
+        rewards = [h["reward/mean"] for h in history]
+        k = max(1, len(rewards) // 4)
+        out = {"steps": len(history), "reward_first": rewards[0], "reward_last": rewards[-1],
+               "reward_first_quarter": sum(rewards[:k]) / k, "reward_last_quarter": sum(rewards[-k:]) / k}
+        out["reward_rose"] = out["reward_last_quarter"] > out["reward_first_quarter"]
+        for key in ("eval/reward", "eval/accuracy"):
+            vals = [h[key] for h in history if key in h]
+            if vals:
+                out[key.replace("/", "_") + "_last"] = vals[-1]
+        return out

@@ -1,0 +1,280 @@
+"""`opd validate CONFIG.yaml`: do the models really solve the held-out tasks?
+
+Every named model (the distilled student, its pre-distillation start, the teachers, any
+checkpoint) answers every held-out verifiable set; the domain verifier
+(`opd.rl.rewards.verify`) checks each answer. Per model and domain the report gives:
+    pass@1, pass@k   unbiased estimates from n samples at the sampling temperature
+                     (Chen et al. 2021: 1 - C(n-c, k) / C(n, k), c = fully correct samples)
+    score            mean verifier score (partial credit for code: share of tests passed)
+    greedy           accuracy of one temperature-0 answer (when `greedy: true`)
+and, for students, the share of the matching teacher's accuracy they reach. Optionally a
+short low-learning-rate GRPO pass from one model reports whether reward still rises
+(if it does, the model has headroom that imitation did not capture).
+Writes OUT/report.md and OUT/report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from opd.config import ConfigError, describe, field, load_yaml
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    name: str = field(help="label in the report, e.g. 'student', 'teacher-math', 'base'")
+    path: str = field(help="model directory (full model, or a peft adapter dir with adapter_config.json)")
+    role: Literal["student", "teacher", "base", "other"] = field("other", help="how the report compares it")
+    domains: list[str] = field(default_factory=list, help="teacher: the domains it is the expert for")
+
+
+@dataclass(frozen=True)
+class HeldOutSet:
+    domain: str = field(help="domain name, e.g. math or code")
+    path: str = field(help="JSONL with prompt and answer (math) or tests (code)")
+    limit: int = field(0, help="use at most this many samples (0 = all)", min=0)
+
+
+@dataclass(frozen=True)
+class GRPOCheck:
+    config: str = field(help="an `opd rl` config YAML; its model.path, run.steps, optim.lr and run.out_dir are replaced")
+    model: str = field(help="name of the model (from `models`) to start from")
+    steps: int = field(10, help="GRPO steps", min=1)
+    lr: float = field(1e-6, help="learning rate (low: a probe, not training)", min=0.0)
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    models: list[NamedModel] = field(help="models to evaluate")
+    sets: list[HeldOutSet] = field(help="held-out verifiable sets, one per domain")
+    samples: int = field(4, help="n: samples per prompt for pass@k", min=1)
+    k: list[int] = field(default_factory=lambda: [1, 4], help="the k of pass@k (each <= samples)")
+    temperature: float = field(0.7, help="sampling temperature for pass@k", min=0.0)
+    top_p: float = field(1.0, help="nucleus sampling for pass@k", min=0.0, max=1.0)
+    greedy: bool = field(True, help="also report the accuracy of one greedy answer")
+    max_new_tokens: int = field(256, help="response length limit", min=1)
+    engine: Literal["hf", "vllm"] = field("hf", help="rollout engine: hf (transformers) or vllm")
+    batch_size: int = field(64, help="sequences per generate call (hf)", min=1)
+    code: dict[str, Any] = field(default_factory=dict, help="code verifier options: timeout_s, memory_mb, workers")
+    grpo: GRPOCheck | None = field(None, help="optional short GRPO pass: does reward still rise?")
+    seed: int = field(0, help="sampling seed")
+    out_dir: str = field("runs/validate", help="where report.md and report.json go")
+
+    def __post_init__(self):
+        bad = [k for k in self.k if k < 1 or k > self.samples]
+        if bad:
+            raise ValueError(f"every k must be in 1..samples ({self.samples}), got {bad}")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        if self.grpo is not None and self.grpo.model not in names:
+            raise ValueError(f"grpo.model {self.grpo.model!r} is not one of the models {names}")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+# ---- evaluation ---------------------------------------------------------------------------
+
+def _load_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if (p / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    return model, AutoTokenizer.from_pretrained(str(p))
+
+
+def _engine(cfg: ValidateConfig, path: str):
+    if cfg.engine == "vllm":
+        from opd.rollout.vllm import VLLMRolloutEngine
+        from transformers import AutoTokenizer
+
+        return VLLMRolloutEngine(path, seed=cfg.seed), AutoTokenizer.from_pretrained(path)
+    from opd.rollout.hf import HFRolloutEngine
+
+    model, tok = _load_model(path)
+    return HFRolloutEngine(model, tok, batch_size=cfg.batch_size), tok
+
+
+def _answers(engine, tokenizer, samples, params) -> list[str]:
+    from opd.data import encode_prompt
+
+    rollouts = engine.generate([encode_prompt(tokenizer, s.prompt) for s in samples], params)
+    texts = []
+    for r in rollouts:
+        ids = r.response_ids[:-1] if r.finish_reason == "eos" else r.response_ids
+        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+    return texts
+
+
+def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list]) -> dict[str, dict]:
+    """{domain: {"pass@k": ..., "score": ..., "greedy": ..., "n_prompts": ...}} for one model."""
+    from opd.rl.rewards import verify_batch
+    from opd.rollout import SamplingParams
+
+    engine, tok = _engine(cfg, path)
+    workers = int(cfg.code.get("workers", 2))
+    code_opts = {k: v for k, v in cfg.code.items() if k != "workers"}
+    out = {}
+    try:
+        for domain, samples in sets.items():
+            n = cfg.samples
+            params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                    max_new_tokens=cfg.max_new_tokens, n=n, seed=cfg.seed)
+            texts = _answers(engine, tok, samples, params)
+            expanded = [s for s in samples for _ in range(n)]
+            scores = [v if v is not None else 0.0 for v in verify_batch(expanded, texts, workers=workers, **code_opts)]
+            correct = [sum(sc >= 1.0 for sc in scores[i * n:(i + 1) * n]) for i in range(len(samples))]
+            res: dict[str, Any] = {"n_prompts": len(samples), "samples": n,
+                                   "score": sum(scores) / len(scores)}
+            for k in cfg.k:
+                res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(samples)
+            if cfg.greedy:
+                g = _answers(engine, tok, samples, SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, n=1))
+                gs = [v if v is not None else 0.0 for v in verify_batch(samples, g, workers=workers, **code_opts)]
+                res["greedy"] = sum(gs) / len(gs)
+                res["example"] = {"prompt": samples[0].prompt[:200], "answer": g[0][:300]}
+            out[domain] = res
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+    return out
+
+
+def grpo_check(cfg: ValidateConfig, base_dir: Path, out_dir: Path) -> dict:
+    """A short low-lr GRPO pass from one model: does the mean reward still rise?"""
+    from opd.rl.config import RLConfig
+    from opd.rl.trainer import GRPOTrainer
+
+    check = cfg.grpo
+    rl_path = Path(check.config)
+    if not rl_path.is_absolute() and not rl_path.is_file():
+        rl_path = base_dir / rl_path
+    rl = load_yaml(rl_path, RLConfig)
+    path = next(m.path for m in cfg.models if m.name == check.model)
+    rl = dataclasses.replace(rl, model=dataclasses.replace(rl.model, path=path),
+                             optim=dataclasses.replace(rl.optim, lr=check.lr),
+                             run=dataclasses.replace(rl.run, steps=check.steps, out_dir=str(out_dir / "grpo_check"),
+                                                     ckpt_every=0, keep_checkpoints=1))
+    summary = GRPOTrainer(rl, config_dir=rl_path.parent).train()
+    return {"model": check.model, "steps": check.steps, "lr": check.lr, **summary,
+            "run_dir": str(out_dir / "grpo_check")}
+
+
+def teacher_shares(cfg: ValidateConfig, results: dict) -> dict:
+    """For each student and domain: its accuracy as a share of the best teacher for that domain."""
+    metric = "greedy" if cfg.greedy else "pass@1"
+    shares: dict[str, dict[str, float | None]] = {}
+    for m in cfg.models:
+        if m.role != "student":
+            continue
+        for domain in results[m.name]:
+            teachers = [t for t in cfg.models if t.role == "teacher" and (not t.domains or domain in t.domains)]
+            best = max((results[t.name][domain][metric] for t in teachers), default=None)
+            if best is None:
+                continue
+            shares.setdefault(m.name, {})[domain] = results[m.name][domain][metric] / best if best > 0 else None
+    return {"metric": metric, "shares": shares}
+
+
+def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    domains = [s.domain for s in cfg.sets]
+    cols = [f"pass@{k}" for k in cfg.k] + ["score"] + (["greedy"] if cfg.greedy else [])
+    lines = ["# Validation report", "",
+             f"{cfg.samples} samples per prompt at temperature {cfg.temperature} (pass@k, unbiased), "
+             f"max {cfg.max_new_tokens} new tokens; `greedy` = one temperature-0 answer. "
+             f"Verifier: math answer match / share of code unit tests passed (sandboxed).", ""]
+    for domain in domains:
+        n = next(iter(results.values()))[domain]["n_prompts"] if results else 0
+        lines += [f"## {domain} ({n} held-out prompts)", "",
+                  "| model | role | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+        for m in cfg.models:
+            r = results[m.name][domain]
+            lines.append(f"| {m.name} | {m.role} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |")
+        lines.append("")
+    shares = extra["teacher_shares"]
+    if shares["shares"]:
+        lines += [f"## Students against the matching teacher ({shares['metric']})", ""]
+        for name, per in shares["shares"].items():
+            lines.append(f"- **{name}**: " + ", ".join(
+                f"{d}: {v:.0%} of the teacher" if v is not None else f"{d}: teacher scores 0" for d, v in per.items()))
+        lines.append("")
+    if "grpo_check" in extra:
+        g = extra["grpo_check"]
+        verdict = "still rises" if g.get("reward_rose") else "does not rise"
+        lines += ["## Short GRPO pass", "",
+                  f"From **{g['model']}**, {g['steps']} steps at lr {g['lr']:g}: mean reward {verdict} "
+                  f"(first quarter {g.get('reward_first_quarter', float('nan')):.3f} -> last quarter "
+                  f"{g.get('reward_last_quarter', float('nan')):.3f}); run folder `{g['run_dir']}`.", ""]
+    lines += [f"Evaluation took {extra['seconds']:.1f} s.", ""]
+    md, js = out / "report.md", out / "report.json"
+    md.write_text("\n".join(lines))
+    from opd.config import to_dict
+
+    js.write_text(json.dumps({"config": to_dict(cfg), "results": results, **extra}, indent=1))
+    return md, js
+
+
+def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
+    from opd.data import load_jsonl
+
+    t0 = time.time()
+    sets = {}
+    for s in cfg.sets:
+        samples, _ = load_jsonl(s.path, default_domain=s.domain)
+        sets[s.domain] = samples[:s.limit] if s.limit else samples
+    results = {}
+    for m in cfg.models:
+        print(f"[opd validate] {m.name}: {m.path}", file=sys.stderr)
+        results[m.name] = evaluate_model(cfg, m.path, sets)
+    extra: dict[str, Any] = {"teacher_shares": teacher_shares(cfg, results)}
+    out = Path(cfg.out_dir)
+    if cfg.grpo is not None:
+        extra["grpo_check"] = grpo_check(cfg, base_dir or Path.cwd(), out)
+    extra["seconds"] = time.time() - t0
+    md, js = write_report(cfg, results, extra, out)
+    return {"results": results, **extra, "report_md": str(md), "report_json": str(js)}
+
+
+# ---- CLI ----------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="validate config YAML (see configs/validate_demo.yaml); keys:\n"
+                        + describe(ValidateConfig))
+    parser.add_argument("--out", default=None, help="override out_dir")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_yaml(args.config, ValidateConfig)
+    except ConfigError as e:
+        print(f"opd validate: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        cfg = dataclasses.replace(cfg, out_dir=args.out)
+    result = validate(cfg, base_dir=Path(args.config).resolve().parent)
+    print(Path(result["report_md"]).read_text())
+    return 0

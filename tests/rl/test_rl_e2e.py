@@ -1,0 +1,111 @@
+"""GRPO end to end on the tiny random model: reward rises, resume continues, LoRA's reference is the base."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from opd.config import from_dict
+from opd.rl.config import RLConfig
+
+# A toy verifiable task a randomly initialised byte-level model can learn in a few GRPO
+# steps: the reward is the share of digit characters in a 4-token response (about 4 % at
+# the start: 10 of 260 tokens are digits).
+REWARD_PY = "def digits(sample, text):\n    return sum(c.isdigit() for c in text) / max(len(text), 1)\n"
+
+
+def make_config(tmp_path, model_dir, **overrides) -> RLConfig:
+    rows = [{"prompt": f"Number {i}:", "answer": str(i)} for i in range(16)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "digits.py").write_text(REWARD_PY)
+    cfg = {
+        "model": {"path": str(model_dir)},
+        "data": {"train": str(tmp_path / "train.jsonl"), "prompts_per_step": 4},
+        "rollout": {"group_size": 8, "max_new_tokens": 4, "temperature": 1.0},
+        "algorithm": {"epochs": 2, "kl_beta": 0.01},
+        "rewards": [{"name": "python", "path": str(tmp_path / "digits.py") + ":digits"}],
+        "optim": {"lr": 0.01},
+        "run": {"steps": 10, "ckpt_every": 5, "out_dir": str(tmp_path / "run"), "seed": 0},
+    }
+    for key, value in overrides.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    return from_dict(cfg, RLConfig)
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)   # the box is shared; one thread is faster than contending for two
+    yield
+    torch.set_num_threads(n)
+
+
+def test_mean_reward_rises_and_resume_continues(tmp_path, tiny_model_dir, one_thread):
+    from opd.checkpoint import latest_checkpoint
+    from opd.rl.trainer import GRPOTrainer
+
+    cfg = make_config(tmp_path, tiny_model_dir)
+    summary = GRPOTrainer(cfg).train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in rows]
+    assert len(rewards) == 10
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert first < 0.2 and last > first + 0.25, rewards
+    assert summary["reward_rose"] is True
+    for key in ("reward/group_std", "groups/all_equal", "length/mean", "clip_fraction", "kl", "entropy"):
+        assert all(isinstance(r[key], float) for r in rows), key
+    assert rows[-1]["entropy"] < rows[0]["entropy"]     # the policy concentrates on digits
+    assert rows[-1]["kl"] > 0.0                         # and moved away from the reference
+    card = (tmp_path / "run" / "card.md").read_text()
+    for fact in ("group size G", "kl beta", "eps_high", "loss aggregation", "python:digits", "temperature"):
+        assert fact in card
+    assert (tmp_path / "run" / "model" / "config.json").is_file()
+    assert list((tmp_path / "run" / "plots").glob("reward.png"))
+    assert latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_000010"
+
+    # --resume: continues at step 10 and logs each step once
+    resumed = GRPOTrainer(make_config(tmp_path, tiny_model_dir, run={"steps": 12}), resume=True)
+    assert resumed.start_step == 10
+    resumed.train()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))
+
+
+def test_lora_reference_is_the_base_model_with_the_adapter_off(tmp_path, tiny_model_dir, one_thread):
+    from transformers import AutoModelForCausalLM
+
+    from opd.rl.grpo import token_logprobs
+    from opd.rl.trainer import GRPOTrainer, collate, response_logits
+    from opd.rollout import SamplingParams
+
+    cfg = make_config(tmp_path, tiny_model_dir, model={"lora": {"rank": 4}}, run={"steps": 1})
+    trainer = GRPOTrainer(cfg)
+    assert trainer.reference is None                   # no second copy of the model
+    with torch.no_grad():                              # make the adapter matter
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    rollouts = trainer.engine.generate([[65, 66, 67]], SamplingParams(max_new_tokens=3, n=2, seed=0))
+    batch = collate(rollouts, trainer.pad_id)
+    ref = trainer.reference_logprobs(batch)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = token_logprobs(response_logits(base, batch), batch.response_B_T)
+        policy = token_logprobs(response_logits(trainer.model, batch), batch.response_B_T)
+    mask = batch.mask_B_T.bool()
+    assert torch.allclose(ref[mask], expected[mask], atol=1e-5)
+    assert not torch.allclose(policy[mask], expected[mask], atol=1e-3)
+    # the rollout engine's log-probs are the policy's own (ratio 1 in the first epoch)
+    assert torch.allclose(batch.old_logprobs_B_T[mask], policy[mask], atol=1e-4)
+
+
+def test_cli_help():
+    for cmd in ("rl", "validate"):
+        out = subprocess.run([sys.executable, "-m", "opd.cli", cmd, "--help"], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "config" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "opd.cli", "rl", "--help"], capture_output=True, text=True, timeout=120)
+    assert "group_size" in out.stdout and "--resume" in out.stdout
