@@ -1,0 +1,325 @@
+"""`opd bench transport`: how fast teacher answers cross a socket, with the model taken out.
+
+Three ways to move the same answers, measured side by side in one run:
+  opd      this project's server and client (ROUTER/DEALER, msgpack header + raw tensor
+           frames), serving a `PrecomputedBackend` that returns ready-made answers of the
+           right shapes, so no forward pass is timed; 4 requests in flight.
+  ceiling  a bare ZeroMQ PUSH -> PULL moving exactly the frames of the same answers.
+  http     an HTTP server returning the same top-k answer as JSON, shaped like the
+           `prompt_logprobs` of OpenAI-compatible servers ({token_id: {logprob, rank,
+           decoded_token}} per position), parsed back into arrays by the client.
+Reported: scored positions per second, bytes per position on the wire, and the ratio of
+`opd` to the ceiling and to HTTP/JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
+
+MAX_K = 64
+
+
+class PrecomputedBackend(TeacherBackend):
+    """Answers of the right shapes from pre-made random tensors: the transport alone is timed."""
+
+    name = "precomputed"
+    model_id = "precomputed"
+    model_fingerprint = "precomputed"
+    tokenizer_fingerprint = "precomputed"
+    modes = ("topk", "full")
+    dtypes = ("float32", "bfloat16")
+
+    def __init__(self, vocab_size: int, max_rows: int, chunk_rows: int, max_k: int = MAX_K):
+        g = torch.Generator().manual_seed(0)
+        self.vocab_size, self.max_k, self.max_positions = vocab_size, max_k, 1 << 20
+        lp = torch.log_softmax(torch.randn(max_rows, max_k, generator=g), -1) - 1.0
+        self._topk = TopKAnswer(torch.randint(0, vocab_size, (max_rows, max_k), generator=g, dtype=torch.int32),
+                                lp, torch.full((max_rows,), -1.0), lp[:, 0].clone(), torch.zeros(max_rows))
+        self._logits = {dt: torch.randn(chunk_rows, vocab_size, generator=g).to(getattr(torch, dt))
+                        for dt in self.dtypes}
+        self._rows = torch.zeros(chunk_rows)
+
+    def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
+        out = []
+        for r in reqs:
+            n = r.row_offsets()[-1]
+            a = self._topk
+            out.append(TopKAnswer(a.ids[:n, :r.k], a.logprobs[:n, :r.k], a.tail_logmass[:n],
+                                  a.token_logprob[:n], a.lse[:n]))
+        return out
+
+    def score_full(self, req: ScoreRequest) -> Iterator[FullChunkAnswer]:
+        total = req.row_offsets()[-1]
+        logits = self._logits[req.dtype]
+        for start in range(0, total, req.chunk_rows):
+            n = min(req.chunk_rows, total - start)
+            yield FullChunkAnswer(start, logits[:n], self._rows[:n], self._rows[:n])
+
+
+# ---- servers, each in its own process ---------------------------------------------------
+
+def _opd_server(bind: str, vocab: int, rows: int, chunk_rows: int, curve, q) -> None:
+    from opd.teachers.server import ServerLimits, serve
+
+    backend = PrecomputedBackend(vocab, rows, chunk_rows)
+    kwargs = {}
+    if curve is not None:
+        kwargs = dict(curve_public_key=curve["server_public"], curve_secret_key=curve["server_secret"],
+                      curve_allow={curve["client_public"]})
+    limits = ServerLimits(max_tokens_per_request=1 << 20, max_inflight_tokens=1 << 24, batch_tokens=1 << 20)
+    serve(backend, bind, ready=lambda s: q.put(s.address), signals=True, limits=limits, **kwargs)
+
+
+def _push_server(bind: str, frames_sizes: list[int], q) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 8)
+    s.bind(bind)
+    q.put(s.getsockopt_string(zmq.LAST_ENDPOINT))
+    frames = [np.zeros(n, np.uint8) for n in frames_sizes]
+    while True:
+        s.send_multipart(frames, copy=False)
+
+
+def _http_server(rows: int, k: int, port_q) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    rng = np.random.default_rng(0)
+    # k distinct token ids per position (a dict per position cannot hold duplicates).
+    ids = (rng.integers(0, 152064, size=(rows, 1)) + 1009 * np.arange(k)[None, :]) % 152064
+    lps = np.sort(rng.standard_normal((rows, k)))[:, ::-1] - 3.0
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            n = int(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["positions"])
+            # One dict per position, as OpenAI-compatible servers return prompt_logprobs.
+            body = json.dumps({"prompt_logprobs": [None] + [
+                {str(int(ids[i, j])): {"logprob": float(lps[i, j]), "rank": j + 1, "decoded_token": "tok"}
+                 for j in range(k)} for i in range(n)]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port_q.put(srv.server_address[1])
+    srv.serve_forever()
+
+
+def _start(target, *args) -> tuple[mp.Process, object]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q), daemon=True)
+    p.start()
+    return p, q.get(timeout=120)
+
+
+def _stop(p: mp.Process) -> None:
+    p.terminate()
+    p.join(10)
+    if p.is_alive():
+        p.kill()
+
+
+# ---- measurements -----------------------------------------------------------------------
+
+def _bind(transport: str, tmp: str, name: str) -> str:
+    return "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{name}.sock"
+
+
+def _requests(positions: int, seq_rows: int = 512) -> tuple[list[list[int]], list[int]]:
+    """Sequences of seq_rows + 1 tokens scored from position 1: `positions` rows in total."""
+    n = max(1, positions // seq_rows)
+    return [[1] * (seq_rows + 1)] * n, [1] * n
+
+
+def measure_opd(address: str, mode: str, k: int, dtype: str, positions: int, seconds: float,
+                curve=None, in_flight: int = 4, chunk_rows: int = 64) -> tuple[float, int]:
+    """(positions per second, bytes per position) of this project's client."""
+    from opd.teachers.client import TeacherClient
+
+    seqs, starts = _requests(positions, min(512, positions))
+    rows = sum(len(s) - st for s, st in zip(seqs, starts))
+    cli_curve = None if curve is None else (curve["client_public"], curve["client_secret"], curve["server_public"])
+    with TeacherClient(address, timeout_s=120, curve=cli_curve) as client:
+        client.info()
+        done, t0 = 0, time.perf_counter()
+        if mode == "topk":
+            futures = [client.submit_topk(seqs, starts, k) for _ in range(in_flight)]
+            while time.perf_counter() - t0 < seconds:
+                futures.pop(0).result()
+                done += rows
+                futures.append(client.submit_topk(seqs, starts, k))
+            for f in futures:
+                f.result()
+            done += rows * len(futures)
+            per_pos = k * 8 + 12
+        else:
+            while time.perf_counter() - t0 < seconds:
+                for chunk in client.score_full(seqs, starts, dtype=dtype, chunk_rows=chunk_rows, window=4):
+                    done += chunk.logits.shape[0]
+                    vocab = chunk.logits.shape[1]
+            per_pos = vocab * (4 if dtype == "float32" else 2) + 8
+        return done / (time.perf_counter() - t0), per_pos
+
+
+def measure_ceiling(bind: str, frame_sizes: list[int], rows_per_msg: int, seconds: float) -> float:
+    import zmq
+
+    p, address = _start(_push_server, bind, frame_sizes)
+    try:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.PULL)
+        s.setsockopt(zmq.RCVHWM, 8)
+        s.connect(address)
+        s.recv_multipart(copy=False)  # connection up
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            s.recv_multipart(copy=False)
+            n += 1
+        rate = n * rows_per_msg / (time.perf_counter() - t0)
+        s.close(0)
+        ctx.term()
+        return rate
+    finally:
+        _stop(p)
+
+
+def measure_http(k: int, positions: int, seconds: float) -> float:
+    import http.client
+
+    p, port = _start(_http_server, positions, k)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = json.dumps({"positions": positions})
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds or done == 0:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            data = json.loads(conn.getresponse().read())["prompt_logprobs"][1:]
+            # What a trainer must do with it: arrays of ids and log-probs.
+            ids = np.array([[int(t) for t in pos] for pos in data], dtype=np.int32)
+            lps = np.array([[v["logprob"] for v in pos.values()] for pos in data], dtype=np.float32)
+            done += ids.shape[0] + 0 * lps.shape[0]
+        return done / (time.perf_counter() - t0)
+    finally:
+        _stop(p)
+
+
+def _topk_frame_sizes(rows: int, k: int) -> list[int]:
+    return [200, rows * k * 4, rows * k * 4, rows * 4, rows * 4, rows * 4]
+
+
+def run_cases(args) -> list[dict]:
+    torch.set_num_threads(1)
+    rows_out = []
+    tmp = tempfile.mkdtemp(prefix="opd-bench-")
+    curve = None
+    if args.curve:
+        import zmq
+
+        cpub, csec = zmq.curve_keypair()
+        spub, ssec = zmq.curve_keypair()
+        curve = dict(client_public=cpub, client_secret=csec, server_public=spub, server_secret=ssec)
+    for transport in args.transports:
+        for vocab in ([32768] if args.quick else args.vocabs):
+            has_topk = vocab == (32768 if args.quick else args.vocabs[0])
+            server, address = _start(_opd_server, _bind(transport, tmp, f"opd{vocab}"), vocab,
+                                     args.positions, args.chunk_rows, None)
+            cserver = caddress = None
+            if curve is not None and has_topk:
+                cserver, caddress = _start(_opd_server, _bind(transport, tmp, f"curve{vocab}"), vocab,
+                                           args.positions, args.chunk_rows, curve)
+            try:
+                if has_topk:
+                    for k in args.ks:
+                        rate, per_pos = measure_opd(address, "topk", k, "float32", args.positions, args.seconds)
+                        ceil = measure_ceiling(_bind(transport, tmp, "push"), _topk_frame_sizes(args.positions, k),
+                                               args.positions, args.seconds)
+                        http = measure_http(k, min(args.positions, 1024), args.seconds) if transport == "tcp" else None
+                        row = dict(transport=transport, mode="topk", k=k, vocab=None, dtype="float32",
+                                   positions_per_s=rate, bytes_per_position=per_pos, ceiling_positions_per_s=ceil,
+                                   http_json_positions_per_s=http, ratio_to_ceiling=rate / ceil,
+                                   ratio_to_http=(rate / http) if http else None)
+                        if caddress is not None:
+                            crate, _ = measure_opd(caddress, "topk", k, "float32", args.positions, args.seconds,
+                                                   curve=curve)
+                            row["curve_positions_per_s"] = crate
+                            row["curve_cost"] = 1 - crate / rate
+                        rows_out.append(row)
+                        print(_fmt(row), flush=True)
+                for dtype in args.dtypes:
+                    full_positions = args.chunk_rows * 8
+                    rate, per_pos = measure_opd(address, "full", 0, dtype, full_positions, args.seconds,
+                                                chunk_rows=args.chunk_rows)
+                    item = 4 if dtype == "float32" else 2
+                    ceil = measure_ceiling(_bind(transport, tmp, "push"),
+                                           [200, args.chunk_rows * vocab * item, args.chunk_rows * 4,
+                                            args.chunk_rows * 4], args.chunk_rows, args.seconds)
+                    row = dict(transport=transport, mode="full", k=None, vocab=vocab, dtype=dtype,
+                               positions_per_s=rate, bytes_per_position=per_pos, ceiling_positions_per_s=ceil,
+                               http_json_positions_per_s=None, ratio_to_ceiling=rate / ceil, ratio_to_http=None)
+                    rows_out.append(row)
+                    print(_fmt(row), flush=True)
+            finally:
+                _stop(server)
+                if cserver is not None:
+                    _stop(cserver)
+    return rows_out
+
+
+def _fmt(r: dict) -> str:
+    what = f"top-{r['k']}" if r["mode"] == "topk" else f"full V={r['vocab']} {r['dtype']}"
+    http = f"{r['http_json_positions_per_s']:>10.0f}" if r.get("http_json_positions_per_s") else f"{'-':>10}"
+    ratio_http = f"{r['ratio_to_http']:>7.1f}x" if r.get("ratio_to_http") else f"{'-':>8}"
+    curve = f"  curve -{100 * r['curve_cost']:.0f}%" if "curve_cost" in r else ""
+    return (f"{r['transport']:<4} {what:<24} {r['positions_per_s']:>12.0f} pos/s {r['bytes_per_position']:>8} B/pos "
+            f"ceiling {r['ceiling_positions_per_s']:>12.0f} ({100 * r['ratio_to_ceiling']:5.1f}%) "
+            f"http {http} {ratio_http}{curve}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    p.add_argument("--transports", nargs="+", default=["tcp", "ipc"], choices=["tcp", "ipc"])
+    p.add_argument("--ks", nargs="+", type=int, default=[1, 8, 64], help="top-k sizes")
+    p.add_argument("--vocabs", nargs="+", type=int, default=[32768, 152064], help="full-mode vocabulary sizes")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    p.add_argument("--positions", type=int, default=4096, help="scored positions per top-k request")
+    p.add_argument("--chunk-rows", type=int, default=32, help="rows per CHUNK in full mode")
+    p.add_argument("--seconds", type=float, default=2.0, help="measuring time per case and method")
+    p.add_argument("--curve", action="store_true", help="also measure top-k with CURVE encryption")
+    p.add_argument("--quick", action="store_true", help="one vocabulary, short runs (smoke test)")
+
+
+def run(args) -> int:
+    rows = run_cases(args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": _machine(), "rows": rows}, indent=1))
+    return 0
+
+
+def _machine() -> str:
+    import platform
+
+    return f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}"
