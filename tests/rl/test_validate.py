@@ -1,0 +1,98 @@
+"""opd validate: pass@k maths, scoring through the real verifiers, and the CLI report on tiny models."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from opd.config import from_dict
+from opd.rl import validate as V
+from opd.rollout import Rollout
+
+
+def test_pass_at_k_hand_computed():
+    assert V.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert V.pass_at_k(4, 1, 2) == pytest.approx(0.5)      # 1 - C(3,2)/C(4,2)
+    assert V.pass_at_k(4, 0, 2) == 0.0
+    assert V.pass_at_k(4, 3, 2) == 1.0
+    assert V.pass_at_k(10, 5, 3) == pytest.approx(1 - (5 * 4 * 3) / (10 * 9 * 8))
+
+
+class ScriptedEngine:
+    """Answers each prompt with a fixed list of responses (cycled over the n samples)."""
+
+    def __init__(self, tok, script):
+        self.tok, self.script = tok, script
+
+    def generate(self, prompts, params):
+        out = []
+        for i, p in enumerate(prompts):
+            answers = self.script[self.tok.decode(p)]
+            for j in range(params.n):
+                text = answers[0] if params.temperature == 0 else answers[j % len(answers)]
+                out.append(Rollout(p, self.tok.encode(text), [0.0] * len(text), "length", i))
+        return out
+
+    def close(self):
+        pass
+
+
+def test_scores_pass_at_k_and_teacher_share(tmp_path, monkeypatch, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    (tmp_path / "math.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+3=", "answer": "5"}\n')
+    (tmp_path / "code.jsonl").write_text(json.dumps({"prompt": "write inc", "tests": "assert inc(1) == 2\nassert inc(5) == 6"}) + "\n")
+    good = {"1+1=": ["2", "2"], "2+3=": ["5", "4"], "write inc": ["def inc(x):\n    return x + 1\n"]}
+    weak = {"1+1=": ["3", "2"], "2+3=": ["1", "1"], "write inc": ["def inc(x):\n    return 2\n"]}
+    scripts = {"teacher": good, "student": weak}
+    monkeypatch.setattr(V, "_engine", lambda cfg, path: (ScriptedEngine(tok, scripts[path]), tok))
+    cfg = from_dict({"models": [{"name": "T", "path": "teacher", "role": "teacher"},
+                                {"name": "S", "path": "student", "role": "student"}],
+                     "sets": [{"domain": "math", "path": str(tmp_path / "math.jsonl")},
+                              {"domain": "code", "path": str(tmp_path / "code.jsonl")}],
+                     "samples": 2, "k": [1, 2], "out_dir": str(tmp_path / "out")}, V.ValidateConfig)
+    res = V.validate(cfg)
+    T, S = res["results"]["T"], res["results"]["S"]
+    assert T["math"]["pass@1"] == pytest.approx(0.75) and T["math"]["pass@2"] == pytest.approx(1.0)
+    assert T["math"]["greedy"] == 1.0 and T["code"]["greedy"] == 1.0
+    assert S["math"]["pass@1"] == pytest.approx(0.25) and S["math"]["pass@2"] == pytest.approx(0.5)
+    assert S["code"]["score"] == pytest.approx(0.5) and S["code"]["pass@1"] == 0.0   # partial credit only in score
+    assert res["teacher_shares"]["shares"]["S"] == {"math": 0.0, "code": 0.5}
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| S | student |" in md and "of the teacher" in md
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["results"]["T"]["math"]["pass@2"] == 1.0
+
+
+def test_config_refuses_k_above_samples():
+    with pytest.raises(ValueError, match="every k"):
+        from_dict({"models": [{"name": "a", "path": "x"}], "sets": [{"domain": "m", "path": "y"}],
+                   "samples": 2, "k": [4]}, V.ValidateConfig)
+
+
+def test_cli_on_tiny_models_with_grpo_check(tmp_path, tiny_model_dir, tiny_teacher_dir):
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                                 for i in range(3)))
+    (tmp_path / "rl.yaml").write_text(
+        f"model: {{path: {tiny_model_dir}}}\n"
+        f"data: {{train: {tmp_path / 'math.jsonl'}, prompts_per_step: 2}}\n"
+        "rollout: {group_size: 2, max_new_tokens: 3}\n"
+        "rewards: [{name: math}, {name: format, weight: 0.1}]\n")
+    (tmp_path / "validate.yaml").write_text(
+        f"models:\n  - {{name: base, path: {tiny_model_dir}, role: student}}\n"
+        f"  - {{name: teacher, path: {tiny_teacher_dir}, role: teacher, domains: [math]}}\n"
+        f"sets: [{{domain: math, path: {tmp_path / 'math.jsonl'}}}]\n"
+        "samples: 2\nk: [1, 2]\nmax_new_tokens: 3\n"
+        "grpo: {config: rl.yaml, model: base, steps: 2, lr: 1.0e-6}\n"
+        f"out_dir: {tmp_path / 'report'}\n")
+    out = subprocess.run([sys.executable, "-m", "opd.cli", "validate", str(tmp_path / "validate.yaml")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert set(report["results"]) == {"base", "teacher"}
+    for r in report["results"].values():
+        assert 0.0 <= r["math"]["pass@1"] <= r["math"]["pass@2"] <= 1.0
+    assert report["grpo_check"]["steps"] == 2 and "reward_rose" in report["grpo_check"]
+    assert "Short GRPO pass" in (tmp_path / "report" / "report.md").read_text()
