@@ -1,0 +1,74 @@
+"""Trimming, masks, packing and per-row weights, against hand-computed values."""
+
+import torch
+
+from opd.distill import pack, response_mask, row_weights, trim_length
+from opd.tiny import build_tokenizer
+
+
+EOS = 0
+
+
+def test_trim_none_keeps_everything():
+    assert trim_length([5, 0, 7], eos_ids={EOS}, trim="none") == 3
+
+
+def test_trim_eos_keeps_through_first_eos():
+    assert trim_length([5, 6, 0, 7, 0], eos_ids={EOS}, trim="eos") == 3
+    assert trim_length([5, 6, 7], eos_ids={EOS}, trim="eos") == 3
+    assert trim_length([0, 6], eos_ids={EOS}, trim="eos") == 1
+    assert trim_length([], eos_ids={EOS}, trim="eos") == 0
+
+
+def test_trim_marker_keeps_through_the_token_that_completes_it(tmp_path):
+    tok = build_tokenizer(tmp_path)
+    ids = tok("x=4</a> and more</a>", add_special_tokens=False)["input_ids"]   # bytes: one token each
+    assert len(ids) == 20
+    # "x=4</a>" is 7 bytes: keep 7 tokens, drop the rambling tail.
+    assert trim_length(ids, eos_ids={tok.eos_token_id}, trim="marker", marker="</a>", tokenizer=tok) == 7
+    # No marker: falls back to EOS trimming.
+    no = tok("x=4 done", add_special_tokens=False)["input_ids"] + [tok.eos_token_id, 65]
+    assert trim_length(no, eos_ids={tok.eos_token_id}, trim="marker", marker="</a>", tokenizer=tok) == 9
+    # EOS before the marker wins.
+    early = tok("ab", add_special_tokens=False)["input_ids"] + [tok.eos_token_id] + \
+        tok("</a>", add_special_tokens=False)["input_ids"]
+    assert trim_length(early, eos_ids={tok.eos_token_id}, trim="marker", marker="</a>", tokenizer=tok) == 3
+
+
+def test_response_mask_marks_positions_that_predict_response_tokens():
+    # prompt 3 + response 2 in a width-6 batch; prompt 1 + response 4.
+    m = response_mask([3, 1], [2, 4], 6)
+    assert m.tolist() == [[False, False, True, True, False, False],
+                          [True, True, True, True, False, False]]
+
+
+def test_pack_rows_targets_and_padding():
+    p = pack([[10, 11, 12], [20]], [[13, 14], [21, 22, 23]], pad_id=99)
+    assert p.input_ids_B_L.tolist() == [[10, 11, 12, 13, 14], [20, 21, 22, 23, 99]]
+    assert p.attention_B_L.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert p.row_b_N.tolist() == [0, 0, 1, 1, 1]
+    assert p.row_pos_N.tolist() == [2, 3, 0, 1, 2]
+    assert p.targets_N.tolist() == [13, 14, 21, 22, 23]      # exactly the response tokens, in order
+    assert p.row_offsets == [0, 2, 5]
+
+
+def test_pack_empty_response_has_no_rows():
+    p = pack([[1, 2], [3]], [[], [4]], pad_id=0)
+    assert p.targets_N.tolist() == [4]
+    assert p.row_offsets == [0, 0, 1]
+
+
+def test_row_weights_per_token_and_per_sequence():
+    # two sequences of domain a (2 and 4 rows), one of domain b (1 row), lambda_b = 2.
+    offsets = [0, 2, 6, 7]
+    w = row_weights(offsets, ["a", "a", "b"], {"b": 2.0}, "token")
+    assert torch.allclose(w, torch.tensor([1 / 6] * 6 + [2.0]))
+    w = row_weights(offsets, ["a", "a", "b"], {"b": 2.0}, "sequence")
+    assert torch.allclose(w, torch.tensor([1 / 4] * 2 + [1 / 8] * 4 + [2.0]))
+    # loss rows all 1: each domain's mean is 1, the weighted sum is 1 + 2.
+    assert abs(float(w.sum()) - 3.0) < 1e-6
+
+
+def test_row_weights_skip_empty_sequences():
+    w = row_weights([0, 0, 3], ["a", "a"], {}, "sequence")
+    assert torch.allclose(w, torch.full((3,), 1 / 3))
