@@ -21,14 +21,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="RL config YAML (see configs/rl_math.yaml); keys:\n" + describe(RLConfig))
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN/checkpoints")
     parser.add_argument("--steps", type=int, default=None, help="override run.steps")
-    parser.add_argument("--out", default=None, help="override run.out_dir")
+    parser.add_argument("--out", "--out-dir", dest="out", default=None, help="override run.out_dir")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
+def _near(base: Path, p: str | None) -> str | None:
+    """A relative path in a config file means relative to that file's folder."""
+    if p is None or Path(p).is_absolute():
+        return p
+    return str(base / p)
+
+
 def load_config(path: str, steps: int | None = None, out: str | None = None):
+    """Load an RL config; relative paths in it are taken relative to its folder (as in every opd
+    config); --steps and --out override (--out relative to the current directory)."""
     from opd.rl.config import RLConfig
 
     cfg = load_yaml(path, RLConfig)
+    base = Path(path).resolve().parent
+    rewards = [dataclasses.replace(r, path=_near(base, r.path)) if r.path else r for r in cfg.rewards]
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=_near(base, cfg.model.path)),
+        data=dataclasses.replace(cfg.data, train=_near(base, cfg.data.train), eval=_near(base, cfg.data.eval)),
+        run=dataclasses.replace(cfg.run, out_dir=_near(base, cfg.run.out_dir)), rewards=rewards)
     run = cfg.run
     if steps is not None:
         run = dataclasses.replace(run, steps=steps)

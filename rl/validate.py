@@ -164,14 +164,14 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list]) -> dic
 
 def grpo_check(cfg: ValidateConfig, base_dir: Path, out_dir: Path) -> dict:
     """A short low-lr GRPO pass from one model: does the mean reward still rise?"""
-    from opd.rl.config import RLConfig
+    from opd.rl.train import load_config
     from opd.rl.trainer import GRPOTrainer
 
     check = cfg.grpo
     rl_path = Path(check.config)
     if not rl_path.is_absolute() and not rl_path.is_file():
         rl_path = base_dir / rl_path
-    rl = load_yaml(rl_path, RLConfig)
+    rl = load_config(str(rl_path))
     path = next(m.path for m in cfg.models if m.name == check.model)
     rl = dataclasses.replace(rl, model=dataclasses.replace(rl.model, path=path),
                              optim=dataclasses.replace(rl.optim, lr=check.lr),
@@ -258,12 +258,23 @@ def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
     return {"results": results, **extra, "report_md": str(md), "report_json": str(js)}
 
 
+def resolve_paths(cfg: ValidateConfig, base: Path) -> ValidateConfig:
+    """Relative paths in a config file are relative to its folder (as in every opd config)."""
+    def near(p: str) -> str:
+        return p if Path(p).is_absolute() else str(base / p)
+
+    return dataclasses.replace(
+        cfg, models=[dataclasses.replace(m, path=near(m.path)) for m in cfg.models],
+        sets=[dataclasses.replace(s, path=near(s.path)) for s in cfg.sets], out_dir=near(cfg.out_dir),
+        grpo=dataclasses.replace(cfg.grpo, config=near(cfg.grpo.config)) if cfg.grpo else None)
+
+
 # ---- CLI ----------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="validate config YAML (see configs/validate_demo.yaml); keys:\n"
                         + describe(ValidateConfig))
-    parser.add_argument("--out", default=None, help="override out_dir")
+    parser.add_argument("--out", "--out-dir", dest="out", default=None, help="override out_dir")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
@@ -273,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"opd validate: {e}", file=sys.stderr)
         return 2
+    cfg = resolve_paths(cfg, Path(args.config).resolve().parent)
     if args.out:
         cfg = dataclasses.replace(cfg, out_dir=args.out)
     result = validate(cfg, base_dir=Path(args.config).resolve().parent)

@@ -72,3 +72,20 @@ def test_combined_with_user_function(tmp_path):
     assert parts["python:short"] == [0.0, 1.0, 0.0]
     assert total == [1.5, 3.0, 0.0]
     assert reward.describe() == {"math": 1.0, "format": 0.5, "python:short": 2.0}
+
+
+def test_shipped_configs_load_and_paths_are_relative_to_the_config():
+    from pathlib import Path
+
+    from opd.config import load_yaml
+    from opd.rl.train import load_config
+    from opd.rl.validate import ValidateConfig, resolve_paths
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("rl_math.yaml", "rl_code.yaml"):
+        cfg = load_config(str(root / name))
+        assert Path(cfg.data.train).is_absolute() and cfg.data.train.startswith(str(root))
+        assert cfg.rollout.group_size >= 2
+    v = resolve_paths(load_yaml(root / "validate_demo.yaml", ValidateConfig), root)
+    assert {m.role for m in v.models} >= {"teacher", "student"}
+    assert all(Path(s.path).is_absolute() for s in v.sets)
