@@ -146,6 +146,12 @@ class RayCluster:
 
         return DataParallelGroup.start(model_dir, self.cfg.student, **kwargs)
 
+    def rollout_pool(self, model_dir: str, num_workers: int, **kwargs):
+        """Student sampling spread over `num_workers` rollout actors (opd/cluster_rollout.py)."""
+        from opd.cluster_rollout import RolloutPool
+
+        return RolloutPool.start(model_dir, num_workers, **kwargs)
+
     def shutdown(self, *, disconnect: bool = False) -> None:
         for pool in self._pools.values():
             pool.close()
