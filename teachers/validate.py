@@ -29,6 +29,9 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     def fail(code: ErrorCode, text: str):
         raise ProtocolError(code, text, rid)
 
+    if rid < 0:
+        fail(ErrorCode.BAD_REQUEST, f"request_id must be >= 0 (-1 marks unreadable ids), got {rid}")
+
     # Frames: ids int32 [T], offsets int32 [B + 1].
     if len(arrays) != 2:
         fail(ErrorCode.MALFORMED, f"SCORE carries 2 tensors (ids, offsets), got {len(arrays)}")

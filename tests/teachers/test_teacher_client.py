@@ -182,3 +182,24 @@ def test_help_lists_every_option(tmp_path):
     assert (tmp_path / "t.key").is_file() and (tmp_path / "t.key_secret").stat().st_mode & 0o077 == 0
     with pytest.raises(FileExistsError):
         keys.generate(tmp_path, "t")
+
+
+def test_silent_peer_loses_its_stream(teacher):
+    """A client that stops sending heartbeats mid-stream: the server cancels its work."""
+    limits = ServerLimits(heartbeat_s=0.1, peer_timeout_s=0.3)
+    with running(teacher, limits=limits) as server:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        ids = np.arange(1, 41, dtype="<i4")
+        sock.send_multipart(encode(Score(request_id=3, mode="full", response_starts=[1], chunk_rows=4, window=1),
+                                   (ids, np.array([0, 40], dtype="<i4"))))
+        assert sock.poll(10_000)
+        sock.recv_multipart()                      # one chunk, then silence: no credit, no ping
+        deadline = time.monotonic() + 10
+        while server._jobs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server._jobs and server._inflight_tokens == 0
+        msg, _ = decode(sock.recv_multipart())     # it was told, in case it was only slow
+        assert isinstance(msg, Error) and msg.code == ErrorCode.CANCELLED
+        sock.close()
