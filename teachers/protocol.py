@@ -40,6 +40,7 @@ dtype (temperature NOT applied to these raw logits; `lse` is of logits / T) and 
 from __future__ import annotations
 
 import enum
+import math
 from typing import Literal, Union
 
 import msgspec
@@ -259,7 +260,7 @@ def decode(frames) -> tuple[Message, list[np.ndarray]]:
             raise ProtocolError(ErrorCode.MALFORMED, f"dtype {spec.dtype!r} not in {list(DTYPES)}", rid)
         if len(spec.shape) > MAX_DIMS or any(s < 0 for s in spec.shape):
             raise ProtocolError(ErrorCode.MALFORMED, f"bad shape {spec.shape}", rid)
-        nbytes = int(np.prod(spec.shape, dtype=np.int64)) * dt.itemsize if spec.shape else dt.itemsize
+        nbytes = math.prod(spec.shape) * dt.itemsize  # Python ints: a huge shape cannot wrap to 0
         if nbytes > MAX_TENSOR_BYTES:
             raise ProtocolError(ErrorCode.MALFORMED, f"tensor of {nbytes} bytes exceeds {MAX_TENSOR_BYTES}", rid)
         buf = memoryview(frame)
