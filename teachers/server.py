@@ -108,6 +108,7 @@ class TeacherServer:
         self._streams: list[_Job] = []                                  # full mode, started
         self._jobs: dict[tuple[bytes, int], _Job] = {}                  # every unfinished job
         self._inflight_tokens = 0
+        self._streams_first = False
         self._draining = threading.Event()
         self._stop_worker = False
         self._last_seen: dict[bytes, float] = {}
@@ -319,11 +320,15 @@ class TeacherServer:
             self._streams.remove(job)
 
     def _next_work(self):
-        """Under the lock: a stream that may send a chunk, else a group of top-k jobs, else a new stream."""
-        for job in self._streams:
-            if job.cancelled or job.credit > 0:
-                job.credit -= 1
-                return "chunk", job
+        """Under the lock: alternately one chunk of a stream that has credit (round robin) and
+        the next pending work (a group of top-k jobs, or a new stream)."""
+        self._streams_first = not self._streams_first
+        if self._streams_first or not self._pending:
+            for i, job in enumerate(self._streams):
+                if job.cancelled or job.credit > 0:
+                    job.credit -= 1
+                    self._streams.append(self._streams.pop(i))  # next time, the others first
+                    return "chunk", job
         if not self._pending:
             return None
         if self._pending[0].req.mode == "full":

@@ -138,6 +138,12 @@ def test_full_chunks_equal_direct_logits(client, model, dtype):
     torch.testing.assert_close(torch.cat([c.token_logprob for c in chunks]), ref_lp, atol=1e-5, rtol=0)
 
 
+def test_requests_without_rows(client):
+    r = client.score_topk([[4, 5, 6], [7]], [3, 1], k=3)
+    assert r.ids.shape == (0, 3) and r.row_offsets == [0, 0, 0] and r.stats.rows == 0
+    assert list(client.score_full([[4, 5, 6]], [3])) == []
+
+
 def test_credit_window_bounds_the_stream(server):
     raw = Raw(server.address)
     try:
