@@ -82,7 +82,11 @@ def make_engine(cfg: RLConfig, model, tokenizer):
         return HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
     from opd.rollout.vllm import VLLMRolloutEngine  # lazy: vLLM is heavy and optional
 
-    lora = {"rank": cfg.model.lora.rank} if cfg.model.lora is not None else None
+    lora = None
+    if cfg.model.lora is not None:
+        # vLLM sizes its LoRA buffers from max_lora_rank, which must be one of a few values >= the rank
+        allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+        lora = {"rank": next((a for a in allowed if a >= cfg.model.lora.rank), cfg.model.lora.rank)}
     engine = VLLMRolloutEngine(cfg.model.path, lora=lora, max_model_len=cfg.rollout.max_model_len,
                                seed=cfg.run.seed, dtype=cfg.model.dtype)
     engine.sync_weights(model)
@@ -318,15 +322,16 @@ class GRPOTrainer:
     def step_metrics(self, rewards_P_G: torch.Tensor, parts: dict, rollouts_B, upd: dict) -> dict:
         flat_P = grpo.equal_groups(rewards_P_G)
         lo, hi = float(rewards_P_G.min()), float(rewards_P_G.max())
-        group_value_P = rewards_P_G[:, 0]
+        value_P = rewards_P_G[:, 0]
+        if hi > lo:   # flat groups at the batch's best / worst reward
+            top_P, bottom_P = flat_P & (value_P == hi), flat_P & (value_P == lo)
+        else:         # every group flat at one value: "top" if it earned anything
+            top_P, bottom_P = flat_P & (hi > 0), flat_P & (hi <= 0)
         lengths = torch.tensor([len(r.response_ids) for r in rollouts_B], dtype=torch.float32)
         m = {"reward/mean": float(rewards_P_G.mean()),
              "reward/group_std": float(rewards_P_G.std(dim=1).mean()) if rewards_P_G.shape[1] > 1 else 0.0,
              "groups/all_equal": float(flat_P.float().mean()),
-             "groups/all_top": float((flat_P & (group_value_P == hi) & (hi > lo)).float().mean()) if hi > lo else
-             float(flat_P.float().mean() if hi > 0 else 0.0),
-             "groups/all_bottom": float((flat_P & (group_value_P == lo) & (hi > lo)).float().mean()) if hi > lo else
-             float(flat_P.float().mean() if hi <= 0 else 0.0),
+             "groups/all_top": float(top_P.float().mean()), "groups/all_bottom": float(bottom_P.float().mean()),
              "length/mean": float(lengths.mean()), "length/max": float(lengths.max()),
              "length/truncated": float(sum(r.finish_reason == "length" for r in rollouts_B) / len(rollouts_B))}
         for name, vals in parts.items():
