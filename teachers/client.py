@@ -331,19 +331,19 @@ class TeacherClient:
         if now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
             self._send(encode(Ping(t=time.time())))
+        # A silent server (killed, partitioned) is noticed within 3 heartbeats: replace the
+        # connection. Only `timeout_s` without progress costs a request one of its attempts.
         silent = now - self._last_recv > 3 * self.heartbeat_s
-        expired = [c for c in outstanding if c.retry_at is None and (silent or now > c.deadline)
-                   and not (c.kind == "full" and c.sent and c.server_credit <= 0 and not silent)]
-        if not expired:
-            return False
-        why = f"server silent for {now - self._last_recv:.1f}s" if silent else f"no answer within timeout_s={self.timeout_s}"
+        expired = [c for c in outstanding if c.retry_at is None and now > c.deadline
+                   and not (c.kind == "full" and c.sent and c.server_credit <= 0)]
         for call in expired:
             call.attempts += 1
             call.deadline = now + self.timeout_s
             if call.attempts > self.retries:
-                self._fail(call, TeacherError("TIMEOUT", f"{why} from {self.address} after {call.attempts} "
-                                                         f"attempts; raise timeout_s/retries or check the server"))
-        return True
+                self._fail(call, TeacherError("TIMEOUT", f"no answer from {self.address} within timeout_s="
+                                                         f"{self.timeout_s} ({call.attempts} attempts); raise "
+                                                         f"timeout_s/retries or check the server"))
+        return silent or bool(expired)
 
     def _on_message(self, frames, now: float) -> None:
         try:
