@@ -15,14 +15,19 @@ from pathlib import Path
 from opd.config import ConfigError, describe, load_yaml
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Option defaults shown, and the config keys (the epilog) printed as written."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from opd.rl.config import RLConfig
 
-    parser.add_argument("config", help="RL config YAML (see configs/rl_math.yaml); keys:\n" + describe(RLConfig))
+    parser.add_argument("config", help="RL config YAML (see configs/rl_math.yaml and the keys below)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN/checkpoints")
     parser.add_argument("--steps", type=int, default=None, help="override run.steps")
     parser.add_argument("--out", "--out-dir", dest="out", default=None, help="override run.out_dir")
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "config keys:\n" + describe(RLConfig)
+    parser.formatter_class = HelpFormatter
 
 
 def _near(base: Path, p: str | None) -> str | None:

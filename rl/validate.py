@@ -271,11 +271,15 @@ def resolve_paths(cfg: ValidateConfig, base: Path) -> ValidateConfig:
 
 # ---- CLI ----------------------------------------------------------------------------------
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Option defaults shown, and the config keys (the epilog) printed as written."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="validate config YAML (see configs/validate_demo.yaml); keys:\n"
-                        + describe(ValidateConfig))
+    parser.add_argument("config", help="validate config YAML (see configs/validate_demo.yaml and the keys below)")
     parser.add_argument("--out", "--out-dir", dest="out", default=None, help="override out_dir")
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "config keys:\n" + describe(ValidateConfig)
+    parser.formatter_class = HelpFormatter
 
 
 def run(args: argparse.Namespace) -> int:
