@@ -44,8 +44,8 @@ def build_tiny_model(
     *,
     layers: int = 2,
     hidden: int = 64,
-    heads: int = 4,
-    kv_heads: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
     intermediate: int = 128,
     max_positions: int = 512,
     seed: int = 0,
@@ -53,6 +53,9 @@ def build_tiny_model(
     tie_embeddings: bool = False,
 ) -> Path:
     """Save a randomly initialised Qwen2-style causal LM plus the byte tokenizer to `out_dir`.
+
+    Head size hidden / heads defaults to 32: vLLM's CPU attention accepts 32 and up, so
+    every tiny model can be served and sampled by vLLM as well as transformers.
 
     fp32 weights in safetensors. The same seed gives bit-identical weights.
     """
