@@ -1,6 +1,6 @@
 """The child side of rl/rewards/sandbox.py: limit itself, then run the solution and each test.
 
-Run as `python -I _sandbox_child.py CONFIG_JSON` with {"code", "tests"} JSON on stdin.
+Run as `python -I -S _sandbox_child.py CONFIG_JSON` with {"code", "tests"} JSON on stdin.
 `-I` keeps this file's folder off sys.path (so `import math` is the stdlib's). Results go
 to an inherited pipe as lines "TOKEN {json}", one per test and a final "done" line.
 The limits and their honesty notes are described in sandbox.py.
@@ -97,6 +97,7 @@ def _install_hook(workdir: str, allow_subprocess: bool) -> None:
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     payload = json.loads(sys.stdin.read())
+    sys.path.extend(cfg.get("site_packages", []))  # started with -S: libraries without .pth hooks
     fd, token = cfg["result_fd"], cfg["token"]
     workdir = os.path.realpath(cfg["workdir"])
 

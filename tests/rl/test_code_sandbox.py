@@ -110,3 +110,8 @@ def test_run_many_in_parallel_keeps_order():
     res = run_many(jobs, SandboxLimits(timeout_s=2.0, memory_mb=256), workers=3)
     assert [r.reward for r in res] == [1.0, 0.0, 0.5]
     assert time.monotonic() - t0 < 4.0   # the hang did not serialize the others
+
+
+def test_installed_libraries_still_import():
+    code = "import numpy as np\ndef add(a, b):\n    return int(np.add(a, b))\n"
+    assert run_tests(code, TESTS, LIMITS).reward == 1.0
