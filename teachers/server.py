@@ -239,6 +239,8 @@ class TeacherServer:
             req = score_request(msg, arrays, self.backend, self.limits.max_tokens_per_request)
         except ProtocolError as e:
             return self._refuse(peer, rid, e.code, str(e))
+        except Exception as e:  # a check that tripped over the input is still a bad request
+            return self._refuse(peer, rid, ErrorCode.MALFORMED, f"invalid SCORE: {type(e).__name__}: {e}")
         job = _Job(peer, req, now, credit=msg.window)
         with self._cv:
             if job.key in self._jobs:
@@ -357,10 +359,16 @@ class TeacherServer:
                     if work is None:
                         return
                 kind, what = work
-                if kind == "topk":
-                    self._compute_topk(out, what)
-                else:
-                    self._step_stream(out, what, start=kind == "start")
+                try:
+                    if kind == "topk":
+                        self._compute_topk(out, what)
+                    else:
+                        self._step_stream(out, what, start=kind == "start")
+                except Exception as e:  # never let one request kill the worker
+                    for job in what if kind == "topk" else [what]:
+                        if job.key in self._jobs:
+                            job.stream = None
+                            self._internal(out, job, e)
         finally:
             out.close(linger=0)
 

@@ -203,3 +203,22 @@ def test_silent_peer_loses_its_stream(teacher):
         msg, _ = decode(sock.recv_multipart())     # it was told, in case it was only slow
         assert isinstance(msg, Error) and msg.code == ErrorCode.CANCELLED
         sock.close()
+
+
+def test_backend_failure_is_internal_and_server_keeps_serving(teacher):
+    class Flaky:
+        """The real backend, except that k == 13 raises inside the forward pass."""
+
+        def __getattr__(self, name):
+            return getattr(teacher, name)
+
+        def score_topk(self, reqs):
+            if any(r.k == 13 for r in reqs):
+                raise RuntimeError("simulated out of memory")
+            return teacher.score_topk(reqs)
+
+    with running(Flaky()) as server, TeacherClient(server.address, retries=2, backoff_s=0.01) as client:
+        with pytest.raises(TeacherError) as e:
+            client.score_topk(SEQS, STARTS, k=13)
+        assert e.value.code == "INTERNAL" and "simulated out of memory" in e.value.message
+        assert client.score_topk(SEQS, STARTS, k=4).ids.shape == (6, 4)
