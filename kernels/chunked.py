@@ -21,9 +21,10 @@ import torch
 from . import autograd
 from .loss import FORWARD_KL, REVERSE_KL, DistillOptions, log_mixture, safe_lse
 
-TILE_ELEMENTS = 1 << 20          # 4 MB of fp32 per tile
-LOGITS_CHUNK = 8192              # vocabulary chunk for logits input (contiguous-ish rows)
+TILE_ELEMENTS = 1 << 18          # 1 MB of fp32 per tile: stays in cache, few Python calls
+LOGITS_CHUNK = 8192              # vocabulary chunk for logits input (long contiguous runs)
 LINEAR_ROWS = 4096               # fused: rows per block (weight is re-read once per block)
+LINEAR_TILE_ELEMENTS = 1 << 20   # fused: 4 MB tiles, so each matmul is large enough for BLAS
 
 NEG_INF = float("-inf")
 
@@ -46,7 +47,7 @@ def _tiles(src, opts: DistillOptions):
         rows = max(1, TILE_ELEMENTS // chunk)
     else:
         rows = min(n_rows, LINEAR_ROWS)
-        chunk = max(64, TILE_ELEMENTS // rows)
+        chunk = max(64, LINEAR_TILE_ELEMENTS // rows)
     for r0 in range(0, n_rows, rows):
         for c0 in range(0, opts.vocab_size, chunk):
             yield r0, min(r0 + rows, n_rows), c0, min(c0 + chunk, opts.vocab_size)
@@ -91,7 +92,11 @@ def _put_grad(src, grads, g, r0, r1, c0, c1):
 
 
 def _scale_rows(g, w_rows):
-    return torch.where(w_rows[:, None] != 0, g * w_rows[:, None], torch.zeros_like(g))
+    """g * w per row, in place; rows with w = 0 become exactly 0 (even where g is inf/nan)."""
+    g.mul_(w_rows[:, None])
+    if not bool(w_rows.all()):
+        g.masked_fill_(w_rows[:, None] == 0, 0.0)
+    return g
 
 
 # ---- full-vocabulary teacher ----------------------------------------------------------

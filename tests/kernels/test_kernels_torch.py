@@ -20,6 +20,7 @@ def small_chunks(monkeypatch):
     """Force several row blocks and vocabulary chunks (V=101 is not a multiple of 32)."""
     monkeypatch.setattr(chunked, "LOGITS_CHUNK", 32)
     monkeypatch.setattr(chunked, "TILE_ELEMENTS", 32 * 5)
+    monkeypatch.setattr(chunked, "LINEAR_TILE_ELEMENTS", 32 * 5)
     monkeypatch.setattr(chunked, "LINEAR_ROWS", 5)
 
 
