@@ -222,3 +222,22 @@ def test_backend_failure_is_internal_and_server_keeps_serving(teacher):
             client.score_topk(SEQS, STARTS, k=13)
         assert e.value.code == "INTERNAL" and "simulated out of memory" in e.value.message
         assert client.score_topk(SEQS, STARTS, k=4).ids.shape == (6, 4)
+
+
+def test_pending_requests_share_one_backend_call(teacher):
+    groups = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(teacher, name)
+
+        def score_topk(self, reqs):
+            groups.append(len(reqs))
+            return teacher.score_topk(reqs)
+
+    with running(Recording()) as server, TeacherClient(server.address) as client:
+        futures = [client.submit_topk(SEQS, STARTS, k=4) for _ in range(8)]
+        results = [f.result(timeout=60) for f in futures]
+    assert sum(groups) == 8 and max(groups) > 1, groups
+    for r in results[1:]:
+        torch.testing.assert_close(r.logprobs, results[0].logprobs, atol=1e-6, rtol=0)
