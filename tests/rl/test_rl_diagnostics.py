@@ -48,3 +48,16 @@ def test_flat_groups_warning(rewards, expect, capsys):
         assert expect in out and "temperature (0.3)" in out and "no gradient" in out
         GRPOTrainer.warn_if_flat(stub, 4, _metrics(rewards))       # not repeated every step
         assert capsys.readouterr().out == ""
+
+
+def test_bad_config_is_refused_with_file_and_line(tmp_path, capsys):
+    from opd.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {path: m}\ndata: {train: t}\nalgorithm:\n  eps_hihg: 0.3\n")
+    assert main(["rl", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:4" in err and "eps_hihg" in err and "eps_high" in err
+    bad.write_text("model: {path: m}\ndata: {train: t}\nrewards: [{name: python}]\n")
+    assert main(["rl", str(bad)]) == 2
+    assert "FILE.py:function" in capsys.readouterr().err

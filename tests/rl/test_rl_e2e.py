@@ -101,6 +101,17 @@ def test_lora_reference_is_the_base_model_with_the_adapter_off(tmp_path, tiny_mo
     # the rollout engine's log-probs are the policy's own (ratio 1 in the first epoch)
     assert torch.allclose(batch.old_logprobs_B_T[mask], policy[mask], atol=1e-4)
 
+    # a LoRA run checkpoints the adapter, resumes from it, and leaves a merged full model
+    trainer.train()
+    resumed = GRPOTrainer(make_config(tmp_path, tiny_model_dir, model={"lora": {"rank": 4}}, run={"steps": 2}),
+                          resume=True)
+    assert resumed.start_step == 1
+    lora_b = {n: p.detach().clone() for n, p in resumed.model.named_parameters() if "lora_B" in n}
+    assert all(float(v.abs().max()) > 0.1 for v in lora_b.values())   # the trained adapter came back
+    resumed.train()
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "model"), dtype=torch.float32)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+
 
 def test_cli_help():
     for cmd in ("rl", "validate"):
