@@ -51,6 +51,7 @@ class RolloutConfig:
     top_p: float = field(1.0, help="nucleus sampling threshold", min=0.0, max=1.0)
     max_new_tokens: int = field(64, help="length limit of a response", min=1)
     batch_size: int = field(64, help="sequences generated together (hf engine)", min=1)
+    vllm_max_model_len: int = field(2048, help="vllm engine: longest prompt + response it holds", min=16)
     vllm_gpu_memory_utilization: float = field(0.3, help="vllm engine: share of GPU memory it may take",
                                                min=0.01, max=1.0)
 

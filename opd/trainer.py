@@ -279,6 +279,7 @@ class Trainer:
 
             lora = {"rank": cfg.student.lora.rank} if cfg.student.lora else None
             engine = VLLMRolloutEngine(cfg.student.path, lora=lora, seed=cfg.run.seed, dtype=cfg.student.dtype,
+                                       max_model_len=cfg.rollout.vllm_max_model_len,
                                        gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization)
             engine.sync_weights(self.model)  # a resumed or LoRA student differs from the directory
             return engine

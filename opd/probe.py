@@ -1,0 +1,133 @@
+"""`opd probe`: will this teacher distill into this student? Measured before a run.
+
+The student samples responses to a few prompts; the teacher scores every position the
+student visited (top-k mode, temperature 1). Reported, per response token, averaged:
+
+    forward_kl_topk   KL(teacher || student) over the partition {teacher's top-k, tail}
+                      (a lower bound of the full-vocabulary forward KL)
+    reverse_kl_topk   KL(student || teacher) over the same partition (a lower bound)
+    reverse_kl_sampled  log p_student(x) - log p_teacher(x) at the sampled tokens x: an
+                      unbiased estimate of the full-vocabulary reverse KL
+    topk_overlap      |student's top-k ∩ teacher's top-k| / k (1: same k most likely tokens)
+    teacher_tail_mass 1 - the teacher's top-k probability mass (what top-k mode cuts off)
+    teacher_token_prob  mean teacher probability of the tokens the student sampled
+
+Low overlap predicts failure: the teacher puts its mass where the student does not look,
+so on-policy states carry little signal the student can follow. The verdict is plain text
+built from overlap and tail mass (thresholds in `verdict`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--student", required=True, type=Path, help="student model directory")
+    p.add_argument("--teacher", required=True, help="teacher server address, e.g. tcp://127.0.0.1:5601")
+    p.add_argument("--prompts", required=True, type=Path, help="JSONL prompts (field `prompt`)")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts used (the first N)")
+    p.add_argument("--k", type=int, default=16, help="top-k of overlap and tail mass")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="length limit of the student's responses")
+    p.add_argument("--temperature", type=float, default=1.0, help="student sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="cpu", help="device of the student")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="teacher answer timeout")
+    p.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
+
+
+def verdict(overlap: float, tail_mass: float, k: int) -> str:
+    if overlap >= 0.5:
+        v = "compatible: the student already ranks most of the teacher's top tokens highly; distillation should work"
+    elif overlap >= 0.2:
+        v = ("partial overlap: expect slower progress; a short SFT on teacher samples first, or a closer "
+             "teacher, makes on-policy distillation more reliable")
+    else:
+        v = ("low overlap: the teacher's likely tokens are mostly outside the student's; on-policy distillation "
+             "is likely to fail (an incompatible style). Start with SFT on teacher outputs or pick another teacher")
+    if tail_mass > 0.1:
+        v += f". Top-{k} leaves {tail_mass:.0%} of the teacher's mass in the tail: raise k or use full mode"
+    return v
+
+
+def probe(student_dir: str | Path, teacher: str, prompts: list[str], *, k: int = 16, max_new_tokens: int = 64,
+          temperature: float = 1.0, seed: int = 0, device: str = "cpu", timeout_s: float = 30.0) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.data import encode_prompt
+    from opd.diagnostics import topk_overlap
+    from opd.distill import pack, student_rows
+    from opd.fingerprint import tokenizer_fingerprint
+    from opd.kernels import TopKTeacher, distill_loss
+    from opd.rollout.base import SamplingParams
+    from opd.rollout.hf import HFRolloutEngine
+    from opd.teachers.client import TeacherClient
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    client = TeacherClient(teacher, timeout_s=timeout_s, retries=1)
+    try:
+        welcome = client.info()
+        fp = tokenizer_fingerprint(tok)
+        if welcome.tokenizer_fingerprint != fp:
+            raise ValueError(f"teacher at {teacher} uses tokenizer fingerprint {welcome.tokenizer_fingerprint}, "
+                             f"the student ({student_dir}) {fp}: they cannot be distilled token by token")
+        k = min(k, welcome.max_k)
+        model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32).to(device).eval()
+        engine = HFRolloutEngine(model, tok)
+        ids = [encode_prompt(tok, p) for p in prompts]
+        rollouts = engine.generate(ids, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+                                                       seed=seed))
+        rollouts = [r for r in rollouts if r.response_ids]
+        if not rollouts:
+            raise ValueError("the student produced only empty responses")
+        answer = client.score_topk([r.ids for r in rollouts], [len(r.prompt_ids) for r in rollouts], k)
+        with torch.no_grad():
+            packed = pack([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
+                          tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+            logits = student_rows(model, packed, fused=False).float().cpu()
+        t = TopKTeacher(answer.ids, answer.logprobs, answer.tail_logmass)
+        student_lp = torch.tensor([lp for r in rollouts for lp in r.logprobs])
+        report = {
+            "student": str(student_dir), "teacher": welcome.teacher, "teacher_model": welcome.model_id,
+            "teacher_model_fingerprint": welcome.model_fingerprint, "tokenizer_fingerprint": fp,
+            "responses": len(rollouts), "tokens": int(logits.shape[0]), "k": k,
+            "forward_kl_topk": float(distill_loss(logits, t, beta=0.0)),
+            "reverse_kl_topk": float(distill_loss(logits, t, beta=1.0)),
+            "reverse_kl_sampled": float((student_lp - answer.token_logprob).mean()),
+            "topk_overlap": float(topk_overlap(logits, answer.ids).mean()),
+            "teacher_tail_mass": float(answer.tail_logmass.exp().mean()),
+            "teacher_token_prob": float(answer.token_logprob.exp().mean()),
+            "mean_response_len": sum(len(r.response_ids) for r in rollouts) / len(rollouts),
+        }
+        report["verdict"] = verdict(report["topk_overlap"], report["teacher_tail_mass"], k)
+        return report
+    finally:
+        client.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from opd.data import DataError, load_jsonl
+    from opd.teachers.client import TeacherError
+
+    try:
+        samples, _ = load_jsonl(args.prompts)
+        report = probe(args.student, args.teacher, [s.prompt for s in samples[:args.num_prompts]], k=args.k,
+                       max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                       device=args.device, timeout_s=args.timeout_s)
+    except (DataError, ValueError, TeacherError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    width = max(len(k) for k in report)
+    for key, value in report.items():
+        shown = f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else value
+        print(f"{key:<{width}}  {shown}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0

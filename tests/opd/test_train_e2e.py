@@ -1,0 +1,215 @@
+"""`opd train` end to end against a real `opd serve-teacher` process on tiny models.
+
+The teacher is the student with a rank-4 change of its LM head (logit changes of about
+2 nats), so their distributions differ clearly while staying reachable for full
+fine-tuning and for a LoRA adapter. Every run is a few seconds: 4 prompts per step,
+responses of at most 12 tokens.
+"""
+
+import json
+import shutil
+from concurrent.futures import Future
+from dataclasses import replace
+
+import pytest
+import torch
+
+from opd.config import from_dict
+from opd.data import write_jsonl
+from opd.metrics import read_metrics
+from opd.train_config import TrainConfig
+from opd.trainer import Batch, Route, Trainer, TrainError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _lm_head_teacher(student_dir, out_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    w = model.lm_head.weight
+    with torch.no_grad():
+        w.add_(torch.randn(w.shape[0], 4, generator=g) @ (torch.randn(4, w.shape[1], generator=g) * 0.125))
+    model.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(student_dir)).save_pretrained(str(out_dir))
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model_dir):
+    from opd.teachers.launch import start_server_process
+
+    root = tmp_path_factory.mktemp("opd_train")
+    teacher = _lm_head_teacher(tiny_model_dir, root / "teacher")
+    write_jsonl(root / "train.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(16)])
+    write_jsonl(root / "eval.jsonl", [{"prompt": f"held out {i}"} for i in range(4)])
+    write_jsonl(root / "sft.jsonl", [{"prompt": f"say {i}", "response": f"{i}"} for i in range(4)])
+    server = start_server_process(["--model", str(teacher), "--max-k", "16", "--name", "t"])
+    try:
+        yield {"root": root, "student": tiny_model_dir, "address": server.address, "server": server}
+    finally:
+        server.stop()
+
+
+def _cfg(s, name, *, mode="topk", lora=False, lr=3e-3, steps=20, **over):
+    d = {
+        "student": {"path": str(s["student"]),
+                    # The teacher differs in its LM head, so that is where the adapter goes.
+                    **({"lora": {"rank": 8, "alpha": 16, "target_modules": ["lm_head"]}} if lora else {})},
+        "merge": {"teachers": [{"name": "t", "address": s["address"], "mode": mode, "k": 8}],
+                  "datasets": [{"domain": "gen", "path": str(s["root"] / "train.jsonl"),
+                                "eval_path": str(s["root"] / "eval.jsonl")}]},
+        "rollout": {"prompts_per_step": 4, "max_new_tokens": 12},
+        "optim": {"lr": lr, "micro_batch_size": 4},
+        "teacher_client": {"connect_timeout_s": 5.0},
+        "run": {"steps": steps, "out_dir": str(s["root"] / name), "progress": False, "tensorboard": False},
+    }
+    for path, value in over.items():  # "run.pipeline": False
+        node = d
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return from_dict(d, TrainConfig)
+
+
+@pytest.mark.parametrize("lora,mode,lr,steps,prompts", [
+    (False, "topk", 3e-3, 16, 4),
+    (True, "topk", 3e-2, 16, 4),
+    (False, "full", 5e-3, 24, 8),
+    (True, "full", 3e-2, 16, 4),
+], ids=["full_ft-topk", "lora-topk", "full_ft-full", "lora-full"])
+def test_heldout_kl_halves(setup, lora, mode, lr, steps, prompts):
+    cfg = _cfg(setup, f"kl_{lora}_{mode}", mode=mode, lora=lora, lr=lr, steps=steps,
+               **{"rollout.prompts_per_step": prompts})
+    result = Trainer(cfg).run()
+    first, last = result["evals"][0]["eval/kl"], result["evals"][-1]["eval/kl"]
+    assert first > 0.5, first                      # the teacher really differs
+    assert last <= 0.5 * first, (first, last)
+
+    out = setup["root"] / f"kl_{lora}_{mode}"
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["staleness"] == (0 if r["step"] == 1 else 1) for r in rows)   # pipelined: one step old
+    assert all(r["tokens_per_s"] > 0 and r["teacher_latency_s"] > 0 for r in rows)
+    assert 0 <= rows[-1]["diag/gen/topk_overlap"] <= 1 and "diag/gen/eos_rate" in rows[-1]
+    card = json.loads((out / "card.json").read_text())
+    assert card["teacher t"]["model_fingerprint"] == setup["server"].model_fingerprint
+    assert card["teacher t"]["divergence"].startswith("forward KL")
+    if mode == "topk":
+        assert 0 < card["teacher t"]["mean_teacher_tail_mass"] < 1
+    assert "mean 0.9" in card["trajectories"]["staleness"]
+    assert (out / "plots" / "kl.png").is_file() and (out / "card.md").is_file()
+    ckpt = out / "checkpoints" / f"step_{steps:06d}"
+    if lora:   # the adapter alone
+        assert (ckpt / "model" / "adapter_config.json").is_file()
+
+
+def test_resume_continues_exactly(setup):
+    root = setup["root"]
+    full = _cfg(setup, "resume_full", steps=4, **{"run.checkpoint_every": 2})
+    Trainer(full).run()
+    part = _cfg(setup, "resume_part", steps=2)
+    Trainer(part).run()
+    Trainer(replace(part, run=replace(part.run, steps=4)), resume=True).run()
+    a = {r["step"]: r["loss"] for r in read_metrics(root / "resume_full" / "metrics.jsonl") if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(root / "resume_part" / "metrics.jsonl") if "loss" in r}
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert abs(a[step] - b[step]) <= 1e-6, (step, a[step], b[step])
+
+
+def test_fused_and_micro_batches_give_the_same_loss(setup):
+    """One batch, three ways: logits vs fused linear path, 1 vs 2 micro-batches, same loss and update."""
+    losses = []
+    for i, (fused, mb) in enumerate([(False, 4), (True, 2), (False, 1)]):
+        cfg = _cfg(setup, f"fused_{i}", steps=2, **{"loss.fused_linear": fused, "optim.micro_batch_size": mb,
+                                                   "run.pipeline": False})
+        Trainer(cfg).run()
+        losses.append([r["loss"] for r in read_metrics(setup["root"] / f"fused_{i}" / "metrics.jsonl") if "loss" in r])
+    for other in losses[1:]:
+        assert other == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
+
+
+def test_sampled_mode_sft_mix_and_accumulation_run(setup):
+    cfg = _cfg(setup, "sampled", mode="sampled", steps=2, **{
+        "merge.sft": {"path": str(setup["root"] / "sft.jsonl"), "lambda_sft": 0.5, "batch_size": 2},
+        "optim.grad_accum": 2, "optim.schedule": "cosine", "optim.warmup_steps": 1,
+        "loss.length_norm": "sequence", "run.pipeline": False})
+    Trainer(cfg).run()
+    rows = [r for r in read_metrics(setup["root"] / "sampled" / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 2 and all("sft_loss" in r and r["sft_loss"] > 0 for r in rows)
+    assert all(r["staleness"] == 0 for r in rows)      # not pipelined: always the current weights
+    card = json.loads((setup["root"] / "sampled" / "card.json").read_text())
+    assert "lambda_sft=0.5" in card["objective"]["sft_mix"]
+
+
+def test_tokenizer_mismatch_is_refused(setup, tmp_path):
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other_student"
+    shutil.copytree(setup["student"], other)
+    tok = AutoTokenizer.from_pretrained(str(other))
+    tok.add_special_tokens({"additional_special_tokens": ["<|extra|>"]})
+    tok.save_pretrained(str(other))
+    cfg = _cfg(setup, "mismatch", steps=1)
+    cfg = replace(cfg, student=replace(cfg.student, path=str(other)))
+    from opd.fingerprint import tokenizer_fingerprint
+
+    with pytest.raises(TrainError) as e:
+        Trainer(cfg).run()
+    msg = str(e.value)
+    assert setup["server"].tokenizer_fingerprint in msg and tokenizer_fingerprint(tok) in msg
+    assert not (setup["root"] / "mismatch" / "metrics.jsonl").exists()   # refused before any compute
+
+
+def test_unreachable_teacher_is_refused_before_compute(setup):
+    import time
+
+    from conftest import free_port
+
+    cfg = _cfg(setup, "unreachable", steps=1, **{"teacher_client.connect_timeout_s": 1.0})
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    cfg = replace(cfg, merge=replace(cfg.merge, teachers=[replace(cfg.merge.teachers[0], address=dead)]))
+    t0 = time.monotonic()
+    with pytest.raises(TrainError, match=f"teacher 't' at {dead} is unreachable"):
+        Trainer(cfg).run()
+    assert time.monotonic() - t0 < 30
+    assert not (setup["root"] / "unreachable" / "metrics.jsonl").exists()
+
+
+def test_fingerprint_change_stops_with_both_names():
+    from opd.routing.config import TeacherSpec
+    from opd.teachers.client import TeacherError
+
+    tr = Trainer.__new__(Trainer)
+    tr.specs = {"t": TeacherSpec(name="t", address="tcp://127.0.0.1:1")}
+    fut = Future()
+    fut.set_exception(TeacherError("FINGERPRINT_CHANGED", "teacher at tcp://127.0.0.1:1 changed: model aaaa -> bbbb"))
+    batch = Batch(index=0, samples=[], routes=[Route({"t": 1.0}, "gen")], rollouts=[], keep=[], policy_version=0,
+                  futures={"t": fut})
+    with pytest.raises(TrainError, match="restarted with a different model.*aaaa -> bbbb"):
+        tr._answers(batch)
+
+
+def test_probe_measures_student_teacher_gap(setup, capsys):
+    from opd.cli import main
+    from opd.probe import probe
+
+    prompts = [f"held out {i}" for i in range(4)]
+    teacher_dir = setup["root"] / "teacher"
+    same = probe(teacher_dir, setup["address"], prompts, k=8, max_new_tokens=8)
+    # The teacher probed against itself: no gap at all.
+    assert same["topk_overlap"] == pytest.approx(1.0)
+    assert abs(same["forward_kl_topk"]) < 1e-4 and abs(same["reverse_kl_sampled"]) < 1e-4
+    assert same["verdict"].startswith("compatible")
+    diff = probe(setup["student"], setup["address"], prompts, k=8, max_new_tokens=8)
+    assert diff["forward_kl_topk"] > 0.3 and diff["reverse_kl_sampled"] > 0.3
+    assert diff["topk_overlap"] < same["topk_overlap"]
+    assert 0 < diff["teacher_tail_mass"] < 1
+    out = setup["root"] / "probe.json"
+    assert main(["probe", "--student", str(setup["student"]), "--teacher", setup["address"], "--prompts",
+                 str(setup["root"] / "eval.jsonl"), "--k", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
+    assert "verdict" in capsys.readouterr().out
+    assert json.loads(out.read_text())["k"] == 8
