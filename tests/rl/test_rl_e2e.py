@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from opd.config import from_dict
+from opd.config import from_dict, to_dict
 from opd.rl.config import RLConfig
 
 # A toy verifiable task a randomly initialised byte-level model can learn in a few GRPO
@@ -140,3 +140,26 @@ def test_grpo_with_the_vllm_engine(tmp_path, vllm_model_dir, one_thread, lora):
     assert len(rows) == 2
     assert rows[0]["ratio/mean"] == pytest.approx(1.0, abs=2e-3)
     assert rows[1]["ratio/mean"] == pytest.approx(1.0, abs=2e-3)   # weights were pushed after step 1
+
+
+def test_every_reward_kind_runs_in_the_loop_with_eval(tmp_path, tiny_model_dir, one_thread):
+    from opd.rl.trainer import GRPOTrainer
+
+    rows = [{"prompt": "1+1=", "answer": "2", "domain": "math"},
+            {"prompt": "def inc", "tests": "assert inc(1) == 2", "domain": "code"}]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_config(tmp_path, tiny_model_dir,
+                      data={"train": str(tmp_path / "mixed.jsonl"), "eval": str(tmp_path / "mixed.jsonl"),
+                            "prompts_per_step": 2},
+                      rollout={"group_size": 2},
+                      run={"steps": 2, "ckpt_every": 0})
+    cfg = from_dict({**to_dict(cfg), "rewards": [
+        {"name": "math"}, {"name": "code", "options": {"timeout_s": 2.0, "workers": 2}},
+        {"name": "format", "weight": 0.1}, {"name": "length", "weight": 0.1, "options": {"soft_max": 2, "hard_max": 4}},
+        {"name": "python", "path": str(tmp_path / "digits.py") + ":digits"}]}, RLConfig)
+    GRPOTrainer(cfg).train()
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    for key in ("reward/math", "reward/code", "reward/format", "reward/length", "reward/python:digits",
+                "eval/reward", "eval/accuracy"):
+        assert key in last, key
+    assert last["reward/length"] <= 0.0
