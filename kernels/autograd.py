@@ -1,11 +1,11 @@
 """One autograd Function for every streaming implementation (chunked torch, Triton).
 
-An implementation ("ops" module) provides five streaming passes over vocabulary blocks;
+An implementation ("ops" module) provides these streaming passes over vocabulary blocks;
 the student source is either logits [N, V] ("logits", x) or hidden @ weight.T ("linear",
 hidden [N, H], weight [V, H]) computed per block:
 
-    full_stats(src, t, opts)                         -> lse_s [N], lse_t [N]
-    full_loss(src, t, lse_s, lse_t, opts)            -> loss [N], c [N]
+    full_forward(src, t, opts)                       -> lse_s, lse_t, loss, c  [N] each
+        (c: what the gradient needs besides the lse's: L for reverse KL, (1-beta) KL(S||M) for JSD)
     full_grad(src, t, lse_s, lse_t, loss, c, w, opts) -> grads
     topk_stats(src, ids, opts)                       -> lse_s [N], lse_tail [N]
     topk_grad_dense(src, ids, lse_s, lse_tail, a_tail, b_tail, w, opts) -> grads, 0 at ids
@@ -28,8 +28,7 @@ class StreamingDistill(torch.autograd.Function):
         src = ("logits", x) if weight is None else ("linear", x, weight)
         inv_t = 1.0 / opts.temperature
         if t_ids is None:
-            lse_s, lse_t = ops.full_stats(src, t_logits, opts)
-            loss, c = ops.full_loss(src, t_logits, lse_s, lse_t, opts)
+            lse_s, lse_t, loss, c = ops.full_forward(src, t_logits, opts)
             saved = (lse_s, lse_t, loss, c)
         else:
             teacher = TopKTeacher(t_ids, t_logprobs, t_tail)

@@ -5,8 +5,9 @@ Rows are cut into blocks and the vocabulary into chunks; each chunk of student l
 TILE_ELEMENTS elements. Per row we carry log-sum-exps across chunks (online, combined with
 logaddexp), so memory beyond the inputs is the gradient plus a few tiles:
 
-    pass 1  stats: lse_s = logsumexp(s), lse_t = logsumexp(t)   (top-k: lse over non-ids)
-    pass 2  loss:  sum_i term_i(log S_i, log T_i)   (full teacher; top-k uses k+1 buckets)
+    pass 1  stats: lse_s = logsumexp(s), lse_t = logsumexp(t)   (top-k: lse over non-ids);
+            for KL the loss comes from the same pass (chain rule over chunks, full_forward)
+    pass 2  loss:  sum_i term_i(log S_i, log T_i)   (JSD; top-k uses k+1 buckets instead)
     pass 3  grad:  dL/ds_i = A_b S_i / S_b + B_b S_i (see kernels/loss.py), in backward
 
 s, t are logits / temperature (top-k teachers arrive already at their temperature).
@@ -100,6 +101,45 @@ def _scale_rows(g, w_rows):
 
 
 # ---- full-vocabulary teacher ----------------------------------------------------------
+
+def full_forward(src, t, opts: DistillOptions):
+    """(lse_s, lse_t, loss, c). Forward KL: one pass; reverse KL and JSD: two.
+
+    Reverse KL and JSD take two passes because their gradient subtracts c (= L) from
+    per-column terms; c must be summed from exactly those terms, or with +-1e4 logits its
+    rounding (|L| ~ 1e4 * eps) swamps gradients that are mathematically ~0.
+    """
+    if opts.divergence != FORWARD_KL:
+        lse_s, lse_t = full_stats(src, t, opts)
+        return (lse_s, lse_t, *full_loss(src, t, lse_s, lse_t, opts))
+    # One pass, exact: the chain rule over the partition into chunks. With chunk-local
+    # distributions S^c, T^c and chunk masses v_c = e^(lse_s_c - lse_s), w_c = e^(lse_t_c - lse_t):
+    #   KL(T || S) = sum_c w_c [KL(T^c || S^c) + log w_c - log v_c]
+    # Every term is a difference of log-probabilities, so +-1e4 logits cancel nothing.
+    n = src[1].shape[0]
+    inv_t = 1.0 / opts.temperature
+    parts: dict[int, list] = {}
+    for r0, r1, c0, c1 in _tiles(src, opts):
+        s = _student(src, r0, r1, c0, c1, inv_t)
+        tt = _teacher(t, r0, r1, c0, c1, inv_t)
+        lse_s_c, lse_t_c = s.logsumexp(-1), tt.logsumexp(-1)
+        log_s, log_t = s.sub_(lse_s_c[:, None]), tt.sub_(lse_t_c[:, None])
+        p = log_t.exp()
+        local = torch.where(p > 0, p * (log_t - log_s), torch.zeros((), device=p.device)).sum(-1)
+        parts.setdefault(r0, []).append((lse_s_c, lse_t_c, local))
+    lse_s = torch.empty(n, device=t.device)
+    lse_t = torch.empty(n, device=t.device)
+    loss = torch.empty(n, device=t.device)
+    for r0, chunks in parts.items():
+        ls_c, lt_c, local = (torch.stack(x, dim=1) for x in zip(*chunks))   # [R, chunks]
+        r1 = r0 + ls_c.shape[0]
+        lse_s[r0:r1], lse_t[r0:r1] = ls_c.logsumexp(-1), lt_c.logsumexp(-1)
+        log_v, log_w = ls_c - lse_s[r0:r1, None], lt_c - lse_t[r0:r1, None]
+        mass = log_w.exp()
+        loss[r0:r1] = torch.where(mass > 0, mass * (local + log_w - log_v),
+                                  torch.zeros((), device=mass.device)).sum(-1)
+    return lse_s, lse_t, loss, torch.zeros_like(loss)   # forward KL's gradient needs no c
+
 
 def full_stats(src, t, opts: DistillOptions):
     n = src[1].shape[0]

@@ -92,6 +92,11 @@ def full_stats(src, t, opts: DistillOptions):
     return lse_s, lse_t
 
 
+def full_forward(src, t, opts: DistillOptions):
+    lse_s, lse_t = full_stats(src, t, opts)
+    return (lse_s, lse_t, *full_loss(src, t, lse_s, lse_t, opts))
+
+
 def full_loss(src, t, lse_s, lse_t, opts: DistillOptions):
     x, w, n, h, sx, sw, upcast = _common(src, opts)
     t = _teacher(t)
