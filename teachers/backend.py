@@ -78,6 +78,8 @@ class TeacherBackend(abc.ABC):
     max_k: int
     modes: tuple[str, ...]
     dtypes: tuple[str, ...]      # full-mode logit dtypes
+    supports_temperature: bool = True
+    exact_lse: bool = True       # False: answers carry NaN in `lse`
 
     def unsupported(self, req: ScoreRequest) -> str | None:
         """None when this backend answers `req` exactly; else why not and which backend can."""

@@ -111,7 +111,8 @@ class Welcome(_Msg, tag="welcome"):
     max_inflight_tokens: int
     heartbeat_s: float
     backend: str                        # "hf" or "vllm"
-    supports_temperature: bool = True
+    supports_temperature: bool = True   # temperature != 1 answered exactly
+    exact_lse: bool = True              # False: `lse` in answers is NaN (vLLM does not expose it)
 
 
 class Score(_Msg, tag="score"):

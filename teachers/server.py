@@ -137,7 +137,8 @@ class TeacherServer:
                        vocab_size=b.vocab_size, max_k=b.max_k, modes=list(b.modes), dtypes=list(b.dtypes),
                        max_tokens_per_request=self.limits.max_tokens_per_request,
                        max_inflight_tokens=self.limits.max_inflight_tokens,
-                       heartbeat_s=self.limits.heartbeat_s, backend=b.name)
+                       heartbeat_s=self.limits.heartbeat_s, backend=b.name,
+                       supports_temperature=b.supports_temperature, exact_lse=b.exact_lse)
 
     def stop(self) -> None:
         """Stop accepting work (SHUTTING_DOWN), drain what is in flight, then return from serve_forever."""

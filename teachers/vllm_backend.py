@@ -42,6 +42,8 @@ HF_BACKEND_HINT = "use a teacher started with `opd serve-teacher --backend hf`, 
 class VLLMBackend(TeacherBackend):
     name = "vllm"
     modes = ("topk",)
+    supports_temperature = False  # prompt log-probs ignore the sampling temperature
+    exact_lse = False             # vLLM does not expose the log-sum-exp: answers carry NaN
     dtypes = ()
 
     def __init__(self, model_dir: str | Path, *, name: str = "teacher", max_k: int = 64,
