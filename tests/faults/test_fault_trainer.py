@@ -1,0 +1,231 @@
+"""`opd train` under faults: its teacher SIGKILLed and restarted mid-run, its teacher replaced by
+another model, the trainer SIGKILLed while it writes a checkpoint, the disk full at a checkpoint.
+
+The yardstick is an uninterrupted run of the same config: runs are deterministic, so a run
+whose every step has the reference's loss trained on exactly the reference's batches, none
+twice and none skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import free_port
+from fault_helpers import lm_head_teacher, train_config_dict
+from opd.checkpoint import latest_checkpoint, load_checkpoint
+from opd.config import from_dict
+from opd.data import write_jsonl
+from opd.metrics import read_metrics
+from opd.teachers.launch import start_server_process
+from opd.train_config import TrainConfig
+from opd.trainer import Trainer, TrainError
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 6
+HERE = Path(__file__).parent
+
+
+def serve(model_dir, address):
+    return start_server_process(["--model", model_dir, "--max-k", 16, "--bind", address, "--name", "t",
+                                 "--log-level", "WARNING"])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("fault_train")
+    write_jsonl(root / "train.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(16)])
+    write_jsonl(root / "eval.jsonl", [{"prompt": f"held out {i}"} for i in range(2)])
+    teacher = lm_head_teacher(tiny_model_dir, root / "teacher")
+    server = serve(teacher, f"tcp://127.0.0.1:{free_port()}")
+    try:
+        w = {"root": root, "student": tiny_model_dir, "teacher": teacher, "server": server}
+        ref = Trainer(cfg(w, "reference", server.address))
+        ref.run()
+        w["ref_loss"] = losses(root / "reference")
+        w["ref_batches"] = load_state(root / "reference")["batches"]
+        yield w
+    finally:
+        server.stop()
+
+
+def cfg(w, name, address, **client) -> TrainConfig:
+    return from_dict(train_config_dict(w["student"], address, w["root"], w["root"] / name, steps=STEPS, **client),
+                     TrainConfig)
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def load_state(out: Path) -> dict:
+    return json.loads((latest_checkpoint(out / "checkpoints") / "state.json").read_text())
+
+
+class KnownGap(AssertionError):
+    """What an xfail(strict=True) test expects until the patch in docs/faults.md lands."""
+
+
+def adam_steps(optimizer) -> set[int]:
+    return {int(s["step"]) for s in optimizer.state.values()}
+
+
+def test_teacher_sigkilled_mid_run_and_restarted(world):
+    """Kill the teacher right after a batch went out to it; restart it 1 s later on the same port."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    box = {"server": serve(world["teacher"], address)}
+    events = {}
+
+    class KillOnce(Trainer):
+        def _submit(self, batch):
+            out = super()._submit(batch)
+            if batch.index == 2 and "killed" not in events:
+                box["server"].kill()
+                events["killed"] = time.monotonic()
+                events["answered_before_kill"] = all(f.done() for f in batch.futures.values())
+
+                def restart():
+                    time.sleep(1.0)
+                    box["server"] = serve(world["teacher"], address)
+                    events["ready"] = time.monotonic()
+
+                threading.Thread(target=restart, daemon=True).start()
+            return out
+
+    tr = KillOnce(cfg(world, "teacher_killed", address))
+    try:
+        t0 = time.monotonic()
+        result = tr.run()
+        took = time.monotonic() - t0
+    finally:
+        deadline = time.monotonic() + 60
+        while "ready" not in events and time.monotonic() < deadline:
+            time.sleep(0.1)
+        box["server"].stop()
+    out = world["root"] / "teacher_killed"
+    got = losses(out)
+    print(f"\nteacher SIGKILLed at batch 2 (answer already in: {events['answered_before_kill']}), back "
+          f"{events['ready'] - events['killed']:.1f} s later; run took {took:.1f} s")
+    assert result["step"] == STEPS and sorted(got) == list(range(1, STEPS + 1))
+    assert tr.version == STEPS and adam_steps(tr.optimizer) == {STEPS}     # optimizer steps == logged steps
+    for step, loss in world["ref_loss"].items():                           # the same batches, once each
+        assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
+    assert load_state(out)["batches"] == world["ref_batches"]
+
+
+@pytest.mark.xfail(strict=True, raises=KnownGap, reason=(
+    "a FINGERPRINT_CHANGED raised by client.submit_topk inside Trainer._request escapes as TeacherError "
+    "(a traceback from `opd train`), not TrainError; patch: Trainer._request returns a failed Future "
+    "instead of raising, so _answers turns it into TrainError (docs/faults.md)"))
+def test_teacher_replaced_by_another_model_stops_the_run(world, tiny_teacher_dir):
+    """Mid-run the teacher at the address becomes another model (same tokenizer): stop, naming both."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    box = {"server": serve(world["teacher"], address)}
+    first_fp = box["server"].model_fingerprint
+
+    class Swap(Trainer):
+        def _sample_batch(self):
+            if self.batches == 3 and "swapped" not in box:
+                box["server"].kill()
+                box["swapped"] = serve(tiny_teacher_dir, address)
+                client = self.clients["t"][0]
+                deadline = time.monotonic() + 30
+                while client._fatal is None and time.monotonic() < deadline:   # it reconnects on its own
+                    time.sleep(0.02)
+            return super()._sample_batch()
+
+    from opd.teachers.client import TeacherError
+
+    tr = Swap(cfg(world, "teacher_swapped", address))
+    try:
+        with pytest.raises((TrainError, TeacherError)) as e:
+            tr.run()
+    finally:
+        box["server"].kill()
+        if "swapped" in box:
+            box["swapped"].stop()
+    second_fp = box["swapped"].model_fingerprint
+    assert first_fp != second_fp
+    msg = str(e.value)
+    assert first_fp in msg and second_fp in msg
+    steps = sorted(losses(world["root"] / "teacher_swapped"))
+    assert steps and max(steps) < STEPS        # stopped: nothing was trained on the other teacher
+    print(f"\nteacher swapped after {max(steps)} steps; the trainer stopped with: {msg[:200]}")
+    if not isinstance(e.value, TrainError) or "different model" not in msg:
+        raise KnownGap(f"stopped with {type(e.value).__name__}, not TrainError: {msg}")
+
+
+def run_opd(args, *, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def write_config(world, name, **run) -> Path:
+    d = train_config_dict(world["student"], world["server"].address, world["root"], world["root"] / name, steps=STEPS)
+    d["run"].update(run)
+    path = world["root"] / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def test_trainer_sigkilled_while_writing_a_checkpoint_resumes(world):
+    out = world["root"] / "killed_ckpt"
+    config = write_config(world, "killed_ckpt", checkpoint_every=2)
+    wrapper = str(HERE / "fault_train_wrapper.py")
+    killed = run_opd([wrapper, "kill-in-checkpoint", "4", "--", "train", str(config)])
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    ckpts = out / "checkpoints"
+    assert latest_checkpoint(ckpts).name == "step_000002"                  # the torn step 4 is not it
+    assert any(".tmp-" in p.name for p in ckpts.iterdir())                 # (it was caught mid-write)
+    from opd.trainer import load_student
+    model, _ = load_student(from_dict(yaml.safe_load(config.read_text()), TrainConfig).student, 0)
+    assert load_checkpoint(latest_checkpoint(ckpts), model=model)["step"] == 2
+    assert sorted(losses(out)) == [1, 2, 3, 4]                             # step 4 was logged, then death
+
+    t0 = time.monotonic()
+    resumed = run_opd(["-m", "opd.cli", "train", str(config), "--resume"])
+    print(f"\nresume after a SIGKILL inside checkpoint 4: {time.monotonic() - t0:.1f} s")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
+    got = losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))                        # steps 3-4 replaced, not doubled
+    for step, loss in world["ref_loss"].items():
+        assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
+    assert load_state(out)["step"] == STEPS and load_state(out)["batches"] == world["ref_batches"]
+
+
+@pytest.mark.xfail(strict=True, raises=KnownGap, reason=(
+    "safetensors.save_file raises SafetensorError (not an OSError) on EFBIG/ENOSPC, so save_checkpoint's "
+    "`except OSError` misses it: no CheckpointError naming the last good checkpoint, and the .tmp dir "
+    "stays; patch: catch (OSError, SafetensorError) in opd/checkpoint.py (docs/faults.md)"))
+def test_disk_full_at_a_checkpoint_is_a_clear_error_and_keeps_the_last_one(world):
+    out = world["root"] / "disk_full"
+    config = write_config(world, "disk_full", checkpoint_every=2)
+    wrapper = str(HERE / "fault_train_wrapper.py")
+    full = run_opd([wrapper, "disk-full-after-checkpoint", "200000", "--", "train", str(config)])
+    assert full.returncode != 0
+    err = full.stderr
+    ckpts = out / "checkpoints"
+    assert latest_checkpoint(ckpts).name == "step_000002"                  # the last good one is intact
+    from opd.trainer import load_student
+    model, _ = load_student(from_dict(yaml.safe_load(config.read_text()), TrainConfig).student, 0)
+    assert load_checkpoint(ckpts / "step_000002", model=model)["step"] == 2
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    print("\ndisk full at checkpoint 4, last stderr line: " + err.strip().splitlines()[-1][:300])
+    clear = "could not write checkpoint" in err and "step_000004" in err and "step_000002" in err
+    torn = [p.name for p in ckpts.iterdir() if ".tmp-" in p.name]
+    if not clear or torn:
+        raise KnownGap(f"message clear: {clear}, torn temporary dirs left: {torn}")
