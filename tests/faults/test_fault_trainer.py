@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from conftest import free_port
-from fault_helpers import lm_head_teacher, train_config_dict
+from fault_helpers import KnownGap, lm_head_teacher, train_config_dict
 from opd.checkpoint import latest_checkpoint, load_checkpoint
 from opd.config import from_dict
 from opd.data import write_jsonl
@@ -73,10 +73,6 @@ def losses(out: Path) -> dict[int, float]:
 
 def load_state(out: Path) -> dict:
     return json.loads((latest_checkpoint(out / "checkpoints") / "state.json").read_text())
-
-
-class KnownGap(AssertionError):
-    """What an xfail(strict=True) test expects until the patch in docs/faults.md lands."""
 
 
 def adam_steps(optimizer) -> set[int]:
