@@ -359,7 +359,8 @@ class Trainer:
                 offsets = [0]
                 for s, st in zip(sequences, starts):
                     offsets.append(offsets[-1] + len(s) - st)
-                assert offsets[-1] == rows == len(token_lp), "teacher returned a wrong number of rows"
+                if not offsets[-1] == rows == len(token_lp):
+                    raise TrainError(f"teacher {teacher!r} returned {len(token_lp)} rows, expected {rows}")
                 return Answer(None, logits, token_lp, offsets, time.perf_counter() - t0)
             return self.pool.submit(collect)
 
@@ -538,7 +539,7 @@ class Trainer:
             t_step = time.perf_counter()
             tally = DomainTally()
             sums = {"loss": 0.0, "tokens": 0, "wait_s": 0.0, "rollout_s": 0.0, "response_tokens": 0, "responses": 0}
-            latencies, stale, domain_loss, sft_losses = [], [], {}, []
+            latencies, stale, domain_loss, sft_losses, routed = [], [], {}, [], {}
             for _ in range(accum):
                 # 1-2. this batch: sampled before (pipelined) or now, from the current weights.
                 t0 = time.perf_counter()
@@ -561,6 +562,7 @@ class Trainer:
                 for seq in range(len(batch.rollouts)):
                     for t, w in batch.route_of(seq).weights.items():
                         self.teacher_samples[t] = self.teacher_samples.get(t, 0.0) + w
+                        routed[t] = routed.get(t, 0.0) + w
                 # 4. loss and backward, micro-batch by micro-batch.
                 out = self._train_batch(batch, answers, 1.0 / accum, tally)
                 sums["loss"] += out["loss"]
@@ -588,10 +590,13 @@ class Trainer:
             self.staleness += stale
             elapsed = time.perf_counter() - t_step
             row = self._step_metrics(sums, tally, latencies, stale, grad_norm, elapsed, sft_losses)
+            row.update({f"routed/{t}": n for t, n in routed.items()})
             self.metrics.log(self.step, row)
             bar.update(1)
+            per_domain = {k.split("/", 1)[1]: f"{v:.3f}" for k, v in row.items() if k.startswith("kl/")}
             bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row.get('kl', float('nan')):.4f}",
-                            tok_s=f"{row['tokens_per_s']:.0f}", teacher_s=f"{row['teacher_latency_s']:.3f}")
+                            tok_s=f"{row['tokens_per_s']:.0f}", teacher_s=f"{row['teacher_latency_s']:.3f}",
+                            **(per_domain if len(per_domain) > 1 else {}))
             if (cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0) or self.step == cfg.run.steps:
                 self._checkpoint()
             if (cfg.run.eval_every and self.step % cfg.run.eval_every == 0) or self.step == cfg.run.steps:
@@ -657,14 +662,13 @@ class Trainer:
         answers = self._answers(self._submit(batch))
         tally = DomainTally()
         accuracy: dict[str, list[float]] = {}
-        for i, (s, ro) in enumerate(zip(self.eval_samples, rollouts)):
-            d = self.eval_routes[i].domain
-            tally.add_response(d, ro.response_ids, ro.finish_reason)
-            if self.verify is not None:
-                text = self.tok.decode(ro.response_ids, skip_special_tokens=True)
-                v = self.verify(s, text)
+        for i, ro in enumerate(rollouts):
+            tally.add_response(self.eval_routes[i].domain, ro.response_ids, ro.finish_reason)
+        if self.verify is not None:
+            texts = [self.tok.decode(ro.response_ids, skip_special_tokens=True) for ro in rollouts]
+            for i, v in enumerate(self.verify(self.eval_samples, texts)):
                 if v is not None:
-                    accuracy.setdefault(d, []).append(float(v))
+                    accuracy.setdefault(self.eval_routes[i].domain, []).append(float(v))
         was = self.model.training
         self.model.eval()
         for t, seqs in batch.members.items():
@@ -792,9 +796,13 @@ class Trainer:
 
 
 def _verifier():
-    """`opd.rl.rewards.verify(sample, text) -> float | None` when that module provides it."""
+    """A batch verifier (samples, texts) -> [score | None] from opd.rl.rewards, when it is installed."""
     try:
-        from opd.rl.rewards import verify
+        from opd.rl import rewards
     except ImportError:
         return None
-    return verify
+    if hasattr(rewards, "verify_batch"):
+        return rewards.verify_batch
+    if hasattr(rewards, "verify"):
+        return lambda samples, texts: [rewards.verify(s, t) for s, t in zip(samples, texts)]
+    return None
