@@ -29,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from opd.checkpoint import CheckpointError
+    from opd.data import DataError
+    from opd.routing.router import RoutingError
     from opd.trainer import Trainer, TrainError
 
     try:
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
     try:
         result = Trainer(cfg, resume=args.resume, base_dir=Path(args.config).resolve().parent).run()
-    except TrainError as e:
+    except (TrainError, DataError, RoutingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     last = result["evals"][-1] if result["evals"] else {}

@@ -100,13 +100,20 @@ class Batch:
                      keep=list(d["keep"]), policy_version=d["policy_version"])
 
 
-def load_student(cfg, seed: int):
-    """(model, tokenizer): full fine-tuning or a fresh peft LoRA adapter, in train mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(cfg):
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_student(cfg, seed: int):
+    """(model, tokenizer): full fine-tuning or a fresh peft LoRA adapter, in train mode."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=TORCH_DTYPES[cfg.dtype]).to(cfg.device)
     if cfg.gradient_checkpointing:
@@ -203,13 +210,13 @@ class Trainer:
         from opd.fingerprint import model_fingerprint, tokenizer_fingerprint
 
         cfg = self.cfg
+        self.specs = {t.name: t for t in cfg.merge.teachers}
+        # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
+        self.student_fp = tokenizer_fingerprint(load_tokenizer(cfg.student))
+        self.clients = connect_teachers(cfg, self.student_fp, cfg.student.path)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tok = load_student(cfg.student, cfg.run.seed)
-        self.student_fp = tokenizer_fingerprint(self.tok)
         self.student_model_fp = model_fingerprint(cfg.student.path)
-        self.specs = {t.name: t for t in cfg.merge.teachers}
-        # Teachers are checked before the data is read or a single token sampled.
-        self.clients = connect_teachers(cfg, self.student_fp, cfg.student.path)
         self.pool = ThreadPoolExecutor(max_workers=2 * len(self.specs), thread_name_prefix="teacher-full")
         self._load_data()
         self._make_router()

@@ -215,3 +215,26 @@ def test_probe_measures_student_teacher_gap(setup, capsys):
                  str(setup["root"] / "eval.jsonl"), "--k", "8", "--max-new-tokens", "8", "--json", str(out)]) == 0
     assert "verdict" in capsys.readouterr().out
     assert json.loads(out.read_text())["k"] == 8
+
+
+def test_cli_runs_a_yaml_config_with_relative_paths_and_resumes(setup, tmp_path, capsys):
+    from opd.cli import main
+
+    shutil.copy(setup["root"] / "train.jsonl", tmp_path / "train.jsonl")
+    (tmp_path / "run.yaml").write_text(
+        f"student:\n  path: {setup['student']}\n"
+        f"merge:\n  teachers:\n    - {{name: t, address: '{setup['address']}', k: 4}}\n"
+        f"  datasets:\n    - {{domain: gen, path: train.jsonl}}\n"
+        f"rollout: {{prompts_per_step: 2, max_new_tokens: 4}}\n"
+        f"teacher_client: {{connect_timeout_s: 1.0}}\n"
+        f"run: {{steps: 1, out_dir: out, progress: false, tensorboard: false}}\n")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    assert (tmp_path / "out" / "checkpoints" / "step_000001" / "trainable.safetensors").is_file()
+    assert main(["train", str(tmp_path / "run.yaml"), "--resume", "--steps", "2"]) == 0
+    steps = [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2]
+    (tmp_path / "dead.yaml").write_text((tmp_path / "run.yaml").read_text().replace(setup["address"],
+                                                                                  "tcp://127.0.0.1:9"))
+    capsys.readouterr()
+    assert main(["train", str(tmp_path / "dead.yaml")]) == 1
+    assert "unreachable" in capsys.readouterr().err
