@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 
@@ -88,9 +89,9 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer=None, sched
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, root / "latest")
         _fsync_dir(root)
-    except OSError as e:
+    except (OSError, SafetensorError, RuntimeError) as e:  # safetensors reports ENOSPC/EFBIG as its own error
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final} ({e.strerror or e}); "
+        raise CheckpointError(f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}); "
                               f"the last good checkpoint is {latest_checkpoint(root)}") from e
     for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
         if old != final and ".tmp-" not in old.name:

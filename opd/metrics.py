@@ -21,12 +21,12 @@ class MetricsLogger:
         if resume_step is not None and self.path.exists():
             # A resumed run rewrites history from its checkpoint on: drop lines past it so
             # metrics.jsonl never reports a step twice.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
-        self._f = self.path.open("a", encoding="utf-8")
+        # Unbuffered: one os-level write per line, so a failed write can be undone exactly.
+        self._f = self.path.open("ab", buffering=0)
         self._tb = None
         if tensorboard:
             try:
@@ -44,12 +44,21 @@ class MetricsLogger:
             if isinstance(v, float) and not math.isfinite(v):
                 v = None if math.isnan(v) else (1e308 if v > 0 else -1e308)
             row[k] = v
-        # An OSError here (disk full) propagates with the path: the caller stops cleanly.
+        # A failed write (disk full) must not leave a torn last line that would break every
+        # later read and --resume: cut the file back to where the line began, then raise.
+        data = (json.dumps(row) + "\n").encode()
+        start = self._f.tell()
         try:
-            self._f.write(json.dumps(row) + "\n")
-            self._f.flush()
+            written = self._f.write(data)
+            if written != len(data):
+                raise OSError(28, "short write (No space left on device?)")
         except OSError as e:
-            raise OSError(e.errno, f"cannot write metrics to {self.path}: {e.strerror}") from e
+            try:
+                self._f.truncate(start)
+                self._f.seek(start)
+            except OSError:
+                pass
+            raise OSError(e.errno, f"cannot write metrics to {self.path}: {e.strerror or e}") from e
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k not in ("step", "time"):
@@ -62,10 +71,21 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """Every complete line of a metrics.jsonl (a torn last line from a crash is ignored)."""
     p = Path(path)
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = []
+    lines = p.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{p}:{i + 1}: not a JSON line") from None
+    return rows
 
 
 def plot_metrics(run_dir: str | Path, groups: dict[str, list[str]]) -> list[Path]:
