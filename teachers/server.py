@@ -317,8 +317,10 @@ class TeacherServer:
     # ---- the worker thread ---------------------------------------------------------------
 
     def _finish_locked(self, job: _Job) -> None:
+        if self._jobs.get(job.key) is not job:  # already finished: release its tokens once only
+            return
         self._inflight_tokens -= job.req.num_tokens
-        self._jobs.pop(job.key, None)
+        del self._jobs[job.key]
         if job in self._streams:
             self._streams.remove(job)
 
@@ -405,9 +407,12 @@ class TeacherServer:
                 self._internal(out, job, e)
             answers, live = [], []
         for job in group:
-            if job.cancelled:
+            if job not in live:  # cancelled before the call
                 self._done(out, job, self._cancelled(job))
         for job, ans in zip(live, answers):
+            if job.cancelled:    # cancelled during the call: one answer, CANCELLED
+                self._done(out, job, self._cancelled(job))
+                continue
             out.send_multipart([job.peer, *encode(TopK(request_id=job.req.request_id,
                                                        row_offsets=job.req.row_offsets()), tuple(ans))], copy=False)
             self._done(out, job, self._stats(job))
