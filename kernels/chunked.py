@@ -31,19 +31,18 @@ LINEAR_TILE_ELEMENTS = 1 << 20   # fused: 4 MB tiles, so each matmul is large en
 # Intra-op threads while streaming over logits tiles (None: leave PyTorch's setting).
 # Measured on the busy 2-core CPU machine (N=512, V=152064, forward KL + backward): 1.8 s
 # with 1 thread vs 76 s with 2 (OpenMP workers wait for busy cores on every small op);
-# the naive reference took 9-11 s either way. The fused path keeps PyTorch's setting for
-# its matmuls.
+# the naive reference took 9-11 s either way. Set it to None on an idle many-core machine.
 TILE_THREADS: int | None = 1
 
 NEG_INF = float("-inf")
 
 
 def _tile_threads(fn):
-    """Run a streaming pass with TILE_THREADS intra-op threads (logits input only)."""
+    """Run a streaming pass with TILE_THREADS intra-op threads."""
     @functools.wraps(fn)
     def wrapper(src, *args, **kwargs):
         before = torch.get_num_threads()
-        if TILE_THREADS is None or src[0] != "logits" or before == TILE_THREADS:
+        if TILE_THREADS is None or before == TILE_THREADS:
             return fn(src, *args, **kwargs)
         torch.set_num_threads(TILE_THREADS)
         try:
