@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -36,21 +36,13 @@ from opd.data import Cycler, Sample, encode_prompt, load_jsonl
 from opd.diagnostics import DomainTally, topk_overlap
 from opd.metrics import MetricsLogger, plot_metrics
 from opd.rollout.base import Rollout, SamplingParams
+from opd.train_card import write_train_card
 from opd.train_config import TrainConfig
+from opd.train_teachers import Answer, TeacherSet, TrainError
+
+__all__ = ["Batch", "Route", "Trainer", "TrainError"]
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue; the message says what to change."""
-
-
-def divergence_words(beta: float) -> str:
-    if beta == 0.0:
-        return "forward KL(teacher || student): mode-covering"
-    if beta == 1.0:
-        return "reverse KL(student || teacher): mode-seeking"
-    return f"generalized JSD with beta={beta:g} (between forward and reverse KL)"
 
 
 # ---- the pieces a step needs ------------------------------------------------------------
@@ -62,16 +54,6 @@ class Route:
     domain: str
     rule: str = ""
     reason: str = ""
-
-
-@dataclass
-class Answer:
-    """One teacher's rows for the sequences it scored, in request order."""
-    topk: object | None            # kernels.TopKTeacher [R, k] (topk / sampled modes)
-    logits: torch.Tensor | None    # [R, V] raw logits (full mode)
-    token_logprob: torch.Tensor    # [R]
-    row_offsets: list[int]         # [B_t + 1]
-    latency_s: float
 
 
 @dataclass
@@ -143,51 +125,6 @@ def lr_lambda(optim, steps: int):
     return f
 
 
-def connect_teachers(cfg: TrainConfig, student_fingerprint: str, student_path: str) -> dict:
-    """One TeacherClient per teacher, checked before any compute: reachable, same tokenizer,
-    able to answer the configured mode and k. Returns {name: (client, welcome)}."""
-    from opd.teachers.client import TeacherClient, TeacherError
-
-    s = cfg.teacher_client
-    out: dict = {}
-    try:
-        for i, spec in enumerate(cfg.merge.teachers):
-            if spec.curve_server_key:
-                raise TrainError(f"merge.teachers[{i}] ({spec.name}): CURVE needs a client key pair as well; "
-                                 f"opd train does not load one yet, remove curve_server_key or use a tunnel")
-            # A short-lived client with a short timeout answers "reachable?" quickly; the working
-            # client below retries patiently during training.
-            check = TeacherClient(spec.address, timeout_s=s.connect_timeout_s, retries=0, name="opd-train-check")
-            try:
-                welcome = check.info()
-            except TeacherError as e:
-                raise TrainError(f"teacher {spec.name!r} at {spec.address} is unreachable ({e}); start it with "
-                                 f"`opd serve-teacher` or fix merge.teachers[{i}].address "
-                                 f"(waited teacher_client.connect_timeout_s = {s.connect_timeout_s}s)") from None
-            finally:
-                check.close()
-            if welcome.tokenizer_fingerprint != student_fingerprint:
-                raise TrainError(
-                    f"teacher {spec.name!r} at {spec.address} uses tokenizer fingerprint "
-                    f"{welcome.tokenizer_fingerprint}, the student ({student_path}) {student_fingerprint}: "
-                    f"token-level distillation needs one shared vocabulary")
-            wanted = "full" if spec.mode == "full" else "topk"
-            if wanted not in welcome.modes:
-                raise TrainError(f"teacher {spec.name!r} serves modes {welcome.modes}, not {wanted!r} "
-                                 f"(merge.teachers[{i}].mode: {spec.mode})")
-            if spec.mode != "full" and spec.k > welcome.max_k:
-                raise TrainError(f"merge.teachers[{i}].k = {spec.k} exceeds teacher {spec.name!r}'s max_k "
-                                 f"{welcome.max_k}")
-            client = TeacherClient(spec.address, timeout_s=s.timeout_s, retries=s.retries,
-                                   backoff_s=s.backoff_s, name=f"opd-train:{spec.name}")
-            out[spec.name] = (client, client.info())
-    except BaseException:
-        for client, _ in out.values():
-            client.close()
-        raise
-    return out
-
-
 # ---- the trainer ------------------------------------------------------------------------
 
 class Trainer:
@@ -213,11 +150,10 @@ class Trainer:
         self.specs = {t.name: t for t in cfg.merge.teachers}
         # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
         self.student_fp = tokenizer_fingerprint(load_tokenizer(cfg.student))
-        self.clients = connect_teachers(cfg, self.student_fp, cfg.student.path)
+        self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tok = load_student(cfg.student, cfg.run.seed)
         self.student_model_fp = model_fingerprint(cfg.student.path)
-        self.pool = ThreadPoolExecutor(max_workers=2 * len(self.specs), thread_name_prefix="teacher-full")
         self._load_data()
         self._make_router()
         self.stop_ids = {self.tok.eos_token_id} - {None}
@@ -347,58 +283,8 @@ class Trainer:
             ros = [batch.rollouts[i] for i in seqs]
             sequences = [ro.prompt_ids + ro.response_ids[:batch.keep[i]] for ro, i in zip(ros, seqs)]
             starts = [len(ro.prompt_ids) for ro in ros]
-            batch.futures[t] = self._request(t, sequences, starts)
+            batch.futures[t] = self.teachers.request(t, sequences, starts)
         return batch
-
-    def _request(self, teacher: str, sequences: list[list[int]], starts: list[int]) -> Future:
-        spec, client = self.specs[teacher], self.clients[teacher][0]
-        t0 = time.perf_counter()
-        if spec.mode == "full":
-            def collect() -> Answer:
-                chunks = list(client.score_full(sequences, starts, temperature=spec.temperature,
-                                                dtype=self.cfg.loss.full_dtype))
-                rows = sum(len(s) - st for s, st in zip(sequences, starts))
-                if chunks:
-                    logits = torch.cat([c.logits for c in chunks])
-                    token_lp = torch.cat([c.token_logprob for c in chunks])
-                else:
-                    logits, token_lp = torch.zeros(0, 0), torch.zeros(0)
-                offsets = [0]
-                for s, st in zip(sequences, starts):
-                    offsets.append(offsets[-1] + len(s) - st)
-                if not offsets[-1] == rows == len(token_lp):
-                    raise TrainError(f"teacher {teacher!r} returned {len(token_lp)} rows, expected {rows}")
-                return Answer(None, logits, token_lp, offsets, time.perf_counter() - t0)
-            return self.pool.submit(collect)
-
-        from opd.kernels import TopKTeacher
-
-        inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature)
-        outer: Future = Future()
-
-        def done(f: Future) -> None:
-            try:
-                r = f.result()
-                outer.set_result(Answer(TopKTeacher(r.ids, r.logprobs, r.tail_logmass), None, r.token_logprob,
-                                        list(r.row_offsets), time.perf_counter() - t0))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting trainer
-                outer.set_exception(e)
-        inner.add_done_callback(done)
-        return outer
-
-    def _answers(self, batch: Batch) -> dict[str, Answer]:
-        from opd.teachers.client import TeacherError
-
-        out = {}
-        for t, fut in batch.futures.items():
-            try:
-                out[t] = fut.result()
-            except TeacherError as e:
-                if e.code == "FINGERPRINT_CHANGED":
-                    raise TrainError(f"teacher {t!r} restarted with a different model; stopping rather than "
-                                     f"mixing two teachers: {e.message}") from None
-                raise TrainError(f"teacher {t!r} at {self.specs[t].address} failed: {e}") from None
-        return out
 
     # -- 4: the loss ------------------------------------------------------------------------
     def _loss_rows(self, spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.Tensor):
@@ -489,7 +375,7 @@ class Trainer:
                 if logits_for_diag is None:
                     logits_for_diag = distill.rows_logits(rows)
                 overlap = topk_overlap(logits_for_diag[local_i.to(logits_for_diag.device)],
-                                       self._teacher_topk_ids(spec, answers[t], remote_i))
+                                       self.teachers.topk_ids(spec, answers[t], remote_i))
                 tail = answers[t].topk.tail_logmass[remote_i].exp() if answers[t].topk is not None else None
                 if tail is not None:
                     self.tail_mass[t].append(float(tail.mean()))
@@ -504,11 +390,6 @@ class Trainer:
             loss.backward()
             total += float(loss.detach())
         return {"loss": total, "domain_loss": domain_loss}
-
-    def _teacher_topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor:
-        if answer.topk is not None:
-            return answer.topk.ids[idx]
-        return answer.logits[idx].float().topk(min(spec.k, answer.logits.shape[1]), -1).indices
 
     def _sft_step(self, scale: float) -> float | None:
         if self.sft is None:
@@ -562,7 +443,7 @@ class Trainer:
                 sums["rollout_s"] += time.perf_counter() - t0
                 # 3. the teachers' answers.
                 t0 = time.perf_counter()
-                answers = self._answers(batch)
+                answers = self.teachers.answers(batch.futures)
                 sums["wait_s"] += time.perf_counter() - t0
                 latencies += [a.latency_s for a in answers.values()]
                 stale.append(self.version - batch.policy_version)
@@ -612,7 +493,13 @@ class Trainer:
         plot_metrics(self.out, {"loss": ["loss", "sft_loss"], "kl": ["kl", "eval/kl"],
                                 "response_length": ["response_len", "eval/response_len"],
                                 "eval_accuracy": ["eval/accuracy"]})
-        self._write_card()
+        write_train_card(
+            self.out, cfg, welcomes={t: self.teachers.welcome(t) for t in self.specs},
+            student={"model_fingerprint": self.student_model_fp, "tokenizer_fingerprint": self.student_fp,
+                     "trained_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad)},
+            teacher_samples=self.teacher_samples, tail_mass=self.tail_mass, staleness=self.staleness,
+            prompts={d: len(v) for d, v in self.datasets.items()}, eval_prompts=len(self.eval_samples),
+            evals=self.evals, warnings=self.warnings, steps=self.step)
         return {"step": self.step, "evals": self.evals, "out_dir": str(self.out)}
 
     def _step_metrics(self, sums, tally: DomainTally, latencies, stale, grad_norm, elapsed, sft_losses) -> dict:
@@ -666,7 +553,7 @@ class Trainer:
         keep = [self._trim(ro.response_ids) for ro in rollouts]
         batch = Batch(index=-1, samples=self.eval_samples, routes=self.eval_routes, rollouts=rollouts,
                       keep=keep, policy_version=self.version)
-        answers = self._answers(self._submit(batch))
+        answers = self.teachers.answers(self._submit(batch).futures)
         tally = DomainTally()
         accuracy: dict[str, list[float]] = {}
         for i, ro in enumerate(rollouts):
@@ -695,7 +582,7 @@ class Trainer:
                 kl = distill_loss(logits, teacher, beta=spec.beta, temperature=spec.temperature, reduction="none")
                 d = self.eval_routes[rollouts[s].prompt_index].domain
                 tally.add_rows(d, "kl", kl)
-                tally.add_rows(d, "topk_overlap", topk_overlap(logits, self._teacher_topk_ids(spec, ans, idx)))
+                tally.add_rows(d, "topk_overlap", topk_overlap(logits, self.teachers.topk_ids(spec, ans, idx)))
         self.model.train(was)
         diag = tally.metrics(self.stop_ids, self.cfg.run.ngram, prefix="eval")
         row = {k: v for k, v in diag.items() if not k.endswith("loss_share")}
@@ -729,77 +616,13 @@ class Trainer:
         return save_checkpoint(self.out / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, state=state, keep=self.cfg.run.keep_checkpoints)
 
-    def _write_card(self) -> None:
-        from opd.card import write_card
-
-        cfg = self.cfg
-        total = sum(self.teacher_samples.values()) or 1.0
-        teachers = {}
-        for t in cfg.merge.teachers:
-            w = self.clients[t.name][1]
-            tail = self.tail_mass.get(t.name) or []
-            teachers[t.name] = {
-                "address": t.address, "model": w.model_id, "model_fingerprint": w.model_fingerprint,
-                "tokenizer_fingerprint": w.tokenizer_fingerprint, "domains": t.domains,
-                "scoring": (f"full vocabulary ({cfg.loss.full_dtype} logits)" if t.mode == "full" else
-                            f"top-k, k={t.k}" if t.mode == "topk" else
-                            f"sampled token (reverse-KL advantage), top-{t.k} for diagnostics"),
-                "mean_teacher_tail_mass": (sum(tail) / len(tail)) if tail and t.mode != "full" else
-                ("0 (full vocabulary)" if t.mode == "full" else "not measured"),
-                "temperature": t.temperature, "divergence": divergence_words(t.beta), "beta": t.beta,
-                "t2_scaling": t.scale_by_t2, "loss_weight": t.weight,
-                "sample_share": self.teacher_samples.get(t.name, 0.0) / total,
-            }
-        st = self.staleness or [0]
-        lora = cfg.student.lora
-        facts = {
-            "student": {"path": cfg.student.path, "model_fingerprint": self.student_model_fp,
-                        "tokenizer_fingerprint": self.student_fp, "dtype": cfg.student.dtype,
-                        "training": (f"LoRA r={lora.rank} alpha={lora.alpha} on {', '.join(lora.target_modules)} "
-                                     f"dropout={lora.dropout} (checkpoints hold the adapter alone)")
-                        if lora else "full fine-tuning",
-                        "trained_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad)},
-            **{f"teacher {k}": v for k, v in teachers.items()},
-            "trajectories": {
-                "source": f"sampled by the student being trained ({cfg.rollout.engine} engine)",
-                "pipelined": cfg.run.pipeline,
-                "staleness": (f"mean {sum(st) / len(st):.3g}, max {max(st)} optimizer steps between the sampling "
-                              f"weights and the trained weights"),
-                "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-                "max_new_tokens": cfg.rollout.max_new_tokens, "samples_per_prompt": cfg.rollout.samples_per_prompt,
-                "trimming": cfg.loss.trim + (f" (marker {cfg.loss.answer_end_marker!r})" if cfg.loss.trim == "marker"
-                                             else ""),
-            },
-            "objective": {
-                "loss": "sum_d lambda_d * L_OPD^d + lambda_sft * L_SFT",
-                "length_normalization": f"per {cfg.loss.length_norm}",
-                "domain_weights": cfg.merge.domain_weights, "domain_normalization": cfg.merge.normalize,
-                "sft_mix": (f"lambda_sft={cfg.merge.sft.lambda_sft} on {cfg.merge.sft.path} "
-                            f"({cfg.merge.sft.batch_size} per step)") if cfg.merge.sft else "none",
-                "fused_linear": cfg.loss.fused_linear,
-            },
-            "data": {"ratios": {d.domain: d.ratio for d in cfg.merge.datasets},
-                     "prompts": {d: len(v) for d, v in self.datasets.items()},
-                     "eval_prompts": len(self.eval_samples), "routing_rules": [r.kind for r in cfg.merge.routing.rules]
-                     or ["single teacher"]},
-            "run": {"steps": self.step, "seed": cfg.run.seed, "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
-                    "prompts_per_step": cfg.rollout.prompts_per_step, "grad_accum": cfg.optim.grad_accum,
-                    "eval_kl_first": self.evals[0].get("eval/kl") if self.evals else None,
-                    "eval_kl_last": self.evals[-1].get("eval/kl") if self.evals else None,
-                    "warnings": self.warnings[-5:]},
-        }
-        write_card(self.out, "On-policy distillation run", facts)
-
     def close(self) -> None:
-        for obj in ("engine",):
-            if hasattr(self, obj):
-                getattr(self, obj).close()
+        if hasattr(self, "engine"):
+            self.engine.close()
         if hasattr(self, "metrics"):
             self.metrics.close()
-        if hasattr(self, "pool"):
-            self.pool.shutdown(wait=False, cancel_futures=True)
-        for client, _ in getattr(self, "clients", {}).values():
-            client.close()
+        if hasattr(self, "teachers"):
+            self.teachers.close()
 
 
 def _verifier():

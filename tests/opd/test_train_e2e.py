@@ -18,7 +18,7 @@ from opd.config import from_dict
 from opd.data import write_jsonl
 from opd.metrics import read_metrics
 from opd.train_config import TrainConfig
-from opd.trainer import Batch, Route, Trainer, TrainError
+from opd.trainer import Trainer, TrainError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -184,15 +184,14 @@ def test_unreachable_teacher_is_refused_before_compute(setup):
 def test_fingerprint_change_stops_with_both_names():
     from opd.routing.config import TeacherSpec
     from opd.teachers.client import TeacherError
+    from opd.train_teachers import TeacherSet
 
-    tr = Trainer.__new__(Trainer)
-    tr.specs = {"t": TeacherSpec(name="t", address="tcp://127.0.0.1:1")}
+    teachers = TeacherSet.__new__(TeacherSet)   # no connection: only the answer handling is tested
+    teachers.specs = {"t": TeacherSpec(name="t", address="tcp://127.0.0.1:1")}
     fut = Future()
     fut.set_exception(TeacherError("FINGERPRINT_CHANGED", "teacher at tcp://127.0.0.1:1 changed: model aaaa -> bbbb"))
-    batch = Batch(index=0, samples=[], routes=[Route({"t": 1.0}, "gen")], rollouts=[], keep=[], policy_version=0,
-                  futures={"t": fut})
     with pytest.raises(TrainError, match="restarted with a different model.*aaaa -> bbbb"):
-        tr._answers(batch)
+        teachers.answers({"t": fut})
 
 
 def test_probe_measures_student_teacher_gap(setup, capsys):

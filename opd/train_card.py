@@ -1,0 +1,75 @@
+"""The training card of `opd train`: every setting a distillation result needs to be reproduced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opd.card import write_card
+
+
+def divergence_words(beta: float) -> str:
+    if beta == 0.0:
+        return "forward KL(teacher || student): mode-covering"
+    if beta == 1.0:
+        return "reverse KL(student || teacher): mode-seeking"
+    return f"generalized JSD with beta={beta:g} (between forward and reverse KL)"
+
+
+def _teacher_facts(cfg, t, welcome, tail: list[float], share: float) -> dict:
+    return {
+        "address": t.address, "model": welcome.model_id, "model_fingerprint": welcome.model_fingerprint,
+        "tokenizer_fingerprint": welcome.tokenizer_fingerprint, "domains": t.domains,
+        "scoring": (f"full vocabulary ({cfg.loss.full_dtype} logits)" if t.mode == "full" else
+                    f"top-k, k={t.k}" if t.mode == "topk" else
+                    f"sampled token (reverse-KL advantage), top-{t.k} for diagnostics"),
+        "mean_teacher_tail_mass": ("0 (full vocabulary)" if t.mode == "full" else
+                                   sum(tail) / len(tail) if tail else "not measured"),
+        "temperature": t.temperature, "divergence": divergence_words(t.beta), "beta": t.beta,
+        "t2_scaling": t.scale_by_t2, "loss_weight": t.weight, "sample_share": share,
+    }
+
+
+def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_samples: dict[str, float],
+                     tail_mass: dict[str, list[float]], staleness: list[int], prompts: dict[str, int],
+                     eval_prompts: int, evals: list[dict], warnings: list[str], steps: int) -> None:
+    """card.md + card.json in `out`. `student`: model/tokenizer fingerprints and trained parameter count."""
+    total = sum(teacher_samples.values()) or 1.0
+    st = staleness or [0]
+    lora = cfg.student.lora
+    facts = {
+        "student": {
+            "path": cfg.student.path, **student, "dtype": cfg.student.dtype,
+            "training": (f"LoRA r={lora.rank} alpha={lora.alpha} on {', '.join(lora.target_modules)} "
+                         f"dropout={lora.dropout} (checkpoints hold the adapter alone)") if lora
+            else "full fine-tuning"},
+        **{f"teacher {t.name}": _teacher_facts(cfg, t, welcomes[t.name], tail_mass.get(t.name) or [],
+                                               teacher_samples.get(t.name, 0.0) / total)
+           for t in cfg.merge.teachers},
+        "trajectories": {
+            "source": f"sampled by the student being trained ({cfg.rollout.engine} engine)",
+            "pipelined": cfg.run.pipeline,
+            "staleness": (f"mean {sum(st) / len(st):.3g}, max {max(st)} optimizer steps between the sampling "
+                          f"weights and the trained weights"),
+            "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+            "max_new_tokens": cfg.rollout.max_new_tokens, "samples_per_prompt": cfg.rollout.samples_per_prompt,
+            "trimming": cfg.loss.trim + (f" (marker {cfg.loss.answer_end_marker!r})"
+                                         if cfg.loss.trim == "marker" else ""),
+        },
+        "objective": {
+            "loss": "sum_d lambda_d * L_OPD^d + lambda_sft * L_SFT",
+            "length_normalization": f"per {cfg.loss.length_norm}",
+            "domain_weights": cfg.merge.domain_weights, "domain_normalization": cfg.merge.normalize,
+            "sft_mix": (f"lambda_sft={cfg.merge.sft.lambda_sft} on {cfg.merge.sft.path} "
+                        f"({cfg.merge.sft.batch_size} per step)") if cfg.merge.sft else "none",
+            "fused_linear": cfg.loss.fused_linear,
+        },
+        "data": {"ratios": {d.domain: d.ratio for d in cfg.merge.datasets}, "prompts": prompts,
+                 "eval_prompts": eval_prompts,
+                 "routing_rules": [r.kind for r in cfg.merge.routing.rules] or ["single teacher"]},
+        "run": {"steps": steps, "seed": cfg.run.seed, "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
+                "prompts_per_step": cfg.rollout.prompts_per_step, "grad_accum": cfg.optim.grad_accum,
+                "eval_kl_first": evals[0].get("eval/kl") if evals else None,
+                "eval_kl_last": evals[-1].get("eval/kl") if evals else None,
+                "warnings": warnings[-5:]},
+    }
+    write_card(out, "On-policy distillation run", facts)

@@ -1,0 +1,150 @@
+"""The trainer's side of its teachers: checked connections and answers as futures.
+
+`connect_teachers` refuses, before any compute, a teacher that is unreachable, has another
+tokenizer than the student, or cannot answer the configured mode and k. `TeacherSet.request`
+sends one teacher the sequences routed to it and returns a Future of an `Answer`, so the
+next batch can be scored while the current one trains; full-vocabulary streams are drained
+by a worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or continue; the message says what to change."""
+
+
+@dataclass
+class Answer:
+    """One teacher's rows for the sequences it scored, in request order."""
+    topk: object | None            # kernels.TopKTeacher [R, k] (topk / sampled modes)
+    logits: torch.Tensor | None    # [R, V] raw logits (full mode)
+    token_logprob: torch.Tensor    # [R]
+    row_offsets: list[int]         # [B_t + 1]
+    latency_s: float
+
+
+def connect_teachers(cfg, student_fingerprint: str, student_path: str) -> dict:
+    """One TeacherClient per teacher, checked before any compute: reachable, same tokenizer,
+    able to answer the configured mode and k. Returns {name: (client, welcome)}."""
+    from opd.teachers.client import TeacherClient, TeacherError
+
+    s = cfg.teacher_client
+    out: dict = {}
+    try:
+        for i, spec in enumerate(cfg.merge.teachers):
+            if spec.curve_server_key:
+                raise TrainError(f"merge.teachers[{i}] ({spec.name}): CURVE needs a client key pair as well; "
+                                 f"opd train does not load one yet, remove curve_server_key or use a tunnel")
+            # A short-lived client with a short timeout answers "reachable?" quickly; the working
+            # client below retries patiently during training.
+            check = TeacherClient(spec.address, timeout_s=s.connect_timeout_s, retries=0, name="opd-train-check")
+            try:
+                welcome = check.info()
+            except TeacherError as e:
+                raise TrainError(f"teacher {spec.name!r} at {spec.address} is unreachable ({e}); start it with "
+                                 f"`opd serve-teacher` or fix merge.teachers[{i}].address "
+                                 f"(waited teacher_client.connect_timeout_s = {s.connect_timeout_s}s)") from None
+            finally:
+                check.close()
+            if welcome.tokenizer_fingerprint != student_fingerprint:
+                raise TrainError(
+                    f"teacher {spec.name!r} at {spec.address} uses tokenizer fingerprint "
+                    f"{welcome.tokenizer_fingerprint}, the student ({student_path}) {student_fingerprint}: "
+                    f"token-level distillation needs one shared vocabulary")
+            wanted = "full" if spec.mode == "full" else "topk"
+            if wanted not in welcome.modes:
+                raise TrainError(f"teacher {spec.name!r} serves modes {welcome.modes}, not {wanted!r} "
+                                 f"(merge.teachers[{i}].mode: {spec.mode})")
+            if spec.mode != "full" and spec.k > welcome.max_k:
+                raise TrainError(f"merge.teachers[{i}].k = {spec.k} exceeds teacher {spec.name!r}'s max_k "
+                                 f"{welcome.max_k}")
+            client = TeacherClient(spec.address, timeout_s=s.timeout_s, retries=s.retries,
+                                   backoff_s=s.backoff_s, name=f"opd-train:{spec.name}")
+            out[spec.name] = (client, client.info())
+    except BaseException:
+        for client, _ in out.values():
+            client.close()
+        raise
+    return out
+
+
+class TeacherSet:
+    """The run's teachers: specs, checked clients and their WELCOMEs."""
+
+    def __init__(self, cfg, student_fingerprint: str, student_path: str):
+        self.cfg = cfg
+        self.specs = {t.name: t for t in cfg.merge.teachers}
+        self.clients = connect_teachers(cfg, student_fingerprint, student_path)
+        self.pool = ThreadPoolExecutor(max_workers=2 * len(self.specs), thread_name_prefix="teacher-full")
+
+    def welcome(self, name: str):
+        return self.clients[name][1]
+
+    def request(self, teacher: str, sequences: list[list[int]], starts: list[int]) -> Future:
+        """Future of `teacher`'s Answer for these sequences (prompt + response, response from starts)."""
+        spec, client = self.specs[teacher], self.clients[teacher][0]
+        t0 = time.perf_counter()
+        if spec.mode == "full":
+            def collect() -> Answer:
+                chunks = list(client.score_full(sequences, starts, temperature=spec.temperature,
+                                                dtype=self.cfg.loss.full_dtype))
+                rows = sum(len(s) - st for s, st in zip(sequences, starts))
+                if chunks:
+                    logits = torch.cat([c.logits for c in chunks])
+                    token_lp = torch.cat([c.token_logprob for c in chunks])
+                else:
+                    logits, token_lp = torch.zeros(0, 0), torch.zeros(0)
+                offsets = [0]
+                for s, st in zip(sequences, starts):
+                    offsets.append(offsets[-1] + len(s) - st)
+                if not offsets[-1] == rows == len(token_lp):
+                    raise TrainError(f"teacher {teacher!r} returned {len(token_lp)} rows, expected {rows}")
+                return Answer(None, logits, token_lp, offsets, time.perf_counter() - t0)
+            return self.pool.submit(collect)
+
+        from opd.kernels import TopKTeacher
+
+        inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature)
+        outer: Future = Future()
+
+        def done(f: Future) -> None:
+            try:
+                r = f.result()
+                outer.set_result(Answer(TopKTeacher(r.ids, r.logprobs, r.tail_logmass), None, r.token_logprob,
+                                        list(r.row_offsets), time.perf_counter() - t0))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting trainer
+                outer.set_exception(e)
+        inner.add_done_callback(done)
+        return outer
+
+    def answers(self, futures: dict[str, Future]) -> dict[str, Answer]:
+        """Wait for every teacher's answer; a teacher that changed its model stops the run."""
+        from opd.teachers.client import TeacherError
+
+        out = {}
+        for t, fut in futures.items():
+            try:
+                out[t] = fut.result()
+            except TeacherError as e:
+                if e.code == "FINGERPRINT_CHANGED":
+                    raise TrainError(f"teacher {t!r} restarted with a different model; stopping rather than "
+                                     f"mixing two teachers: {e.message}") from None
+                raise TrainError(f"teacher {t!r} at {self.specs[t].address} failed: {e}") from None
+        return out
+
+    def topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor:
+        if answer.topk is not None:
+            return answer.topk.ids[idx]
+        return answer.logits[idx].float().topk(min(spec.k, answer.logits.shape[1]), -1).indices
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for client, _ in self.clients.values():
+            client.close()
