@@ -2,9 +2,9 @@
 
 Every sample is one JSONL row in the shape `opd.data` reads:
 
-    math     {"prompt": "47+38=", "domain": "math", "answer": "85", "response": "85"}
-    code     {"prompt": "def f(x): triple x, add 4\n", "domain": "code",
-              "tests": "assert f(0)==4\n...", "response": "def f(x):return x*3+4"}
+    math     {"prompt": "47+8=", "domain": "math", "answer": "55", "response": "55"}
+    code     {"prompt": "f(x): triple x, add 4\n", "domain": "code",
+              "tests": "assert f(0)==4\n...", "response": "f=lambda x:x*3+4"}
     general  {"prompt": "upper: cab\n", "domain": "general", "answer": "CAB", "response": "CAB"}
 
 Responses are short on purpose: the demo's byte-level model emits one byte per step, and
@@ -29,12 +29,11 @@ _MULTIPLY_WORDS = {2: "double", 3: "triple", 4: "quadruple"}
 
 
 def math_sample(rng: random.Random) -> dict:
-    """Two-digit addition or subtraction (non-negative result); carries and borrows make it hard."""
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    """A two-digit number plus or minus a one-digit one; carries and borrows are the hard part."""
+    a, b = rng.randint(10, 99), rng.randint(1, 9)
     if rng.random() < 0.5:
         prompt, answer = f"{a}+{b}=", a + b
     else:
-        a, b = max(a, b), min(a, b)
         prompt, answer = f"{a}-{b}=", a - b
     return {"prompt": prompt, "domain": "math", "answer": str(answer), "response": str(answer)}
 
@@ -69,8 +68,7 @@ def code_sample(rng: random.Random) -> dict:
     desc, expr, fn = _code_task(rng)
     xs = rng.sample(range(0, 20), 3)
     tests = "\n".join(f"assert f({x})=={fn(x)}" for x in xs)
-    return {"prompt": f"def f(x): {desc}\n", "domain": "code", "tests": tests,
-            "response": f"def f(x):return {expr}"}
+    return {"prompt": f"f(x): {desc}\n", "domain": "code", "tests": tests, "response": f"f=lambda x:{expr}"}
 
 
 def general_sample(rng: random.Random) -> dict:

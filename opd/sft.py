@@ -121,7 +121,11 @@ def response_loss(model, input_B_T, labels_B_T, mask_B_T):
 
 
 class MixtureSampler:
-    """Draws each batch row from one data set chosen by ratio; each set is cycled in shuffled passes."""
+    """Each batch comes from one data set, chosen by ratio; each set is cycled in shuffled passes.
+
+    One set per batch (not per row) keeps padding short when lengths differ by domain: a
+    batch of 5-token arithmetic answers does not pay for the longest code sample.
+    """
 
     def __init__(self, sets: list[list], ratios: list[float], seed: int):
         from opd.data import Cycler
@@ -134,8 +138,8 @@ class MixtureSampler:
         self.rng = random.Random(seed)
 
     def take(self, n: int) -> list:
-        picks = self.rng.choices(range(len(self.cyclers)), weights=self.weights, k=n)
-        return [self.cyclers[i].next() for i in picks]
+        i = self.rng.choices(range(len(self.cyclers)), weights=self.weights, k=1)[0]
+        return self.cyclers[i].take(n)
 
 
 # ----------------------------------------------------------------------------- training

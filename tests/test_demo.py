@@ -32,7 +32,7 @@ def test_demo_data_is_verifiable_and_held_out_is_unseen(tmp_path):
         # the reference response passes the real verifier; a wrong one does not
         refs = verify_batch(held, [s.response for s in held])
         assert refs == [1.0] * len(held)
-        wrong = "0" if domain == "math" else "def f(x):return 12345"
+        wrong = "0" if domain == "math" else "f=lambda x:12345"
         assert verify(held[0], wrong) == 0.0
     # seeded: the same call gives the same rows, another seed other rows
     assert make_split("math", 10, 5, 3) == make_split("math", 10, 5, 3)
@@ -59,18 +59,18 @@ def test_demo_quick_runs_every_stage_and_caches(tmp_path):
     report = (out / "report.md").read_text()
     for label in ("base (SFT start)", "teacher math (RL)", "teacher code (RL)", "student before", "student after"):
         assert label in report
-    for stage in ("0_data", "1_sft_base", "1_sft_student", "2_rl_math", "2_rl_code", "3_serve", "4_merge",
+    for stage in ("0_data", "1_sft_base", "2_sft_math", "2_rl_math", "2_sft_code", "2_rl_code", "3_serve", "4_merge",
                   "5_validate"):
         assert f"| {stage} |" in report
     header = next(line for line in report.splitlines() if line.startswith("| model |"))
     assert header.split("|")[2:4] == [" math ", " code "]
     val = json.loads((out / "validate" / "report.json").read_text())
-    assert set(val["results"]) == {"base", "teacher-math", "teacher-code", "student-before", "student-after"}
+    assert set(val["results"]) == {"base", "warmup-math", "warmup-code", "teacher-math", "teacher-code", "student-after"}
     assert (out / "sft_base" / "card.md").is_file() and (out / "merge" / "final" / "config.json").is_file()
     # nothing left listening on the teacher ports
     assert "serving teacher math" in first.stdout
     # a rerun with the same inputs skips every stage
     second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
-    for stage in ("0_data", "1_sft_base", "1_sft_student", "2_rl_math", "2_rl_code", "4_merge", "5_validate"):
+    for stage in ("0_data", "1_sft_base", "2_sft_math", "2_rl_math", "2_sft_code", "2_rl_code", "4_merge", "5_validate"):
         assert f"[demo] {stage}: cached" in second.stdout

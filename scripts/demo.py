@@ -1,0 +1,375 @@
+"""`make demo`: the whole distillation-first recipe on tiny models, with nothing downloaded.
+
+    0 data      synthetic verifiable data: math, code, general (train + held-out)
+    1 start     `opd sft`: a base model briefly trained on the mix; the student starts as a copy
+    2 experts   from the base, per domain: a short `opd sft` warm-up on the domain, then `opd rl`
+                (GRPO against the domain verifier): one teacher per domain
+    3 serve     `opd serve-teacher` per expert on a loopback port
+    4 merge     `opd train` with a multi-teacher merge config (configs/merge_math_code.yaml)
+    5 validate  `opd validate` on every domain's held-out set
+    6 report    a table in the terminal and in OUT/report.md
+
+Every stage runs the real CLI command in a subprocess, on a config written to
+OUT/configs/ from the templates in configs/demo/ (and configs/merge_math_code.yaml):
+paths are moved under OUT, ports and --quick sizes filled in. A stage is skipped when a
+previous run finished it with the same inputs (its config and everything upstream);
+`--fresh` redoes everything. Teacher servers are always stopped at the end, also on
+Ctrl-C, SIGTERM or a failure.
+
+    python scripts/demo.py [--out runs/demo] [--fresh] [--quick] [--ports 5601,5602]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATES = REPO / "configs" / "demo"
+MERGE_TEMPLATE = REPO / "configs" / "merge_math_code.yaml"
+DEFAULT_OUT = REPO / "runs" / "demo"     # where the templates' relative paths point
+DOMAINS = ("math", "code")               # the domains with an RL expert and a teacher server
+DEFAULT_PORTS = {"math": 5601, "code": 5602, "general": 5603}
+
+# --quick (the test): fewer steps and less data. Keys are dotted paths into each config.
+QUICK = {
+    "data": {"n_train": 300, "n_eval": 24},
+    "sft_base": {"steps": 20, "batch_size": 8},
+    "sft_math": {"steps": 5, "batch_size": 8},
+    "sft_code": {"steps": 5, "batch_size": 8},
+    "rl_math": {"run.steps": 2, "data.prompts_per_step": 2, "rollout.group_size": 2, "data.eval_prompts": 4},
+    "rl_code": {"run.steps": 2, "data.prompts_per_step": 2, "rollout.group_size": 2, "data.eval_prompts": 4},
+    "merge": {"run.steps": 2, "run.eval_prompts": 4, "rollout.prompts_per_step": 2, "run.eval_every": 0},
+    "validate": {"limit": 8},
+}
+FULL_DATA = {"n_train": 3000, "n_eval": 100, "seed": 0}
+
+
+class StageError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def _relocate(value, base: Path, out: Path):
+    """Strings that resolve (relative to `base`) under runs/demo are moved under `out`, absolute."""
+    if isinstance(value, dict):
+        return {k: _relocate(v, base, out) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relocate(v, base, out) for v in value]
+    if isinstance(value, str) and not value.startswith(("tcp://", "ipc://")) and ("/" in value):
+        p = Path(value)
+        resolved = (p if p.is_absolute() else base / p).resolve()
+        try:
+            return str(out / resolved.relative_to(DEFAULT_OUT))
+        except ValueError:
+            return value
+    return value
+
+
+def _set(cfg: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        cfg = cfg.setdefault(key, {})
+    cfg[leaf] = value
+
+
+def write_config(template: Path, name: str, out: Path, quick: bool, overrides: dict | None = None) -> Path:
+    """OUT/configs/NAME.yaml: the template with paths under OUT, quick sizes and overrides applied."""
+    cfg = _relocate(yaml.safe_load(template.read_text()), template.parent, out)
+    for dotted, value in {**(QUICK.get(name, {}) if quick else {}), **(overrides or {})}.items():
+        if name == "validate" and dotted == "limit":
+            for s in cfg["sets"]:
+                s["limit"] = value
+            continue
+        _set(cfg, dotted, value)
+    path = out / "configs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = f"# Written by scripts/demo.py from {template.relative_to(REPO)}; edit the template, not this file.\n"
+    path.write_text(header + yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+class Demo:
+    def __init__(self, out: Path, *, quick: bool, fresh: bool, ports: dict[str, int]):
+        self.out, self.quick, self.fresh, self.ports = out, quick, fresh, ports
+        self.keys: dict[str, str] = {}       # stage -> input hash
+        self.times: dict[str, float] = {}    # stage -> wall seconds (of the run that produced it)
+        self.cached: dict[str, bool] = {}
+        self.servers: list = []
+        self.children: set[subprocess.Popen] = set()
+        # One torch thread per process: on a small CPU box several stage processes (teacher
+        # servers and the trainer) share the cores, and oversubscribed threads spin.
+        self.env = {"OMP_NUM_THREADS": "1", **os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+    # -- caching
+    def _stamp(self, stage: str) -> Path:
+        return self.out / "stages" / f"{stage}.json"
+
+    def _key(self, stage: str, inputs: list) -> str:
+        h = hashlib.sha256(stage.encode())
+        for x in inputs:
+            h.update((Path(x).read_text() if isinstance(x, Path) and x.is_file() else str(x)).encode())
+        return h.hexdigest()[:16]
+
+    def stage(self, name: str, inputs: list, outputs: list[Path], fn) -> None:
+        """Run `fn()` unless a finished run with the same inputs left `outputs` behind."""
+        key = self._key(name, inputs)
+        self.keys[name] = key
+        stamp = self._stamp(name)
+        if not self.fresh and stamp.is_file() and all(p.exists() for p in outputs):
+            done = json.loads(stamp.read_text())
+            if done.get("key") == key:
+                self.times[name], self.cached[name] = done["wall_s"], True
+                print(f"[demo] {name}: cached (inputs {key}), {done['wall_s']:.0f} s when it ran", flush=True)
+                return
+        print(f"[demo] {name}: running (inputs {key})", flush=True)
+        stamp.unlink(missing_ok=True)
+        t0 = time.time()
+        fn()
+        self.times[name], self.cached[name] = time.time() - t0, False
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(json.dumps({"key": key, "wall_s": self.times[name]}))
+        print(f"[demo] {name}: done in {self.times[name]:.0f} s", flush=True)
+
+    def cli(self, log_name: str, *args, echo: bool = True) -> None:
+        """`python -m opd.cli ARGS`, its output kept in OUT/logs/LOG_NAME.log (and shown when `echo`)."""
+        cmd = [sys.executable, "-m", "opd.cli", *map(str, args)]
+        log_path = self.out / "logs" / f"{log_name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[demo] $ opd {' '.join(map(str, args))}" + ("" if echo else f"  (output: {log_path})"), flush=True)
+        with log_path.open("wb") as log:
+            child = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self.children.add(child)
+            try:
+                for chunk in iter(lambda: child.stdout.read1(4096), b""):
+                    log.write(chunk)
+                    if echo:
+                        sys.stdout.buffer.write(chunk)
+                        sys.stdout.flush()
+                rc = child.wait()
+            finally:
+                self.children.discard(child)
+        if rc != 0:
+            raise StageError(f"`opd {' '.join(map(str, args))}` exited with {rc}; see {log_path}")
+
+    # -- 0. data
+    def data(self) -> None:
+        from opd.demo_data import write_demo_data
+
+        params = {**FULL_DATA, **(QUICK["data"] if self.quick else {})}
+        d = self.out / "data"
+        outputs = [d / f"{dom}_{split}.jsonl" for dom in ("math", "code", "general") for split in ("train", "eval")]
+        self.stage("0_data", [json.dumps(params), Path(REPO / "opd" / "demo_data.py")], outputs,
+                   lambda: write_demo_data(d, **params))
+
+    # -- 1. start point: the base; the student starts as a copy of it
+    def start(self) -> None:
+        cfg = write_config(TEMPLATES / "sft_base.yaml", "sft_base", self.out, self.quick)
+        model = self.out / "sft_base" / "model"
+        self.stage("1_sft_base", [cfg, self.keys["0_data"]], [model / "config.json"],
+                   lambda: self.cli("sft_base", "sft", cfg))
+        # The merge config trains OUT/student; the base itself stays as it is, for comparison.
+        student = self.out / "student"
+        if not (student / "config.json").is_file() or self.cached.get("1_sft_base") is False:
+            shutil.rmtree(student, ignore_errors=True)
+            shutil.copytree(model, student)
+
+    # -- 2. experts: a short domain SFT warm-up, then GRPO (`opd rl`) against the domain verifier
+    def experts(self) -> None:
+        """One chain per domain; the chains run side by side (one torch thread each)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def chain(dom: str) -> None:
+            warm = write_config(TEMPLATES / f"sft_{dom}.yaml", f"sft_{dom}", self.out, self.quick)
+            self.stage(f"2_sft_{dom}", [warm, self.keys["1_sft_base"]],
+                       [self.out / f"sft_{dom}" / "model" / "config.json"],
+                       lambda: self.cli(f"sft_{dom}", "sft", warm, echo=False))
+            cfg = write_config(TEMPLATES / f"rl_{dom}.yaml", f"rl_{dom}", self.out, self.quick)
+            self.stage(f"2_rl_{dom}", [cfg, self.keys[f"2_sft_{dom}"]], [self.out / f"rl_{dom}" / "model" / "config.json"],
+                       lambda: self.cli(f"rl_{dom}", "rl", cfg, echo=False))
+
+        t0 = time.time()
+        pool = ThreadPoolExecutor(max_workers=len(DOMAINS))
+        try:
+            for f in [pool.submit(chain, d) for d in DOMAINS]:
+                f.result()
+        finally:  # on Ctrl-C, run() stops the children; do not wait for the chains here
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.times["2_experts"] = time.time() - t0
+        self.cached["2_experts"] = all(self.cached.get(f"2_{k}_{d}") for d in DOMAINS for k in ("sft", "rl"))
+
+    # -- 3 + 4. serve the experts, distil the student
+    def merge(self) -> None:
+        cfg = write_config(MERGE_TEMPLATE, "merge", self.out, self.quick)
+        merged = yaml.safe_load(cfg.read_text())
+        for t in merged["merge"]["teachers"]:
+            t["address"] = f"tcp://127.0.0.1:{self.ports[t['name']]}"
+        merged["run"]["out_dir"] = str(self.out / "merge")
+        cfg.write_text(yaml.safe_dump(merged, sort_keys=False))
+        run_dir = self.out / "merge"
+        inputs = [cfg, self.keys["1_sft_base"], *(self.keys[f"2_rl_{d}"] for d in DOMAINS)]
+        self.stage("4_merge", inputs, [run_dir / "final" / "config.json"], lambda: self._serve_and_train(cfg, run_dir))
+
+    def _serve_and_train(self, cfg: Path, run_dir: Path) -> None:
+        from opd.teachers.launch import start_server_process
+
+        t0 = time.time()
+        for dom in DOMAINS:
+            address = f"tcp://127.0.0.1:{self.ports[dom]}"
+            print(f"[demo] serving teacher {dom} on {address}", flush=True)
+            self.servers.append(start_server_process(
+                ["--model", self.out / f"rl_{dom}" / "model", "--bind", address, "--name", dom, "--max-k", "32"],
+                env={"TOKENIZERS_PARALLELISM": "false"}))
+        self.times["3_serve"] = time.time() - t0
+        shutil.rmtree(run_dir, ignore_errors=True)
+        try:
+            self.cli("merge", "train", cfg)
+        finally:
+            self.stop_servers()
+        # The final checkpoint's model/ plus the tokenizer: a loadable student directory.
+        from opd.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(run_dir / "checkpoints")
+        if last is None:
+            raise StageError(f"`opd train` left no checkpoint under {run_dir / 'checkpoints'}")
+        final = run_dir / "final"
+        shutil.copytree(last / "model", final)
+        for f in (self.out / "student").iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")) and not (final / f.name).exists():
+                shutil.copy(f, final / f.name)
+
+    def stop_servers(self) -> None:
+        while self.servers:
+            self.servers.pop().stop(timeout_s=10)
+
+    # -- 5. validation
+    def validate(self) -> dict:
+        overrides = {"models": [
+            {"name": "base", "path": str(self.out / "sft_base" / "model"), "role": "base"},
+            *({"name": f"warmup-{d}", "path": str(self.out / f"sft_{d}" / "model"), "role": "other"} for d in DOMAINS),
+            *({"name": f"teacher-{d}", "path": str(self.out / f"rl_{d}" / "model"), "role": "teacher",
+               "domains": [d]} for d in DOMAINS),
+            {"name": "student-after", "path": str(self.out / "merge" / "final"), "role": "student"},
+        ]}
+        cfg = write_config(TEMPLATES / "validate.yaml", "validate", self.out, self.quick, overrides)
+        report = self.out / "validate" / "report.json"
+        self.stage("5_validate", [cfg, self.keys["4_merge"], self.keys["1_sft_base"],
+                                  *(self.keys[f"2_sft_{d}"] for d in DOMAINS)], [report],
+                   lambda: self.cli("validate", "validate", cfg))
+        return json.loads(report.read_text())
+
+    # -- 6. report
+    def report(self, val: dict) -> Path:
+        results, metric = dict(val["results"]), "greedy"
+        results["student-before"] = results["base"]  # the student starts as a copy of the base
+        domains = list(next(iter(results.values())).keys())
+        rows = [("base", "base (SFT start)"), *((f"warmup-{d}", f"{d} warm-up (SFT, before RL)") for d in DOMAINS),
+                *((f"teacher-{d}", f"teacher {d} (RL)") for d in DOMAINS),
+                ("student-before", "student before"), ("student-after", "student after")]
+        lines = ["# `make demo` report", "",
+                 f"Held-out accuracy ({metric} answer, checked by the domain verifier"
+                 f"{'; --quick sizes: numbers are not meaningful' if self.quick else ''}).", "",
+                 "| model | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+        for key, label in rows:
+            lines.append(f"| {label} | " + " | ".join(f"{results[key][d][metric]:.2f}" for d in domains) + " |")
+        lines += ["", "Student after distillation vs its start and the matching teacher:", ""]
+        for d in domains:
+            after, before = results["student-after"][d][metric], results["student-before"][d][metric]
+            teacher = results.get(f"teacher-{d}", {}).get(d, {}).get(metric)
+            share = ("no teacher for this domain" if teacher is None else "the teacher scores 0" if teacher == 0
+                     else f"{after / teacher:.0%} of the teacher's {teacher:.2f}")
+            lines.append(f"- **{d}**: {before:.2f} -> {after:.2f} ({share})")
+        lines += ["", "## Wall time per stage", "", "| stage | seconds | |", "|---|---|---|"]
+        for stage, secs in self.times.items():
+            note = ("cached" if self.cached.get(stage) else "part of 4_merge" if stage == "3_serve" else
+                    "the two domain chains side by side" if stage == "2_experts" else
+                    "in parallel with the other domain" if stage.startswith("2_") else "")
+            lines.append(f"| {stage} | {secs:.0f} | {note} |")
+        total = sum(s for k, s in self.times.items()
+                    if not self.cached.get(k) and (k in ("2_experts",) or not k.startswith(("2_", "3_"))))
+        lines.append(f"| total (this run) | {total:.0f} | |")
+        lines += ["", "## Plots and training cards", ""]
+        for run in ("sft_base", *(f"sft_{d}" for d in DOMAINS), *(f"rl_{d}" for d in DOMAINS),
+                    "merge", "validate"):
+            d = self.out / run
+            links = [f"[{p.relative_to(self.out)}]({p.relative_to(self.out)})"
+                     for p in [d / "card.md", d / "report.md", *sorted((d / "plots").glob("*.png"))] if p.exists()]
+            if links:
+                lines.append(f"- {run}: " + ", ".join(links))
+        text = "\n".join(lines) + "\n"
+        path = self.out / "report.md"
+        path.write_text(text)
+        print("\n" + text, flush=True)
+        return path
+
+    def run(self) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self.data()
+            self.start()
+            self.experts()
+            self.merge()
+            return self.report(self.validate())
+        finally:
+            for child in list(self.children):
+                if child.poll() is None:
+                    child.terminate()
+                    try:
+                        child.wait(10)
+                    except subprocess.TimeoutExpired:
+                        child.kill()
+            self.stop_servers()
+
+
+def parse_ports(text: str) -> dict[str, int]:
+    ports = [int(p) for p in text.split(",")]
+    names = list(DEFAULT_PORTS)
+    if not 1 <= len(ports) <= len(names):
+        raise argparse.ArgumentTypeError(f"give 1 to {len(names)} ports, for {', '.join(names)}")
+    return {**DEFAULT_PORTS, **dict(zip(names, ports))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="demo folder (stages, models, report.md)")
+    p.add_argument("--fresh", action="store_true", help="redo every stage, ignoring cached results")
+    p.add_argument("--quick", action="store_true", help="tiny sizes for the test: checks the plumbing, not the outcome")
+    p.add_argument("--ports", type=parse_ports, default=dict(DEFAULT_PORTS),
+                   help="teacher ports, comma-separated, in the order math,code,general")
+    args = p.parse_args(argv)
+
+    def on_term(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind, stop servers
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    demo = Demo(args.out.resolve(), quick=args.quick, fresh=args.fresh, ports=args.ports)
+    t0 = time.time()
+    try:
+        report = demo.run()
+    except KeyboardInterrupt:
+        print("\n[demo] interrupted; teacher servers stopped", file=sys.stderr)
+        return 130
+    except StageError as e:
+        print(f"[demo] failed: {e}", file=sys.stderr)
+        return 1
+    print(f"[demo] report: {report} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
