@@ -71,7 +71,9 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer=None, sched
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # Half-written checkpoints of crashed earlier processes (each a full model copy).
+    for stale in root.glob("step_*.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         tmp.mkdir()
         trainable = {n: p.detach().cpu().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
