@@ -123,7 +123,7 @@ def safe_lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def gather_linear_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
-                         rows_per_chunk: int = 64) -> torch.Tensor:
+                         rows_per_chunk: int = 16) -> torch.Tensor:
     """hidden[n] . weight[ids[n, j]] as [N, k] fp32, never building more than a chunk of W[ids]."""
     out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
     for r0 in range(0, ids.shape[0], rows_per_chunk):
@@ -135,7 +135,7 @@ def gather_linear_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.
 
 def scatter_linear_grad(coef: torch.Tensor, ids: torch.Tensor, hidden: torch.Tensor,
                         weight: torch.Tensor, grad_hidden: torch.Tensor, grad_weight: torch.Tensor,
-                        rows_per_chunk: int = 64) -> None:
+                        rows_per_chunk: int = 16) -> None:
     """Adds the sparse top-k part of a fused gradient: dlogits[n, ids[n, j]] = coef[n, j].
 
     grad_hidden[n] += sum_j coef[n, j] W[ids[n, j]];  grad_weight[ids[n, j]] += coef[n, j] h[n].
