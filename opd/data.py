@@ -143,6 +143,7 @@ class Cycler:
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """Token ids of a prompt; the chat template is applied when the tokenizer has one."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                  add_generation_prompt=True, tokenize=True))
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return [int(i) for i in ids]
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
