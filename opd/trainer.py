@@ -181,6 +181,9 @@ class Trainer:
             samples, report = load_jsonl(d.path, on_error=cfg.run.on_data_error, default_domain=d.domain)
             self.datasets.setdefault(d.domain, []).extend(samples)
             self.data_reports[d.path] = report
+            if report.skipped:
+                print(f"warning: {d.path}: skipped {report.skipped} malformed lines, e.g. {report.errors[0]}",
+                      flush=True)
             if d.eval_path:
                 ev, _ = load_jsonl(d.eval_path, on_error=cfg.run.on_data_error, default_domain=d.domain)
                 self.eval_sets.setdefault(d.domain, []).extend(ev)
@@ -200,7 +203,7 @@ class Trainer:
         from opd.routing.router import Router
 
         self.router = Router(self.cfg.merge.routing, self.cfg.merge.teachers, self.base_dir)
-        # Held-out prompts: round-robin over domains, routed once (eval must not shift routing stats).
+        # Held-out prompts: round-robin over domains, routed once here rather than at every evaluation.
         pools = [list(v) for v in self.eval_sets.values()]
         picked: list[Sample] = []
         while len(picked) < self.cfg.run.eval_prompts and any(pools):
