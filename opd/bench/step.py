@@ -1,0 +1,220 @@
+"""`opd bench step`: one on-policy distillation step, this project vs TRL's GKDTrainer.
+
+Same tiny student, same teacher, same prompts, same batch (8 prompts x 32 new tokens),
+fp32 on CPU, forward KL (beta=0) on the full vocabulary, fully on-policy:
+  opd-full   `opd train`, teacher in its own `opd serve-teacher` process, mode full
+  opd-topk   the same with the teacher's top-k answer (k=32) and its tail bucket
+  trl-gkd    TRL `GKDTrainer` with lmbda=1 (every step samples from the student), teacher
+             in the trainer's process (TRL's design)
+Each runs in its own process; the first `--warmup` steps are dropped. Reported: trained
+response tokens per second, seconds per step, peak RSS of the trainer (and of the teacher
+server for opd, which TRL does not have), and for opd the time per phase (rollout, waiting
+for the teacher, loss + backward + optimizer). TRL is a benchmark extra: it runs with
+`--trl-python` (default: this interpreter if it imports trl, else .venv-bench/bin/python,
+which `make bench` creates); without it the TRL row is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\nA:"
+                 "{% else %} {{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}")
+PROMPTS = [f"{a}+{b}=?" for a, b in [(12, 7), (40, 33), (5, 91), (68, 14), (23, 23), (77, 8), (31, 45), (9, 60)]]
+
+
+def build_models(work: Path) -> tuple[Path, Path, Path]:
+    """Student (2 layers, ~0.4M params) and teacher (4 layers, ~2M), one chat template, and the prompts."""
+    from transformers import AutoTokenizer
+
+    from opd.tiny import build_tiny_model
+
+    student = build_tiny_model(work / "student", layers=2, hidden=64, intermediate=128, seed=0)
+    teacher = build_tiny_model(work / "teacher", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, seed=1)
+    for d in (student, teacher):
+        tok = AutoTokenizer.from_pretrained(str(d))
+        tok.chat_template = CHAT_TEMPLATE
+        tok.save_pretrained(str(d))
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "domain": "math", "response": "0"}) + "\n" for p in PROMPTS))
+    return student, teacher, data
+
+
+def _wait(proc: subprocess.Popen) -> tuple[int, int]:
+    """(exit code, peak RSS bytes) of a child process."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss * 1024
+
+
+def _vm_hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, steps: int, warmup: int) -> dict:
+    import yaml
+
+    from opd.teachers.launch import start_server_process
+
+    server = start_server_process(["--model", str(teacher), "--max-k", "64"], threads=1)
+    try:
+        out = work / f"opd-{mode}"
+        cfg = {
+            "student": {"path": str(student)},
+            "merge": {"teachers": [{"name": "teacher", "address": server.address, "mode": mode, "k": 32,
+                                    "beta": 0.0, "domains": ["math"]}],
+                      "datasets": [{"domain": "math", "path": str(data)}],
+                      "routing": {"rules": [{"kind": "fallback", "teacher": "teacher"}]}},
+            "rollout": {"prompts_per_step": 8, "max_new_tokens": 32, "temperature": 1.0},
+            "loss": {"trim": "none"},
+            "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "micro_batch_size": 8},
+            "run": {"steps": steps, "out_dir": str(out), "pipeline": False, "eval_every": 0,
+                    "checkpoint_every": 0, "progress": False, "tensorboard": False},
+        }
+        path = work / f"opd-{mode}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "opd.cli", "train", str(path)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        text = proc.stdout.read()
+        code, rss = _wait(proc)
+        if code != 0:
+            raise RuntimeError(f"opd train failed ({code}):\n{text[-3000:]}")
+        teacher_rss = _vm_hwm(server.proc.pid)
+    finally:
+        server.stop()
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    rows = [r for r in rows if "step_s" in r][warmup:]
+    step_s = statistics.median(r["step_s"] for r in rows)
+    return {
+        "system": f"opd-{mode}", "steps_measured": len(rows), "step_s": step_s,
+        "tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["step_s"] for r in rows),
+        "peak_rss_trainer": rss, "peak_rss_teacher": teacher_rss,
+        "phases_s": {"rollout": statistics.median(r["rollout_s"] for r in rows),
+                     "teacher_wait": statistics.median(r["teacher_wait_s"] for r in rows),
+                     "loss_backward_optim": statistics.median(r["step_s"] - r["rollout_s"] - r["teacher_wait_s"]
+                                                              for r in rows)},
+    }
+
+
+def _trl_main(work: str, steps: int) -> None:
+    """Runs inside the TRL interpreter: GKDTrainer, fully on-policy, per-step times and tokens."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    torch.set_num_threads(1)
+    work = Path(work)
+    tok = AutoTokenizer.from_pretrained(str(work / "student"))
+    ds = Dataset.from_list([{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "0"}]}
+                            for p in PROMPTS])
+    times, tokens = [], []
+
+    class Trainer(GKDTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            tokens.append(int((inputs["labels"] != -100).sum()))  # the on-policy completion tokens
+            return loss
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+
+    args = GKDConfig(output_dir=str(work / "trl"), per_device_train_batch_size=8, max_steps=steps, lmbda=1.0,
+                     beta=0.0, temperature=1.0, max_new_tokens=32, learning_rate=1e-4, lr_scheduler_type="constant",
+                     logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                     dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(str(work / "student"), dtype=torch.float32),
+                      teacher_model=AutoModelForCausalLM.from_pretrained(str(work / "teacher"), dtype=torch.float32),
+                      args=args, train_dataset=ds, processing_class=tok, callbacks=[Clock()])
+    trainer.train()
+    print("TRL_RESULT " + json.dumps({"times": times, "tokens": tokens}), flush=True)
+
+
+def _trl_python(arg: str | None) -> str | None:
+    if arg:
+        return arg
+    try:
+        import trl  # noqa: F401
+
+        return sys.executable
+    except ImportError:
+        bench = REPO / ".venv-bench" / "bin" / "python"
+        return str(bench) if bench.exists() else None
+
+
+def run_trl(python: str, work: Path, steps: int, warmup: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    code = f"from opd.bench.step import _trl_main; _trl_main({str(work)!r}, {steps})"
+    proc = subprocess.Popen([python, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    text = proc.stdout.read()
+    rc, rss = _wait(proc)
+    line = next((l for l in text.splitlines() if l.startswith("TRL_RESULT ")), None)
+    if rc != 0 or line is None:
+        raise RuntimeError(f"TRL run failed ({rc}):\n{text[-3000:]}")
+    res = json.loads(line[len("TRL_RESULT "):])
+    times, tokens = res["times"][warmup:], res["tokens"][warmup:]
+    return {"system": "trl-gkd", "steps_measured": len(times), "step_s": statistics.median(times),
+            "tokens_per_s": sum(tokens) / sum(times), "peak_rss_trainer": rss, "peak_rss_teacher": 0,
+            "phases_s": None}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
+    p.add_argument("--steps", type=int, default=12, help="steps per system (the first --warmup are dropped)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--systems", nargs="+", default=["opd-full", "opd-topk", "trl-gkd"],
+                   choices=["opd-full", "opd-topk", "trl-gkd"])
+    p.add_argument("--trl-python", default=None, help="interpreter that has trl installed")
+
+
+def run(args) -> int:
+    work = Path(tempfile.mkdtemp(prefix="opd-bench-step-"))
+    student, teacher, data = build_models(work)
+    rows = []
+    for system in args.systems:
+        if system == "trl-gkd":
+            python = _trl_python(args.trl_python)
+            if python is None:
+                print("trl-gkd: skipped (trl not installed; `make bench` installs it into .venv-bench)")
+                continue
+            row = run_trl(python, work, args.steps, args.warmup)
+        else:
+            row = run_opd(work, student, teacher, data, system.split("-")[1], args.steps, args.warmup)
+        rows.append(row)
+        print(_fmt(row), flush=True)
+    trl = next((r for r in rows if r["system"] == "trl-gkd"), None)
+    if trl:
+        for r in rows:
+            r["tokens_per_s_vs_trl"] = r["tokens_per_s"] / trl["tokens_per_s"]
+            r["peak_rss_vs_trl"] = r["peak_rss_trainer"] / trl["peak_rss_trainer"]
+            print(f"{r['system']:<9} {r['tokens_per_s_vs_trl']:.2f}x TRL tokens/s, "
+                  f"{r['peak_rss_vs_trl']:.2f}x TRL trainer peak RSS")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": f"{os.cpu_count()} cores", "rows": rows}, indent=1))
+    return 0
+
+
+def _fmt(r: dict) -> str:
+    phases = ""
+    if r["phases_s"]:
+        phases = "  phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in r["phases_s"].items())
+    return (f"{r['system']:<9} {r['tokens_per_s']:8.0f} tok/s  {r['step_s']:.3f} s/step  trainer RSS "
+            f"{r['peak_rss_trainer'] / 2**20:6.0f} MiB  teacher RSS {r['peak_rss_teacher'] / 2**20:5.0f} MiB{phases}")
