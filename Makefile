@@ -19,8 +19,10 @@ test-all: setup
 demo: setup
 	$(PY) scripts/demo.py $(DEMO_ARGS)
 
+# Benchmarks; TRL and Liger-Kernel (benchmark extras) go to .venv-bench, layered on .venv.
 bench: setup
-	$(PY) -m opd.cli bench all --out runs/bench
+	@bash scripts/setup_bench_env.sh
+	PYTHONPATH=$(CURDIR) .venv-bench/bin/python -m opd.cli bench all --out runs/bench --trl-python .venv-bench/bin/python
 
 clean:
 	rm -rf runs .pytest_cache
