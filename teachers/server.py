@@ -400,15 +400,15 @@ class TeacherServer:
         for job in group:
             job.started = started
         live = [j for j in group if not j.cancelled]
+        for job in group:
+            if job.cancelled:    # cancelled before the call
+                self._done(out, job, self._cancelled(job))
         try:
             answers = self.backend.score_topk([j.req for j in live]) if live else []
         except Exception as e:
             for job in live:
                 self._internal(out, job, e)
-            answers, live = [], []
-        for job in group:
-            if job not in live:  # cancelled before the call
-                self._done(out, job, self._cancelled(job))
+            return
         for job, ans in zip(live, answers):
             if job.cancelled:    # cancelled during the call: one answer, CANCELLED
                 self._done(out, job, self._cancelled(job))
