@@ -31,8 +31,10 @@ def _teacher_facts(cfg, t, welcome, tail: list[float], share: float) -> dict:
 
 def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_samples: dict[str, float],
                      tail_mass: dict[str, list[float]], staleness: list[int], prompts: dict[str, int],
-                     eval_prompts: int, evals: list[dict], warnings: list[str], steps: int) -> None:
-    """card.md + card.json in `out`. `student`: model/tokenizer fingerprints and trained parameter count."""
+                     eval_prompts: int, evals: list[dict], warnings: list[str], steps: int,
+                     skipped_lines: dict | None = None) -> None:
+    """card.md + card.json in `out`. `student`: model/tokenizer fingerprints and trained parameter count;
+    `skipped_lines`: {file: {loaded, skipped, first}} for files with malformed lines skipped."""
     total = sum(teacher_samples.values()) or 1.0
     st = staleness or [0]
     lora = cfg.student.lora
@@ -65,6 +67,7 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
         },
         "data": {"ratios": {d.domain: d.ratio for d in cfg.merge.datasets}, "prompts": prompts,
                  "eval_prompts": eval_prompts,
+                 "skipped_malformed_lines": skipped_lines or "none",
                  "routing_rules": [r.kind for r in cfg.merge.routing.rules] or ["single teacher"]},
         "run": {"steps": steps, "seed": cfg.run.seed, "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
                 "prompts_per_step": cfg.rollout.prompts_per_step, "grad_accum": cfg.optim.grad_accum,

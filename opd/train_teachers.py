@@ -1,7 +1,8 @@
 """The trainer's side of its teachers: checked connections and answers as futures.
 
 `connect_teachers` refuses, before any compute, a teacher that is unreachable, has another
-tokenizer than the student, or cannot answer the configured mode and k. `TeacherSet.request`
+tokenizer than the student, or cannot answer the configured mode and k; with `cluster.mode: ray`
+a teacher of `cluster.teachers` is a ReplicaPool over its Ray-placed replicas (opd/cluster.py). `TeacherSet.request`
 sends one teacher the sequences routed to it and returns a Future of an `Answer`, so the
 next batch can be scored while the current one trains; full-vocabulary streams are drained
 by a worker thread.
@@ -30,42 +31,80 @@ class Answer:
     latency_s: float
 
 
-def connect_teachers(cfg, student_fingerprint: str, student_path: str) -> dict:
-    """One TeacherClient per teacher, checked before any compute: reachable, same tokenizer,
-    able to answer the configured mode and k. Returns {name: (client, welcome)}."""
+def teacher_curve(cfg, i: int, spec):
+    """`curve=` for TeacherClient: (client secret key file, server public key file), or None."""
+    secret = cfg.teacher_client.curve_secret_key
+    if not spec.curve_server_key:
+        return None
+    if not secret:
+        raise TrainError(f"merge.teachers[{i}] ({spec.name}) uses CURVE (curve_server_key) but "
+                         f"teacher_client.curve_secret_key is not set: give the client's .key_secret file "
+                         f"(`opd keys generate`; its public key must be on the server's --curve-allow list)")
+    try:
+        from opd.teachers.client import _as_curve
+
+        _as_curve((secret, spec.curve_server_key))  # readable, and a secret key where one is needed
+    except (OSError, ValueError) as e:
+        raise TrainError(f"merge.teachers[{i}] ({spec.name}): cannot load the CURVE keys "
+                         f"(teacher_client.curve_secret_key {secret}, curve_server_key "
+                         f"{spec.curve_server_key}): {e}") from None
+    return (secret, spec.curve_server_key)
+
+
+def _check_welcome(i: int, spec, where: str, welcome, student_fingerprint: str, student_path: str) -> None:
+    if welcome.tokenizer_fingerprint != student_fingerprint:
+        raise TrainError(
+            f"teacher {spec.name!r} at {where} uses tokenizer fingerprint "
+            f"{welcome.tokenizer_fingerprint}, the student ({student_path}) {student_fingerprint}: "
+            f"token-level distillation needs one shared vocabulary")
+    wanted = "full" if spec.mode == "full" else "topk"
+    if wanted not in welcome.modes:
+        raise TrainError(f"teacher {spec.name!r} serves modes {welcome.modes}, not {wanted!r} "
+                         f"(merge.teachers[{i}].mode: {spec.mode})")
+    if spec.mode != "full" and spec.k > welcome.max_k:
+        raise TrainError(f"merge.teachers[{i}].k = {spec.k} exceeds teacher {spec.name!r}'s max_k "
+                         f"{welcome.max_k}")
+
+
+def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=None) -> dict:
+    """One client per teacher, checked before any compute: reachable, same tokenizer, able to answer
+    the configured mode and k. A teacher listed in `cluster.teachers` (cluster.mode: ray) gets the
+    cluster's ReplicaPool over its replicas instead of a TeacherClient at its merge address.
+    Returns {name: (client, welcome)}."""
     from opd.teachers.client import TeacherClient, TeacherError
 
     s = cfg.teacher_client
+    on_ray = {t.name for t in cfg.cluster.teachers} if cluster is not None else set()
     out: dict = {}
     try:
         for i, spec in enumerate(cfg.merge.teachers):
-            if spec.curve_server_key:
-                raise TrainError(f"merge.teachers[{i}] ({spec.name}): CURVE needs a client key pair as well; "
-                                 f"opd train does not load one yet, remove curve_server_key or use a tunnel")
+            curve = teacher_curve(cfg, i, spec)
+            if spec.name in on_ray:
+                try:
+                    pool = cluster.teacher_pool(spec.name, backoff_s=s.backoff_s, curve=curve)  # its own failover
+                    welcome = pool.info()
+                except TeacherError as e:
+                    raise TrainError(f"teacher {spec.name!r} on the Ray cluster is unusable ({e})") from None
+                out[spec.name] = (pool, welcome)
+                _check_welcome(i, spec, f"replicas {pool.live_addresses()}", welcome, student_fingerprint,
+                               student_path)
+                continue
             # A short-lived client with a short timeout answers "reachable?" quickly; the working
             # client below retries patiently during training.
-            check = TeacherClient(spec.address, timeout_s=s.connect_timeout_s, retries=0, name="opd-train-check")
+            check = TeacherClient(spec.address, timeout_s=s.connect_timeout_s, retries=0, curve=curve,
+                                  name="opd-train-check")
             try:
                 welcome = check.info()
             except TeacherError as e:
+                hint = (" (with CURVE, no answer also means the client's public key is not on the server's "
+                        "--curve-allow list or curve_server_key is not that server's key)" if curve else "")
                 raise TrainError(f"teacher {spec.name!r} at {spec.address} is unreachable ({e}); start it with "
                                  f"`opd serve-teacher` or fix merge.teachers[{i}].address "
-                                 f"(waited teacher_client.connect_timeout_s = {s.connect_timeout_s}s)") from None
+                                 f"(waited teacher_client.connect_timeout_s = {s.connect_timeout_s}s){hint}") from None
             finally:
                 check.close()
-            if welcome.tokenizer_fingerprint != student_fingerprint:
-                raise TrainError(
-                    f"teacher {spec.name!r} at {spec.address} uses tokenizer fingerprint "
-                    f"{welcome.tokenizer_fingerprint}, the student ({student_path}) {student_fingerprint}: "
-                    f"token-level distillation needs one shared vocabulary")
-            wanted = "full" if spec.mode == "full" else "topk"
-            if wanted not in welcome.modes:
-                raise TrainError(f"teacher {spec.name!r} serves modes {welcome.modes}, not {wanted!r} "
-                                 f"(merge.teachers[{i}].mode: {spec.mode})")
-            if spec.mode != "full" and spec.k > welcome.max_k:
-                raise TrainError(f"merge.teachers[{i}].k = {spec.k} exceeds teacher {spec.name!r}'s max_k "
-                                 f"{welcome.max_k}")
-            client = TeacherClient(spec.address, timeout_s=s.timeout_s, retries=s.retries,
+            _check_welcome(i, spec, spec.address, welcome, student_fingerprint, student_path)
+            client = TeacherClient(spec.address, timeout_s=s.timeout_s, retries=s.retries, curve=curve,
                                    backoff_s=s.backoff_s, name=f"opd-train:{spec.name}")
             out[spec.name] = (client, client.info())
     except BaseException:
@@ -78,10 +117,10 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str) -> dict:
 class TeacherSet:
     """The run's teachers: specs, checked clients and their WELCOMEs."""
 
-    def __init__(self, cfg, student_fingerprint: str, student_path: str):
+    def __init__(self, cfg, student_fingerprint: str, student_path: str, cluster=None):
         self.cfg = cfg
         self.specs = {t.name: t for t in cfg.merge.teachers}
-        self.clients = connect_teachers(cfg, student_fingerprint, student_path)
+        self.clients = connect_teachers(cfg, student_fingerprint, student_path, cluster)
         self.pool = ThreadPoolExecutor(max_workers=2 * len(self.specs), thread_name_prefix="teacher-full")
 
     def welcome(self, name: str):
@@ -110,9 +149,14 @@ class TeacherSet:
             return self.pool.submit(collect)
 
         from opd.kernels import TopKTeacher
+        from opd.teachers.client import TeacherError
 
-        inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature)
         outer: Future = Future()
+        try:
+            inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature)
+        except TeacherError as e:  # e.g. FINGERPRINT_CHANGED seen at submit time: answers() reports it
+            outer.set_exception(e)
+            return outer
 
         def done(f: Future) -> None:
             try:

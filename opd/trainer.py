@@ -150,7 +150,8 @@ class Trainer:
         self.specs = {t.name: t for t in cfg.merge.teachers}
         # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
         self.student_fp = tokenizer_fingerprint(load_tokenizer(cfg.student))
-        self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path)
+        self.cluster = self._start_cluster()
+        self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.cluster)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tok = load_student(cfg.student, cfg.run.seed)
         self.student_model_fp = model_fingerprint(cfg.student.path)
@@ -172,6 +173,23 @@ class Trainer:
         self.metrics = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=resume_step)
         self.verify = _verifier()
 
+    def _start_cluster(self):
+        """cluster.mode: ray: join (or start) the Ray cluster and its teacher replicas; None when local."""
+        if self.cfg.cluster.mode != "ray":
+            return None
+        import ray
+
+        from opd.cluster import RayCluster
+
+        self._ray_started = not ray.is_initialized()   # a Ray session this run opened is closed by it
+        try:
+            return RayCluster.start(self.cfg.cluster)
+        except Exception as e:
+            if self._ray_started:
+                ray.shutdown()
+            raise TrainError(f"cluster.mode: ray: could not start the teacher replicas ({type(e).__name__}: {e})") \
+                from None
+
     def _load_data(self) -> None:
         cfg = self.cfg
         self.datasets: dict[str, list[Sample]] = {}
@@ -181,23 +199,25 @@ class Trainer:
             samples, report = load_jsonl(d.path, on_error=cfg.run.on_data_error, default_domain=d.domain)
             self.datasets.setdefault(d.domain, []).extend(samples)
             self.data_reports[d.path] = report
-            if report.skipped:
-                print(f"warning: {d.path}: skipped {report.skipped} malformed lines, e.g. {report.errors[0]}",
-                      flush=True)
             if d.eval_path:
-                ev, _ = load_jsonl(d.eval_path, on_error=cfg.run.on_data_error, default_domain=d.domain)
+                ev, report = load_jsonl(d.eval_path, on_error=cfg.run.on_data_error, default_domain=d.domain)
                 self.eval_sets.setdefault(d.domain, []).extend(ev)
+                self.data_reports[d.eval_path] = report
         ratios = {d.domain: d.ratio for d in cfg.merge.datasets}
         from opd.routing.mixture import MixtureSampler
 
         self.sampler = MixtureSampler(self.datasets, ratios, seed=cfg.run.seed)
         self.sft = None
         if cfg.merge.sft is not None:
-            sft, _ = load_jsonl(cfg.merge.sft.path, on_error=cfg.run.on_data_error)
+            sft, report = load_jsonl(cfg.merge.sft.path, on_error=cfg.run.on_data_error)
+            self.data_reports[cfg.merge.sft.path] = report
             missing = [i for i, s in enumerate(sft) if not s.response]
             if missing:
                 raise TrainError(f"{cfg.merge.sft.path}: SFT samples need a `response` (sample {missing[0] + 1} has none)")
             self.sft = Cycler(sft, seed=cfg.run.seed + 1)
+        for path, report in self.data_reports.items():  # run.on_data_error: skip; said once, kept in the card
+            if report.skipped:
+                print(f"{path}: skipped {report.skipped} malformed lines (first: {report.errors[0]})", flush=True)
 
     def _make_router(self) -> None:
         from opd.routing.router import Router
@@ -502,7 +522,9 @@ class Trainer:
                      "trained_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad)},
             teacher_samples=self.teacher_samples, tail_mass=self.tail_mass, staleness=self.staleness,
             prompts={d: len(v) for d, v in self.datasets.items()}, eval_prompts=len(self.eval_samples),
-            evals=self.evals, warnings=self.warnings, steps=self.step)
+            evals=self.evals, warnings=self.warnings, steps=self.step,
+            skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
+                           for p, r in self.data_reports.items() if r.skipped})
         return {"step": self.step, "evals": self.evals, "out_dir": str(self.out)}
 
     def _step_metrics(self, sums, tally: DomainTally, latencies, stale, grad_norm, elapsed, sft_losses) -> dict:
@@ -626,6 +648,8 @@ class Trainer:
             self.metrics.close()
         if hasattr(self, "teachers"):
             self.teachers.close()
+        if getattr(self, "cluster", None) is not None:
+            self.cluster.shutdown(disconnect=self._ray_started)
 
 
 def _verifier():

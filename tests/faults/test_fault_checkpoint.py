@@ -79,6 +79,7 @@ def test_sigkill_at_random_moments_never_loses_the_last_checkpoint(tiny_model_di
         assert r["data_pos"] == 10 * r["step"]
     steps = [r["step"] for r in seen]
     assert steps == sorted(steps) and steps[-1] >= KILLS // 5               # progress, never backwards
+    assert max(r["tmp_dirs"] for r in rows) <= 1   # a new writer removes the torn dir of the one killed before
     print(f"\n{KILLS} SIGKILLs: latest always loaded; reached step {steps[-1]}; "
           f"torn .tmp dirs left behind: {rows[-1]['tmp_dirs']}")
 
