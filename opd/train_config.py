@@ -7,10 +7,12 @@
     loss      what is done with the teacher's answers (normalization, trimming, fused path)
     optim     AdamW and its schedule, accumulation, micro-batches
     run       steps, evaluation, checkpoints, seed, output directory, pipelining
+    cluster   local, or ray: teacher replicas placed on a Ray cluster (opd/cluster.py)
 
 Per-teacher loss settings (mode, k, beta, temperature, T^2, weight) live on each teacher
 in `merge.teachers`, because in a merge every teacher may need its own. Relative paths
-(student path, data sets, out_dir) are relative to the config file.
+(student path, data sets, out_dir, key files, cluster teacher models) are relative to the
+config file.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from opd.cluster import ClusterConfig
 from opd.config import field, load_yaml
 from opd.routing.config import MergeConfig
 
@@ -102,6 +105,9 @@ class TeacherClientSettings:
     timeout_s: float = field(60.0, help="seconds to wait for one teacher answer before retrying", min=0.1)
     retries: int = field(3, help="retries of a failed or timed-out request", min=0)
     backoff_s: float = field(0.2, help="first retry delay (doubles each retry)", min=0.0)
+    curve_secret_key: str | None = field(None, help="client .key_secret file (`opd keys generate`) for teachers "
+                                                    "with merge.teachers[].curve_server_key; its public key must "
+                                                    "be on the servers' --curve-allow list")
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,18 @@ class TrainConfig:
     teacher_client: TeacherClientSettings = field(default_factory=TeacherClientSettings,
                                                   help="timeouts and retries towards the teacher servers")
     run: RunConfig = field(default_factory=RunConfig, help="steps, evaluation, checkpoints, seed, output")
+    cluster: ClusterConfig = field(default_factory=ClusterConfig,
+                                   help="local (default), or ray: teachers of cluster.teachers run as replicas "
+                                        "placed on a Ray cluster (docs/multi_machine.md)")
+
+    def __post_init__(self):
+        names = [t.name for t in self.merge.teachers]
+        extra = [t.name for t in self.cluster.teachers if t.name not in names]
+        if extra:
+            raise ValueError(f"cluster.teachers {extra} are not teachers of merge.teachers ({names})")
+        if self.cluster.student.num_workers != 1:
+            raise ValueError("cluster.student.num_workers: opd train trains the student in one process; "
+                             "data-parallel workers are used from Python (RayCluster.data_parallel)")
 
 
 def _resolve(base: Path, p: str | None) -> str | None:
@@ -149,12 +167,16 @@ def resolve_paths(cfg: TrainConfig, base_dir: str | Path) -> TrainConfig:
     merge = cfg.merge
     merge = replace(
         merge,
+        teachers=[replace(t, curve_server_key=_resolve(base, t.curve_server_key)) for t in merge.teachers],
         datasets=[replace(d, path=_resolve(base, d.path), eval_path=_resolve(base, d.eval_path))
                   for d in merge.datasets],
         sft=replace(merge.sft, path=_resolve(base, merge.sft.path)) if merge.sft else None,
     )
+    cluster = replace(cfg.cluster, teachers=[replace(t, model=_resolve(base, t.model)) for t in cfg.cluster.teachers])
     return replace(cfg, student=replace(cfg.student, path=_resolve(base, cfg.student.path)), merge=merge,
-                   run=replace(cfg.run, out_dir=_resolve(base, cfg.run.out_dir)))
+                   teacher_client=replace(cfg.teacher_client,
+                                          curve_secret_key=_resolve(base, cfg.teacher_client.curve_secret_key)),
+                   run=replace(cfg.run, out_dir=_resolve(base, cfg.run.out_dir)), cluster=cluster)
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
