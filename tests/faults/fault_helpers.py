@@ -25,11 +25,6 @@ from opd.teachers.launch import ServerProcess
 from opd.teachers.serve import READY
 
 
-class KnownGap(AssertionError):
-    """Raised by an xfail(strict=True, raises=KnownGap) test at the one check that fails until the
-    patch listed for it in docs/faults.md lands; every other check in the test must pass today."""
-
-
 class SlowBackend(TeacherBackend):
     """Another backend whose calls sleep `delay_s` first (only the first `slow_calls` calls when
     that is set); it records when each call started and how many tokens it held."""
