@@ -66,3 +66,13 @@ def vllm_rollout_engine(vllm_model_dir):
     engine = VLLMRolloutEngine(vllm_model_dir, max_model_len=256, seed=0, max_num_seqs=32)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster per test module (Ray's local_mode no longer exists). Here rather than in
+    tests/cluster/conftest.py: a second conftest.py shadows this one for `from conftest import ...`."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, namespace="opd-test", log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +24,14 @@ import torch
 from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
 from opd.teachers.launch import ServerProcess
 from opd.teachers.serve import READY
+
+
+def free_port() -> int:
+    """A free loopback port. (Defined here, not imported from conftest: with several conftest.py
+    files in the tree, `import conftest` gets whichever pytest loaded last.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class SlowBackend(TeacherBackend):

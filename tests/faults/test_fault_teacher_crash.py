@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import free_port
-from fault_helpers import start_slow_server
+from fault_helpers import free_port, start_slow_server
 from opd.teachers.client import TeacherClient, TeacherError
 from opd.teachers.launch import start_server_process
 

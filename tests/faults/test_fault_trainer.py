@@ -21,8 +21,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import free_port
-from fault_helpers import lm_head_teacher, train_config_dict
+from fault_helpers import free_port, lm_head_teacher, train_config_dict
 from opd.checkpoint import latest_checkpoint, load_checkpoint
 from opd.config import from_dict
 from opd.data import write_jsonl

@@ -166,13 +166,11 @@ def test_tokenizer_mismatch_is_refused(setup, tmp_path):
     assert not (setup["root"] / "mismatch" / "metrics.jsonl").exists()   # refused before any compute
 
 
-def test_unreachable_teacher_is_refused_before_compute(setup):
+def test_unreachable_teacher_is_refused_before_compute(setup, free_tcp_address):
     import time
 
-    from conftest import free_port
-
     cfg = _cfg(setup, "unreachable", steps=1, **{"teacher_client.connect_timeout_s": 1.0})
-    dead = f"tcp://127.0.0.1:{free_port()}"
+    dead = free_tcp_address
     cfg = replace(cfg, merge=replace(cfg.merge, teachers=[replace(cfg.merge.teachers[0], address=dead)]))
     t0 = time.monotonic()
     with pytest.raises(TrainError, match=f"teacher 't' at {dead} is unreachable"):
