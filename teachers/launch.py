@@ -58,6 +58,15 @@ class ServerProcess:
         return self.proc.wait()
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for tests and scripts that must name a port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def start_server_process(args: list[str], *, timeout_s: float = 180.0, env: dict | None = None,
                          threads: int | None = 1) -> ServerProcess:
     """Run `python -m opd.cli serve-teacher *args`; return once it printed its ready line.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
@@ -27,10 +26,7 @@ def tiny_teacher_dir(tmp_path_factory, tiny_model_dir):
     return perturb_model(tiny_model_dir, tmp_path_factory.mktemp("tiny") / "teacher", scale=1.0, seed=1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from opd.teachers.launch import free_port  # noqa: E402  (import it from there, not from conftest)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import free_port
+from opd.teachers.launch import free_port
 from opd.teachers.client import TeacherClient, TeacherError
 from opd.teachers.protocol import Done, Error, ErrorCode, Score, TopK, decode, encode
 from opd.teachers.server import ServerLimits, TeacherServer
