@@ -57,10 +57,10 @@ FULL_DATA = {"n_train": 3000, "n_eval": 100, "seed": 0}
 # more prompts and steps, a per-response loss mean (a 3-token math answer weighs as much as a
 # 17-token code answer) and forward KL (mass-covering: on a 3-token answer it teaches the
 # teacher's digit directly), measured to reach the teachers on this tiny task.
-MERGE_SIZES = {"run.steps": 250, "rollout.prompts_per_step": 32, "optim.lr": 5.0e-4, "optim.micro_batch_size": 32,
-               "run.eval_every": 50, "run.eval_prompts": 32, "loss.length_norm": "sequence"}
+MERGE_SIZES = {"run.steps": 600, "rollout.prompts_per_step": 32, "optim.lr": 1.0e-3, "optim.micro_batch_size": 32,
+               "run.eval_every": 100, "run.eval_prompts": 32, "loss.length_norm": "sequence"}
 MERGE_TEACHER = {"beta": 0.0}
-MERGE_RATIOS = {"math": 0.6, "code": 0.4}
+MERGE_RATIOS = {"math": 0.65, "code": 0.35}
 
 class StageError(RuntimeError):
     pass
@@ -220,8 +220,10 @@ class Demo:
                 f.result()
         finally:  # on Ctrl-C, run() stops the children; do not wait for the chains here
             pool.shutdown(wait=False, cancel_futures=True)
-        self.times["2_experts"] = time.time() - t0
         self.cached["2_experts"] = all(self.cached.get(f"2_{k}_{d}") for d in DOMAINS for k in ("sft", "rl"))
+        # cached: the longer chain's recorded time stands for the side-by-side wall time
+        self.times["2_experts"] = (max(self.times[f"2_sft_{d}"] + self.times[f"2_rl_{d}"] for d in DOMAINS)
+                                   if self.cached["2_experts"] else time.time() - t0)
 
     # -- 3 + 4. serve the experts, distil the student
     def merge(self) -> None:
