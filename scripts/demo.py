@@ -62,6 +62,7 @@ MERGE_SIZES = {"run.steps": 600, "rollout.prompts_per_step": 32, "optim.lr": 1.0
 MERGE_TEACHER = {"beta": 0.0}
 MERGE_RATIOS = {"math": 0.65, "code": 0.35}
 
+
 class StageError(RuntimeError):
     pass
 

@@ -1,0 +1,50 @@
+"""opd sft: the loss sees response tokens only, and a short run learns and saves a loadable model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from opd.config import ConfigError, from_dict
+from opd.sft import SFTConfig, encode_pair, lr_at
+
+
+def test_prompt_is_masked_and_eos_is_a_target(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ids, labels = encode_pair(tok, "12+3=", "15", max_length=64)
+    assert len(ids) == len(labels) == 5 + 2 + 1
+    assert labels[:5] == [-100] * 5
+    assert labels[5:] == ids[5:] and labels[-1] == tok.eos_token_id
+
+
+def test_config_needs_exactly_one_start():
+    with pytest.raises(ConfigError, match="exactly one"):
+        from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}]}, SFTConfig)
+    cfg = from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}], "tiny": {"layers": 1},
+                     "steps": 10, "warmup_steps": 2, "lr": 0.01}, SFTConfig)
+    assert lr_at(0, cfg) == pytest.approx(0.005) and lr_at(2, cfg) == pytest.approx(0.01)
+    assert lr_at(9, cfg) < 0.001
+
+
+def test_short_run_lowers_eval_loss_and_saves_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from opd.cli import main
+    from opd.data import write_jsonl
+
+    rows = [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    (tmp_path / "sft.yaml").write_text(
+        "out_dir: run\ntiny: {layers: 1, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}\n"
+        "train: [{path: train.jsonl}]\neval: [{path: train.jsonl, domain: add}]\n"
+        "steps: 40\nbatch_size: 16\nlr: 0.01\nwarmup_steps: 2\nlog_every: 5\neval_every: 5\nthreads: 1\n")
+    assert main(["sft", str(tmp_path / "sft.yaml")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss/add"] for r in rows if "eval_loss/add" in r]
+    assert len(evals) == 8 and evals[-1] < 0.5 * evals[0]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "model"))
+    assert model.config.num_hidden_layers == 1
+    assert (tmp_path / "run" / "card.md").read_text().count("token-mean cross-entropy on response tokens") == 1
