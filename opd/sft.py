@@ -42,7 +42,7 @@ class TinyModelSpec:
 @dataclass(frozen=True)
 class SFTDataset:
     path: str = field(help="JSONL with `prompt` and `response` (relative to the config file)")
-    ratio: float = field(1.0, help="share of each batch drawn from this file (normalized over files)", min=0.0)
+    ratio: float = field(1.0, help="share of the batches drawn from this file (normalized over files; one file per batch)", min=0.0)
     domain: str | None = field(None, help="domain name for per-domain eval loss (a row's own `domain` wins)")
 
 
