@@ -82,8 +82,17 @@ def start_server_process(args: list[str], *, timeout_s: float = 180.0, env: dict
     if threads:
         full_env.setdefault("OMP_NUM_THREADS", str(threads))
         args += ["--threads", str(threads)]
-    proc = subprocess.Popen([sys.executable, "-m", "opd.cli", "serve-teacher", *args], env=full_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    return spawn_until_ready([sys.executable, "-m", "opd.cli", "serve-teacher", *args], full_env, timeout_s)
+
+
+def spawn_until_ready(cmd: list[str], env: dict, timeout_s: float) -> ServerProcess:
+    """Start any command that ends up serving a teacher; return once it printed the ready line.
+
+    Shared by `start_server_process` and by tests that serve a custom backend through
+    `opd.teachers.serve` in their own script. Raises RuntimeError with the process's output
+    if it exits or stays silent for `timeout_s`.
+    """
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     output: list[str] = []
     ready = threading.Event()
 

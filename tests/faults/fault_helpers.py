@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -22,16 +19,8 @@ from typing import Iterator
 import torch
 
 from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
-from opd.teachers.launch import ServerProcess
+from opd.teachers.launch import ServerProcess, free_port, spawn_until_ready  # noqa: F401 (free_port: re-exported)
 from opd.teachers.serve import READY
-
-
-def free_port() -> int:
-    """A free loopback port. (Defined here, not imported from conftest: with several conftest.py
-    files in the tree, `import conftest` gets whichever pytest loaded last.)"""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SlowBackend(TeacherBackend):
@@ -72,27 +61,8 @@ def start_slow_server(model_dir, bind: str, delay_s: float, *, max_k: int = 16, 
                       extra: list[str] = ()) -> ServerProcess:
     """A subprocess serving SlowBackend(HFBackend(model_dir)); returns once it is ready."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, __file__, "--model", str(model_dir), "--bind", bind,
-                             "--delay-s", str(delay_s), "--max-k", str(max_k), *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    output: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            output.append(line.rstrip("\n"))
-            if line.startswith(READY):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(timeout_s) or not any(l.startswith(READY) for l in output):
-        proc.kill()
-        proc.wait()
-        raise RuntimeError("slow teacher did not start:\n" + "\n".join(output[-40:]))
-    line = next(l for l in output if l.startswith(READY))
-    fields = dict(kv.split("=", 1) for kv in line[len(READY):].split())
-    return ServerProcess(proc, fields["address"], fields["model_fingerprint"], fields["tokenizer_fingerprint"], output)
+    return spawn_until_ready([sys.executable, __file__, "--model", str(model_dir), "--bind", bind,
+                              "--delay-s", str(delay_s), "--max-k", str(max_k), *extra], env, timeout_s)
 
 
 def lm_head_teacher(student_dir, out_dir, seed: int = 3) -> Path:
