@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 

@@ -29,11 +29,13 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import zmq
+
+if TYPE_CHECKING:
+    import torch
 
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
                                    Ping, ProtocolError, Score, TopK, Welcome, decode, encode, to_torch)

@@ -18,7 +18,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path

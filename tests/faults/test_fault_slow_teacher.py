@@ -18,7 +18,7 @@ import torch
 
 from fault_helpers import SlowBackend
 from opd.teachers.client import TeacherClient, TeacherError
-from opd.teachers.protocol import Cancel, Done, Error, ErrorCode, Score, TopK, decode, encode
+from opd.teachers.protocol import Cancel, Error, Score, decode, encode
 from opd.teachers.server import ServerLimits, TeacherServer
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,7 +18,6 @@ from pathlib import Path
 from unittest.mock import ANY
 
 import pytest
-import torch
 import yaml
 
 from fault_helpers import free_port, lm_head_teacher, train_config_dict

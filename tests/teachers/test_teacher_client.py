@@ -17,7 +17,7 @@ import zmq
 
 from opd.teachers.launch import free_port
 from opd.teachers.client import TeacherClient, TeacherError
-from opd.teachers.protocol import Done, Error, ErrorCode, Score, TopK, decode, encode
+from opd.teachers.protocol import Done, Error, ErrorCode, Score, decode, encode
 from opd.teachers.server import ServerLimits, TeacherServer
 
 
