@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from opd.teachers.launch import free_port
 from opd.data import load_jsonl
 from opd.demo_data import DOMAINS, make_split, write_demo_data
 
