@@ -136,3 +136,16 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None, 
     if restore_rng:
         set_rng_state(blob["rng"])
     return json.loads((path / "state.json").read_text())
+
+
+def save_final_model(model, tokenizer, target: str | Path) -> Path:
+    """A full, loadable model directory with its tokenizer (a peft LoRA adapter is merged in),
+    ready for `opd serve-teacher --model`, `opd validate` or the next stage of the recipe."""
+    import copy
+
+    target = Path(target)
+    if hasattr(model, "merge_and_unload"):  # peft: merge a copy, keep training weights untouched
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(str(target), safe_serialization=True)
+    tokenizer.save_pretrained(str(target))
+    return target

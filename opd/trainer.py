@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from opd import distill
-from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from opd.config import to_dict
 from opd.data import Cycler, Sample, encode_prompt, load_jsonl
 from opd.diagnostics import DomainTally, topk_overlap
@@ -513,6 +513,8 @@ class Trainer:
             if (cfg.run.eval_every and self.step % cfg.run.eval_every == 0) or self.step == cfg.run.steps:
                 self._evaluate()
         bar.close()
+        # RUN/model: the distilled student as a loadable directory (LoRA merged in), with its tokenizer.
+        save_final_model(self.model, self.tok, self.out / "model")
         plot_metrics(self.out, {"loss": ["loss", "sft_loss"], "kl": ["kl", "eval/kl"],
                                 "response_length": ["response_len", "eval/response_len"],
                                 "eval_accuracy": ["eval/accuracy"]})

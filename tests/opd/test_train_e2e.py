@@ -106,6 +106,21 @@ def test_heldout_kl_halves(setup, lora, mode, lr, steps, prompts):
     ckpt = out / "checkpoints" / f"step_{steps:06d}"
     if lora:   # the adapter alone
         assert (ckpt / "model" / "adapter_config.json").is_file()
+    # RUN/model: a plain loadable model (LoRA merged) equal to the last checkpoint's weights.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = AutoModelForCausalLM.from_pretrained(str(out / "model"), dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(str(out / "model")).eos_token_id is not None
+    if lora:
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(cfg.student.path, dtype=torch.float32)
+        last = PeftModel.from_pretrained(base, str(ckpt / "model"))
+    else:
+        last = AutoModelForCausalLM.from_pretrained(str(ckpt / "model"), dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        assert torch.allclose(final(ids).logits, last(ids).logits, atol=1e-4)
 
 
 def test_resume_continues_exactly(setup):
