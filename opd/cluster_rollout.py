@@ -9,13 +9,17 @@ seed, `seed + rank`).
 On-policy weights: after a training step rank 0 writes a checkpoint (opd/cluster_dp.py);
 `sync_weights(checkpoint_dir)` makes every worker load its `trainable.safetensors`. The
 weights travel by file (a shared filesystem across nodes), not through Ray's object store.
+`sync_weights` also takes a bare `.safetensors` file of named parameters, which is what
+`PoolEngine` (a RolloutEngine over a pool, used by `opd rl` on Ray) writes after each step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
-from opd.rollout.base import Rollout, SamplingParams
+from opd.rollout.base import Rollout, RolloutEngine, SamplingParams
 
 
 class RolloutWorkerDiedError(RuntimeError):
@@ -35,9 +39,30 @@ class RolloutWorker:
         torch.set_num_threads(max(1, threads))
         self.model = load_student(model_dir, device).eval()
         self.engine = HFRolloutEngine(self.model, AutoTokenizer.from_pretrained(str(model_dir)), batch_size=batch_size)
+        self.generated = 0   # samples this actor produced (a pool's spread is visible from outside)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
-        return self.engine.generate(prompts, params)
+        out = self.engine.generate(prompts, params)
+        self.generated += len(out)
+        return out
+
+    def samples_generated(self) -> int:
+        return self.generated
+
+    def load_weights(self, path: str) -> int:
+        """Load a `.safetensors` file of named parameters (all of the trained ones); returns their count."""
+        import torch
+        from safetensors.torch import load_file
+
+        weights = load_file(path)
+        params = dict(self.model.named_parameters())
+        unknown = [n for n in weights if n not in params]
+        if unknown:
+            raise ValueError(f"{path}: weights do not fit the rollout model (unexpected {unknown[:3]})")
+        with torch.no_grad():
+            for n, w in weights.items():
+                params[n].copy_(w)
+        return len(weights)
 
     def load_checkpoint(self, path: str) -> int:
         """Load a checkpoint's trained weights (opd/checkpoint.py layout); returns its step."""
@@ -91,9 +116,17 @@ class RolloutPool:
         return out
 
     def sync_weights(self, checkpoint_dir: str) -> int:
-        """Every worker loads `checkpoint_dir`; returns the checkpoint's step."""
-        steps = self._gather([w.load_checkpoint.remote(str(checkpoint_dir)) for w in self.workers])
+        """Every worker loads `checkpoint_dir` (returns its step) or a `.safetensors` weights file
+        (returns the number of tensors). Only the path travels through Ray."""
+        path = str(checkpoint_dir)
+        if path.endswith(".safetensors"):
+            return self._gather([w.load_weights.remote(path) for w in self.workers])[0]
+        steps = self._gather([w.load_checkpoint.remote(path) for w in self.workers])
         return steps[0]
+
+    def samples_generated(self) -> list[int]:
+        """Samples each worker has produced so far, by rank."""
+        return self._gather([w.samples_generated.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         import ray
@@ -101,3 +134,28 @@ class RolloutPool:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
+
+
+class PoolEngine(RolloutEngine):
+    """A RolloutEngine over a RolloutPool: `sync_weights(model)` writes the model's trainable
+    weights to `weights_path` (atomically) and has every actor load that file."""
+
+    def __init__(self, pool: RolloutPool, weights_path: str | Path):
+        self.pool = pool
+        self.weights_path = Path(weights_path)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        return self.pool.generate(prompts, params)
+
+    def sync_weights(self, model) -> None:
+        from safetensors.torch import save_file
+
+        self.weights_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.weights_path.with_name(f"{self.weights_path.stem}.tmp-{os.getpid()}.safetensors")
+        save_file({n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad},
+                  str(tmp))
+        os.replace(tmp, self.weights_path)   # an actor never reads a half-written file
+        self.pool.sync_weights(str(self.weights_path))
+
+    def close(self) -> None:
+        self.pool.shutdown()

@@ -6,6 +6,7 @@
     algorithm:  advantages, clipping, epochs, KL to the reference, loss aggregation
     rewards:    a weighted list of reward functions
     optim, run: optimizer; steps, evaluation, checkpoints, seed, output folder
+    cluster:    local, or ray: the G responses are sampled by rollout actors on a Ray cluster
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from opd.cluster import ClusterConfig
 from opd.config import field
 
 
@@ -44,6 +46,11 @@ class RolloutConfig:
     max_new_tokens: int = field(256, help="response length limit (also the Dr. GRPO normalizer)", min=1)
     batch_size: int = field(64, help="sequences per generate call (hf engine)", min=1)
     max_model_len: int = field(2048, help="vLLM engine: prompt + response length limit", min=16)
+    # --- on Ray (cluster.mode: ray): hf engines as actors, the prompts split between them
+    actors: int = field(1, help="cluster.mode ray: rollout actors, each with its own copy of the policy", min=1)
+    actor_cpus: float = field(1.0, help="cluster.mode ray: CPUs reserved per rollout actor (its torch threads)",
+                              min=0.0)
+    actor_gpus: float = field(0.0, help="cluster.mode ray: GPUs reserved per rollout actor", min=0.0)
 
 
 @dataclass(frozen=True)
@@ -118,3 +125,21 @@ class RLConfig:
                                         help="reward functions, summed with their weights")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer")
     run: RunConfig = field(default_factory=RunConfig, help="steps, evaluation, checkpoints, output")
+    cluster: ClusterConfig = field(default_factory=ClusterConfig,
+                                   help="local (default), or ray: rollout.actors rollout engines as Ray actors, "
+                                        "new weights pushed to them by file after each step (docs/multi_machine.md)")
+
+    def __post_init__(self):
+        if self.cluster.mode != "ray":
+            return
+        if self.model.lora is not None:
+            raise ValueError("cluster.mode ray: rollout actors hold full models and load full weights; "
+                             "LoRA (model.lora) is not supported there, use cluster.mode local")
+        if self.rollout.engine != "hf":
+            raise ValueError(f"cluster.mode ray: rollout actors run the hf engine, not rollout.engine "
+                             f"{self.rollout.engine!r}")
+        if self.cluster.teachers:
+            raise ValueError("cluster.teachers: opd rl has no teachers; leave the list empty")
+        if self.cluster.student.num_workers != 1:
+            raise ValueError("cluster.student.num_workers: opd rl trains the policy in one process; "
+                             "it must be 1 (rollout.actors sets the rollout actors)")

@@ -15,6 +15,11 @@ Deviation from DeepSeekMath's GRPO worth knowing: the importance ratio is taken 
 the rollout engine's raw log-probs (what `Rollout.logprobs` holds), not a recomputed
 forward pass; with the hf engine these are the same weights, so the first epoch's ratio
 is 1 up to float noise. See docs/grpo.md.
+
+With `cluster.mode: ray` step 1 runs on `rollout.actors` Ray actors (opd/cluster_rollout.py),
+each with its own copy of the policy; after step 5 the trainable weights are written to
+RUN/rollout_weights.safetensors and every actor loads that file (only the path goes
+through Ray), so the next step samples from the updated policy. docs/multi_machine.md.
 """
 
 from __future__ import annotations
@@ -173,7 +178,9 @@ class GRPOTrainer:
             state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
             self.data.load_state(state["data"])
             self.start_step = int(state["step"])
-        self.engine = make_engine(cfg, self.model, self.tokenizer)
+        self.cluster, self._ray_started = None, False
+        self.engine = self.start_ray_engine() if cfg.cluster.mode == "ray" \
+            else make_engine(cfg, self.model, self.tokenizer)
         self.last_flat_warning = -10**9
 
     # -- the loop --------------------------------------------------------------------------
@@ -209,7 +216,7 @@ class GRPOTrainer:
                 ref_B_T = self.reference_logprobs(batch) if cfg.algorithm.kl_beta > 0 else None
                 # 5. clipped updates
                 upd = self.update(batch, adv_B, ref_B_T)
-                if cfg.rollout.engine != "hf":
+                if cfg.rollout.engine != "hf" or self.cluster is not None:
                     self.engine.sync_weights(self.model)
                 # 6. metrics, warnings, eval, checkpoint
                 metrics = self.step_metrics(rewards_P_G, parts, rollouts_B, upd)
@@ -234,11 +241,45 @@ class GRPOTrainer:
             bar.close()
             logger.close()
             self.engine.close()
+            self.close_cluster()
         plot_metrics(self.out, PLOT_GROUPS)
         self.save_final_model()
         summary = self.summary(history)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+    # -- Ray ---------------------------------------------------------------------------------
+
+    def start_ray_engine(self):
+        """Join (or start) Ray and start the rollout actors; a resumed run pushes its weights to them."""
+        import ray
+
+        from opd.cluster import RayCluster
+        from opd.cluster_rollout import PoolEngine
+
+        r = self.cfg.rollout
+        self._ray_started = not ray.is_initialized()   # a Ray session this run opened is closed by it
+        pool = None
+        try:
+            self.cluster = RayCluster.start(self.cfg.cluster, start_teachers=False)
+            pool = self.cluster.rollout_pool(self.cfg.model.path, r.actors, num_cpus_per_worker=r.actor_cpus,
+                                             num_gpus_per_worker=r.actor_gpus, batch_size=r.batch_size)
+            engine = PoolEngine(pool, self.out / "rollout_weights.safetensors")
+            if self.start_step:   # the actors loaded model.path; the policy is the checkpoint's
+                engine.sync_weights(self.model)
+            return engine
+        except BaseException:
+            if pool is not None:
+                pool.shutdown()
+            if self.cluster is None and self._ray_started:
+                ray.shutdown()
+            self.close_cluster()
+            raise
+
+    def close_cluster(self) -> None:
+        if self.cluster is not None:
+            self.cluster.shutdown(disconnect=self._ray_started)
+            self.cluster = None
 
     # -- step pieces -----------------------------------------------------------------------
 
@@ -385,7 +426,8 @@ class GRPOTrainer:
                           "loss aggregation": c.algorithm.loss_aggregation},
             "rewards": self.reward.describe(),
             "sampling": {"engine": c.rollout.engine, "temperature": c.rollout.temperature, "top_p": c.rollout.top_p,
-                         "max_new_tokens": c.rollout.max_new_tokens},
+                         "max_new_tokens": c.rollout.max_new_tokens,
+                         **({"rollout actors (Ray)": c.rollout.actors} if c.cluster.mode == "ray" else {})},
             "data": {"train": c.data.train, "train samples": self.train_report.loaded,
                      "skipped lines": self.train_report.skipped, "eval": c.data.eval or "(none)"},
             "optimizer": {"AdamW lr": c.optim.lr, "weight decay": c.optim.weight_decay,

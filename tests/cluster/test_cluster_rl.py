@@ -1,0 +1,114 @@
+"""`opd rl` with `cluster: {mode: ray}`: two rollout actors sample the groups, and after each
+step the trainer's new weights reach them by file (the next step's rollout log-probs are those
+of the updated policy, not of the starting one)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import yaml
+
+from opd.cli import main
+from opd.config import ConfigError, from_dict
+from opd.rl.config import RLConfig
+
+pytestmark = pytest.mark.timeout(240)
+
+# Varies between any two different responses, so no group is flat and every step moves the weights.
+REWARD_PY = "def bytesum(sample, text):\n    return float(sum(map(ord, text)) % 5)\n"
+
+
+def write_config(tmp_path, model_dir) -> dict:
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"Number {i}:", "answer": str(i)}) + "\n"
+                                                  for i in range(8)))
+    (tmp_path / "bytesum.py").write_text(REWARD_PY)
+    return {
+        "model": {"path": str(model_dir)},
+        "data": {"train": "train.jsonl", "prompts_per_step": 2},
+        "rollout": {"group_size": 4, "max_new_tokens": 4, "actors": 2, "actor_cpus": 0.5},
+        "rewards": [{"name": "python", "path": "bytesum.py:bytesum"}],
+        "optim": {"lr": 0.05},
+        "run": {"steps": 3, "ckpt_every": 0, "out_dir": "run", "seed": 0},
+        # Joins the module's Ray session (started by the fixture), so the run must leave it running.
+        "cluster": {"mode": "ray", "address": None},
+    }
+
+
+def forward_logprobs(model_dir, state_dict, rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-probs of the sampled tokens under `state_dict`, the rollouts' own log-probs, mask)."""
+    from transformers import AutoModelForCausalLM
+
+    from opd.rl.grpo import token_logprobs
+    from opd.rl.trainer import collate, response_logits
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.load_state_dict(state_dict)
+    batch = collate(rollouts, pad_id=0)
+    with torch.no_grad():
+        lp_B_T = token_logprobs(response_logits(model, batch), batch.response_B_T)
+    return lp_B_T, batch.old_logprobs_B_T, batch.mask_B_T.bool()
+
+
+def test_opd_rl_on_ray_samples_on_both_actors_and_pushes_weights(tmp_path, tiny_model_dir, ray_cluster,
+                                                                 monkeypatch):
+    from opd.cluster_rollout import RolloutPool
+    from opd.rl.trainer import GRPOTrainer
+
+    calls, weights = [], []
+    generate, update = RolloutPool.generate, GRPOTrainer.update
+
+    def recording_generate(self, prompts, params):
+        out = generate(self, prompts, params)
+        calls.append({"rollouts": out, "per_actor": self.samples_generated()})
+        return out
+
+    def recording_update(self, *args):
+        result = update(self, *args)
+        weights.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+        return result
+
+    monkeypatch.setattr(RolloutPool, "generate", recording_generate)
+    monkeypatch.setattr(GRPOTrainer, "update", recording_update)
+    path = tmp_path / "rl_ray.yaml"
+    path.write_text(yaml.safe_dump(write_config(tmp_path, tiny_model_dir)))
+    assert main(["rl", str(path)]) == 0
+
+    # 3 steps of 2 prompts x 4 samples; each actor answered one prompt per step.
+    assert len(calls) == 3 and all(len(c["rollouts"]) == 8 for c in calls)
+    assert [c["per_actor"] for c in calls] == [[4, 4], [8, 8], [12, 12]]
+    # Step 2 sampled from the weights after step 1: the actors' log-probs equal a transformers
+    # forward pass of those weights, and are far from the starting weights' (the push mattered).
+    from opd.cluster_dp import load_student
+
+    lp, rollout_lp, mask = forward_logprobs(tiny_model_dir, weights[0], calls[1]["rollouts"])
+    assert torch.allclose(lp[mask], rollout_lp[mask], atol=1e-3), (lp[mask] - rollout_lp[mask]).abs().max()
+    start = load_student(str(tiny_model_dir)).state_dict()
+    lp0, _, _ = forward_logprobs(tiny_model_dir, start, calls[1]["rollouts"])
+    assert (lp0[mask] - rollout_lp[mask]).abs().max() > 0.05
+
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (tmp_path / "run" / "rollout_weights.safetensors").is_file()
+    assert "rollout actors (Ray)" in (tmp_path / "run" / "card.md").read_text()
+    # The run joined this session: it is left running, with the actors' CPUs given back.
+    assert ray_cluster.is_initialized()
+    deadline = time.time() + 15
+    while ray_cluster.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray_cluster.available_resources().get("CPU", 0) == 2
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model": {"lora": {"rank": 4}}}, "LoRA"),
+    ({"rollout": {"engine": "vllm"}}, "hf engine"),
+    ({"cluster": {"mode": "ray", "teachers": [{"name": "t", "model": "m"}]}}, "no teachers"),
+])
+def test_unsupported_ray_combinations_are_config_errors(tmp_path, change, words):
+    cfg = write_config(tmp_path, "model")
+    for key, value in change.items():
+        cfg[key] = {**cfg[key], **value}
+    with pytest.raises(ConfigError, match=words):
+        from_dict(cfg, RLConfig)
