@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from opd.card import write_card
-from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from opd.config import to_dict
 from opd.data import Cycler, encode_prompt, load_jsonl
 from opd.metrics import MetricsLogger, plot_metrics
@@ -437,12 +437,7 @@ class GRPOTrainer:
 
     def save_final_model(self) -> None:
         """RUN/model: a full, loadable model directory (a LoRA adapter is merged into it)."""
-        model = self.model
-        if self.is_lora:
-            model = copy.deepcopy(self.model).merge_and_unload()
-        target = self.out / "model"
-        model.save_pretrained(str(target), safe_serialization=True)
-        self.tokenizer.save_pretrained(str(target))
+        save_final_model(self.model, self.tokenizer, self.out / "model")
 
     @staticmethod
     def summary(history: list[dict]) -> dict:
