@@ -241,7 +241,7 @@ class Demo:
         cfg.write_text(yaml.safe_dump(merged, sort_keys=False))
         run_dir = self.out / "merge"
         inputs = [cfg, self.keys["1_sft_base"], *(self.keys[f"2_rl_{d}"] for d in DOMAINS)]
-        self.stage("4_merge", inputs, [run_dir / "final" / "config.json"], lambda: self._serve_and_train(cfg, run_dir))
+        self.stage("4_merge", inputs, [run_dir / "model" / "config.json"], lambda: self._serve_and_train(cfg, run_dir))
 
     def _serve_and_train(self, cfg: Path, run_dir: Path) -> None:
         from opd.teachers.launch import start_server_process
@@ -259,17 +259,6 @@ class Demo:
             self.cli("merge", "train", cfg)
         finally:
             self.stop_servers()
-        # The final checkpoint's model/ plus the tokenizer: a loadable student directory.
-        from opd.checkpoint import latest_checkpoint
-
-        last = latest_checkpoint(run_dir / "checkpoints")
-        if last is None:
-            raise StageError(f"`opd train` left no checkpoint under {run_dir / 'checkpoints'}")
-        final = run_dir / "final"
-        shutil.copytree(last / "model", final)
-        for f in (self.out / "student").iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens")) and not (final / f.name).exists():
-                shutil.copy(f, final / f.name)
 
     def stop_servers(self) -> None:
         while self.servers:
@@ -282,7 +271,7 @@ class Demo:
             *({"name": f"warmup-{d}", "path": str(self.out / f"sft_{d}" / "model"), "role": "other"} for d in DOMAINS),
             *({"name": f"teacher-{d}", "path": str(self.out / f"rl_{d}" / "model"), "role": "teacher",
                "domains": [d]} for d in DOMAINS),
-            {"name": "student-after", "path": str(self.out / "merge" / "final"), "role": "student"},
+            {"name": "student-after", "path": str(self.out / "merge" / "model"), "role": "student"},
         ]}
         cfg = write_config(TEMPLATES / "validate.yaml", "validate", self.out, self.quick, overrides)
         report = self.out / "validate" / "report.json"
