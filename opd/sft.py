@@ -277,8 +277,11 @@ def train(cfg: SFTConfig, cfg_path: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="SFT config YAML (see --describe)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("config", nargs="?", help="SFT config YAML (e.g. configs/demo/sft_base.yaml)")
     parser.add_argument("--describe", action="store_true", help="print every config key with its help and exit")
+    parser.epilog = ("Config keys (YAML; unknown keys are refused with file:line; relative paths are relative "
+                     "to the config file):\n\n" + describe(SFTConfig, "  "))
 
 
 def run(args: argparse.Namespace) -> int:
