@@ -23,16 +23,8 @@ from typing import Literal
 
 from opd.cluster import ClusterConfig
 from opd.config import field, load_yaml
+from opd.lora import LoraSpec
 from opd.routing.config import MergeConfig
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    rank: int = field(16, help="LoRA rank r", min=1)
-    alpha: float = field(32.0, help="LoRA alpha (the update is scaled by alpha / rank)", min=0.0)
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                      help="names of the linear layers that get adapters")
-    dropout: float = field(0.0, help="dropout on the adapter input", min=0.0, max=1.0)
 
 
 @dataclass(frozen=True)

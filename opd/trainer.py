@@ -33,6 +33,7 @@ from opd import distill
 from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from opd.config import to_dict
 from opd.data import Cycler, Sample, encode_prompt, load_jsonl
+from opd.lora import add_lora
 from opd.diagnostics import DomainTally, topk_overlap
 from opd.metrics import MetricsLogger, plot_metrics
 from opd.rollout.base import Rollout, SamplingParams
@@ -102,11 +103,7 @@ def load_student(cfg, seed: int):
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     if cfg.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha,
-                                                 target_modules=list(cfg.lora.target_modules),
-                                                 lora_dropout=cfg.lora.dropout, task_type="CAUSAL_LM"))
+        model = add_lora(model, cfg.lora, cfg.path)
         if cfg.gradient_checkpointing:
             model.enable_input_require_grads()
     model.train()

@@ -15,23 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opd.cluster import ClusterConfig
+from opd.lora import LoraSpec
 from opd.config import field
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    rank: int = field(16, help="adapter rank r", min=1)
-    alpha: float = field(32.0, help="scaling numerator (the update is scaled by alpha / rank)")
-    dropout: float = field(0.0, help="dropout on the adapter input", min=0.0, max=1.0)
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                               "gate_proj", "up_proj", "down_proj"],
-                                      help="module names that get an adapter")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = field(help="local model directory (transformers format) to start from")
-    lora: LoraConfig | None = field(None, help="train a peft LoRA adapter instead of all weights; "
+    lora: LoraSpec | None = field(None, help="train a peft LoRA adapter instead of all weights; "
                                                "the reference is then the base with the adapter switched off")
     dtype: Literal["float32", "bfloat16", "float16"] = field("float32", help="weights dtype")
     device: str = field("auto", help="'auto' (cuda when available), 'cpu' or 'cuda:N'")

@@ -35,6 +35,7 @@ import torch
 from tqdm import tqdm
 
 from opd.card import write_card
+from opd.lora import add_lora
 from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from opd.config import to_dict
 from opd.data import Cycler, encode_prompt, load_jsonl
@@ -67,15 +68,7 @@ def load_policy(cfg: RLConfig):
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
     model.to(resolve_device(cfg.model.device))
     if cfg.model.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        lc = cfg.model.lora
-        present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-        targets = [t for t in lc.target_modules if t in present]
-        if not targets:
-            raise ValueError(f"none of lora.target_modules {lc.target_modules} exist in {cfg.model.path}")
-        model = get_peft_model(model, LoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                                 target_modules=targets, task_type="CAUSAL_LM"))
+        model = add_lora(model, cfg.model.lora, cfg.model.path)
     model.train()
     return model, tokenizer
 
@@ -87,11 +80,7 @@ def make_engine(cfg: RLConfig, model, tokenizer):
         return HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
     from opd.rollout.vllm import VLLMRolloutEngine  # lazy: vLLM is heavy and optional
 
-    lora = None
-    if cfg.model.lora is not None:
-        # vLLM sizes its LoRA buffers from max_lora_rank, which must be one of a few values >= the rank
-        allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-        lora = {"rank": next((a for a in allowed if a >= cfg.model.lora.rank), cfg.model.lora.rank)}
+    lora = {"rank": cfg.model.lora.rank} if cfg.model.lora is not None else None
     engine = VLLMRolloutEngine(cfg.model.path, lora=lora, max_model_len=cfg.rollout.max_model_len,
                                seed=cfg.run.seed, dtype=cfg.model.dtype)
     engine.sync_weights(model)

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from opd.lora import vllm_max_lora_rank
 from opd.rollout.base import Rollout, RolloutEngine, SamplingParams
 
 WORKER_EXTENSION = "opd.rollout.vllm_worker.WeightSync"
@@ -40,7 +41,7 @@ class VLLMRolloutEngine(RolloutEngine):
                       enforce_eager=True, max_num_seqs=max_num_seqs, logprobs_mode="raw_logprobs",
                       worker_extension_cls=WORKER_EXTENSION)
         if lora is not None:
-            kwargs.update(enable_lora=True, max_lora_rank=int(lora["rank"]), max_loras=1)
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(int(lora["rank"])), max_loras=1)
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self.lora = lora
