@@ -164,16 +164,23 @@ def full_forward(src, t, opts: DistillOptions):
     return lse_s, lse_t, loss, torch.zeros_like(loss)   # forward KL's gradient needs no c
 
 
-@_tile_threads
-def full_stats(src, t, opts: DistillOptions):
+def _stats(src, opts: DistillOptions, device, second):
+    """(lse_s, lse_2): online log-sum-exps of the student tiles and of second(s, tile)."""
     n = src[1].shape[0]
     inv_t = 1.0 / opts.temperature
-    lse_s = torch.full((n,), NEG_INF, device=t.device)
-    lse_t = torch.full((n,), NEG_INF, device=t.device)
+    lse_s = torch.full((n,), NEG_INF, device=device)
+    lse_2 = torch.full((n,), NEG_INF, device=device)
     for r0, r1, c0, c1 in _tiles(src, opts):
-        lse_s[r0:r1] = torch.logaddexp(lse_s[r0:r1], _student(src, r0, r1, c0, c1, inv_t).logsumexp(-1))
-        lse_t[r0:r1] = torch.logaddexp(lse_t[r0:r1], _teacher(t, r0, r1, c0, c1, inv_t).logsumexp(-1))
-    return lse_s, lse_t
+        s = _student(src, r0, r1, c0, c1, inv_t)
+        lse_s[r0:r1] = torch.logaddexp(lse_s[r0:r1], s.logsumexp(-1))
+        lse_2[r0:r1] = torch.logaddexp(lse_2[r0:r1], second(s, r0, r1, c0, c1).logsumexp(-1))
+    return lse_s, lse_2
+
+
+@_tile_threads
+def full_stats(src, t, opts: DistillOptions):
+    inv_t = 1.0 / opts.temperature
+    return _stats(src, opts, t.device, lambda s, r0, r1, c0, c1: _teacher(t, r0, r1, c0, c1, inv_t))
 
 
 @_tile_threads
@@ -227,16 +234,9 @@ def full_grad(src, t, lse_s, lse_t, loss, c, w, opts: DistillOptions):
 
 @_tile_threads
 def topk_stats(src, ids, opts: DistillOptions):
-    n = src[1].shape[0]
-    inv_t = 1.0 / opts.temperature
-    lse_s = torch.full((n,), NEG_INF, device=ids.device)
-    lse_tail = torch.full((n,), NEG_INF, device=ids.device)
-    for r0, r1, c0, c1 in _tiles(src, opts):
-        s = _student(src, r0, r1, c0, c1, inv_t)
-        lse_s[r0:r1] = torch.logaddexp(lse_s[r0:r1], s.logsumexp(-1))
-        tail = s.masked_fill_(_hits(ids, r0, r1, c0, c1), NEG_INF).logsumexp(-1)
-        lse_tail[r0:r1] = torch.logaddexp(lse_tail[r0:r1], tail)
-    return lse_s, lse_tail
+    """(lse_s, lse_tail): the tail is the student over the columns outside the ids."""
+    return _stats(src, opts, ids.device,
+                  lambda s, r0, r1, c0, c1: s.masked_fill_(_hits(ids, r0, r1, c0, c1), NEG_INF))
 
 
 @_tile_threads
