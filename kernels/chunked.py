@@ -185,18 +185,16 @@ def full_stats(src, t, opts: DistillOptions):
 
 @_tile_threads
 def full_loss(src, t, lse_s, lse_t, opts: DistillOptions):
+    """Reverse KL and JSD only (full_forward computes forward KL in its single pass)."""
     n = src[1].shape[0]
     inv_t, beta, div = 1.0 / opts.temperature, opts.beta, opts.divergence
     loss = torch.zeros(n, device=t.device)
     c = torch.zeros(n, device=t.device)
+    zero = torch.zeros((), device=t.device)
     for r0, r1, c0, c1 in _tiles(src, opts):
         log_s = _student(src, r0, r1, c0, c1, inv_t).sub_(lse_s[r0:r1, None])
         log_t = _teacher(t, r0, r1, c0, c1, inv_t).sub_(lse_t[r0:r1, None])
-        zero = torch.zeros((), device=t.device)
-        if div == FORWARD_KL:      # T (log T - log S)
-            T = log_t.exp()
-            loss[r0:r1] += torch.where(T > 0, T * (log_t - log_s), zero).sum(-1)
-        elif div == REVERSE_KL:    # S (log S - log T)
+        if div == REVERSE_KL:      # S (log S - log T)
             S = log_s.exp()
             loss[r0:r1] += torch.where(S > 0, S * (log_s - log_t), zero).sum(-1)
         else:                      # beta T (log T - log M) + (1-beta) S (log S - log M)
@@ -214,11 +212,11 @@ def full_loss(src, t, lse_s, lse_t, opts: DistillOptions):
 def full_grad(src, t, lse_s, lse_t, loss, c, w, opts: DistillOptions):
     inv_t, beta, div = 1.0 / opts.temperature, opts.beta, opts.divergence
     grads = _new_grads(src)
+    zero = torch.zeros((), device=t.device)
     for r0, r1, c0, c1 in _tiles(src, opts):
         log_s = _student(src, r0, r1, c0, c1, inv_t).sub_(lse_s[r0:r1, None])
         log_t = _teacher(t, r0, r1, c0, c1, inv_t).sub_(lse_t[r0:r1, None])
         S = log_s.exp()
-        zero = torch.zeros((), device=S.device)
         if div == FORWARD_KL:      # S_i - T_i
             g = S.sub_(log_t.exp_())
         elif div == REVERSE_KL:    # S_i (log S_i - log T_i - L)
