@@ -97,7 +97,7 @@ class Batch:
     old_logprobs_B_T: torch.Tensor  # rollout policy's raw log-probs
     start: int                      # column where every response begins
 
-    def rows(self, idx: slice) -> "Batch":
+    def rows(self, idx: slice | torch.Tensor) -> "Batch":
         return Batch(self.input_ids_B_L[idx], self.attention_B_L[idx], self.position_B_L[idx],
                      self.response_B_T[idx], self.mask_B_T[idx], self.old_logprobs_B_T[idx], self.start)
 
@@ -154,8 +154,8 @@ class GRPOTrainer:
                              if cfg.data.eval else [])
         self.data = Cycler(train_samples, seed=cfg.run.seed)
         self.reward = build_reward(cfg.rewards, base_dir=config_dir)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         warm = cfg.optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
@@ -303,9 +303,7 @@ class GRPOTrainer:
             order = torch.randperm(B) if a.minibatches > 1 else torch.arange(B)
             for m0 in range(0, B, mb_size):
                 rows = order[m0:m0 + mb_size]
-                mini = Batch(batch.input_ids_B_L[rows], batch.attention_B_L[rows], batch.position_B_L[rows],
-                             batch.response_B_T[rows], batch.mask_B_T[rows], batch.old_logprobs_B_T[rows],
-                             batch.start)
+                mini = batch.rows(rows)
                 n_seq, n_tok = len(rows), float(mini.mask_B_T.sum())
                 self.optimizer.zero_grad(set_to_none=True)
                 for u0 in range(0, n_seq, a.micro_batch_size):
@@ -337,8 +335,7 @@ class GRPOTrainer:
                         sums["ratio"] += float((torch.exp(lp.detach() - part.old_logprobs_B_T.to(dev)) * mask).sum())
                         sums["loss"] += float(loss.detach())
                         sums["pg_loss"] += float(pg.detach())
-                params = [p for p in self.model.parameters() if p.requires_grad]
-                norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm if a.max_grad_norm > 0 else float("inf"))
+                norm = torch.nn.utils.clip_grad_norm_(self.params, a.max_grad_norm if a.max_grad_norm > 0 else float("inf"))
                 sums["grad_norm"] += float(norm)
                 self.optimizer.step()
                 n_steps += 1

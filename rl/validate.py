@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opd.config import ConfigError, describe, field, load_yaml
+from opd.rl.train import HelpFormatter, _near
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,7 @@ def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
 def resolve_paths(cfg: ValidateConfig, base: Path) -> ValidateConfig:
     """Relative paths in a config file are relative to its folder (as in every opd config)."""
     def near(p: str) -> str:
-        return p if Path(p).is_absolute() else str(base / p)
+        return _near(base, p)
 
     return dataclasses.replace(
         cfg, models=[dataclasses.replace(m, path=near(m.path)) for m in cfg.models],
@@ -270,10 +271,6 @@ def resolve_paths(cfg: ValidateConfig, base: Path) -> ValidateConfig:
 
 
 # ---- CLI ----------------------------------------------------------------------------------
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Option defaults shown, and the config keys (the epilog) printed as written."""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="validate config YAML (see configs/validate_demo.yaml and the keys below)")
