@@ -22,6 +22,7 @@ vanished peer into an error that cancels its work instead of a silent drop.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import signal
@@ -453,6 +454,22 @@ class _AllowList:
         if not ok:
             log.warning("CURVE client key %s is not allowed", key.decode(errors="replace"))
         return ok
+
+
+@contextlib.contextmanager
+def serving_in_thread(backend: TeacherBackend, bind: str = "tcp://127.0.0.1:*", **kwargs):
+    """A TeacherServer on a background thread for the `with` block (tests, notebooks, benchmarks
+    that share one process with the client); stopped and drained on exit."""
+    server = TeacherServer(backend, bind, **kwargs)
+    thread = threading.Thread(target=server.serve_forever, name="teacher-server", daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(timeout=30)
+        if thread.is_alive():
+            raise RuntimeError(f"teacher server on {server.address} did not stop within 30 s")
 
 
 def serve(backend: TeacherBackend, bind: str = "tcp://127.0.0.1:5555", *, ready=None,

@@ -8,7 +8,6 @@ caller submitted.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
@@ -19,7 +18,7 @@ import torch
 from fault_helpers import SlowBackend
 from opd.teachers.client import TeacherClient, TeacherError
 from opd.teachers.protocol import Cancel, Error, Score, decode, encode
-from opd.teachers.server import ServerLimits, TeacherServer
+from opd.teachers.server import ServerLimits, serving_in_thread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,16 +32,8 @@ def hf(tiny_teacher_dir):
     return HFBackend(tiny_teacher_dir, name="teacher", max_k=16)
 
 
-@contextlib.contextmanager
 def running(backend, **limits):
-    server = TeacherServer(backend, "tcp://127.0.0.1:*", limits=ServerLimits(**limits))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        thread.join(timeout=30)
+    return serving_in_thread(backend, limits=ServerLimits(**limits))
 
 
 def test_timed_out_request_is_resent_and_answers_correctly(hf):

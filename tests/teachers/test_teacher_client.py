@@ -4,10 +4,8 @@ reconnection to a restarted teacher, a changed fingerprint, CURVE, and the CLI's
 from __future__ import annotations
 
 import argparse
-import contextlib
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -18,7 +16,7 @@ import zmq
 from opd.teachers.launch import free_port
 from opd.teachers.client import TeacherClient, TeacherError
 from opd.teachers.protocol import Done, Error, ErrorCode, Score, decode, encode
-from opd.teachers.server import ServerLimits, TeacherServer
+from opd.teachers.server import ServerLimits, serving_in_thread
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +33,7 @@ def other_teacher(tiny_model_dir):
     return HFBackend(tiny_model_dir, name="other", max_k=16)
 
 
-@contextlib.contextmanager
-def running(backend, bind="tcp://127.0.0.1:*", **kwargs):
-    server = TeacherServer(backend, bind, **kwargs)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-        thread.join(timeout=30)
-        assert not thread.is_alive()
+running = serving_in_thread  # the package's in-thread server, stopped and drained on exit
 
 
 SEQS = [[10, 20, 30, 40, 50, 60], [7, 8, 9]]

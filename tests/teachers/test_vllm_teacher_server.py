@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -43,18 +42,11 @@ def _reference(backend):
 def test_vllm_backend_behind_server(vllm_teacher_backend, free_tcp_address):
     """In-process server around the session's engine (a second engine would cost ~40 s)."""
     from opd.teachers.client import TeacherClient
-    from opd.teachers.server import TeacherServer
+    from opd.teachers.server import serving_in_thread
 
-    server = TeacherServer(vllm_teacher_backend, free_tcp_address)
-    loop = threading.Thread(target=server.serve_forever, daemon=True)
-    loop.start()
-    try:
-        with TeacherClient(server.address, timeout_s=60) as client:
-            _check_over_the_wire(client, vllm_teacher_backend.tokenizer_fingerprint, _reference(vllm_teacher_backend))
-    finally:
-        server.stop()
-        loop.join(timeout=30)
-    assert not loop.is_alive()
+    with serving_in_thread(vllm_teacher_backend, free_tcp_address) as server, \
+            TeacherClient(server.address, timeout_s=60) as client:
+        _check_over_the_wire(client, vllm_teacher_backend.tokenizer_fingerprint, _reference(vllm_teacher_backend))
 
 
 @pytest.mark.slow
