@@ -213,6 +213,7 @@ def train(cfg: SFTConfig, cfg_path: Path) -> Path:
     from tqdm import tqdm
 
     from opd.card import write_card
+    from opd.checkpoint import save_final_model
     from opd.metrics import MetricsLogger, plot_metrics
 
     if cfg.threads:
@@ -253,8 +254,7 @@ def train(cfg: SFTConfig, cfg_path: Path) -> Path:
     bar.close()
     log.close()
     elapsed = time.time() - t0
-    model.save_pretrained(str(out / "model"), safe_serialization=True)
-    tokenizer.save_pretrained(str(out / "model"))
+    save_final_model(model, tokenizer, out / "model")
     plot_metrics(out, {"loss": ["loss", "eval_loss"], "lr": ["lr"], "grad_norm": ["grad_norm"]})
     n_params = sum(p.numel() for p in model.parameters())
     write_card(out, "SFT run", {

@@ -388,10 +388,10 @@ class Trainer:
                 local_i, remote_i = torch.tensor(local), torch.tensor(remote)
                 sel = distill.select_rows(rows, local_i.to(device))
                 loss_rows, kl_rows = self._loss_rows(spec, sel, answers[t], remote_i, packed.targets_N[local_i])
-                w_cat = torch.cat(w_rows).to(device)
-                loss = loss + (w_cat * loss_rows).sum()
+                weighted = torch.cat(w_rows).to(device) * loss_rows
+                loss = loss + weighted.sum()
                 # Diagnostics per domain, from the same rows.
-                contrib = (w_cat * loss_rows).detach().cpu()
+                contrib, kl_cpu = weighted.detach().cpu(), kl_rows.cpu()
                 if logits_for_diag is None:
                     logits_for_diag = distill.rows_logits(rows)
                 overlap = topk_overlap(logits_for_diag[local_i.to(logits_for_diag.device)],
@@ -401,12 +401,13 @@ class Trainer:
                     self.tail_mass[t].append(float(tail.mean()))
                 for d in sorted(set(row_domain)):
                     m = torch.tensor([x == d for x in row_domain])
-                    tally.add_rows(d, "kl", kl_rows.cpu()[m])
+                    tally.add_rows(d, "kl", kl_cpu[m])
                     tally.add_rows(d, "topk_overlap", overlap[m])
                     if tail is not None:
                         tally.add_rows(d, "teacher_tail_mass", tail[m])
-                    domain_loss[d] = domain_loss.get(d, 0.0) + float(contrib[m].sum()) / max(lam[d], 1e-12)
-                    tally.add_loss(d, float(contrib[m].sum()))
+                    part = float(contrib[m].sum())
+                    domain_loss[d] = domain_loss.get(d, 0.0) + part / max(lam[d], 1e-12)
+                    tally.add_loss(d, part)
             loss.backward()
             total += float(loss.detach())
         return {"loss": total, "domain_loss": domain_loss}
