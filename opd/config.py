@@ -191,3 +191,12 @@ def describe(cls: type, indent: str = "") -> str:
         else:
             lines.append(f"{indent}{f.name} ({_type_name(tp)}, {default}): {f.metadata.get('help', '')}")
     return "\n".join(lines)
+
+
+def near(base: str | Path, p: str | None) -> str | None:
+    """A path as written in a config file: `~` expanded, relative paths taken relative to the
+    file's folder `base`, absolute ones kept (so resolving twice changes nothing)."""
+    if p is None:
+        return None
+    q = Path(p).expanduser()
+    return str(q if q.is_absolute() else Path(base) / q)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from opd.config import ConfigError, describe, field, load_yaml, to_dict
+from opd.config import ConfigError, describe, field, load_yaml, to_dict, near
 
 
 # ----------------------------------------------------------------------------- config
@@ -77,10 +77,7 @@ class SFTConfig:
 
 
 def resolve(cfg_path: Path, p: str | None) -> Path | None:
-    if p is None:
-        return None
-    q = Path(p)
-    return q if q.is_absolute() else (cfg_path.parent / q).resolve()
+    return None if p is None else Path(near(cfg_path.parent, p)).resolve()
 
 
 # ----------------------------------------------------------------------------- data

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from opd.cluster import ClusterConfig
-from opd.config import field, load_yaml
+from opd.config import field, load_yaml, near
 from opd.lora import LoraSpec
 from opd.routing.config import MergeConfig
 
@@ -146,29 +146,22 @@ class TrainConfig:
                              "data-parallel workers are used from Python (RayCluster.data_parallel)")
 
 
-def _resolve(base: Path, p: str | None) -> str | None:
-    if p is None:
-        return None
-    q = Path(p).expanduser()
-    return str(q if q.is_absolute() else (base / q))
-
-
 def resolve_paths(cfg: TrainConfig, base_dir: str | Path) -> TrainConfig:
     """Make every relative path of `cfg` relative to `base_dir` (the config file's folder)."""
     base = Path(base_dir)
     merge = cfg.merge
     merge = replace(
         merge,
-        teachers=[replace(t, curve_server_key=_resolve(base, t.curve_server_key)) for t in merge.teachers],
-        datasets=[replace(d, path=_resolve(base, d.path), eval_path=_resolve(base, d.eval_path))
+        teachers=[replace(t, curve_server_key=near(base, t.curve_server_key)) for t in merge.teachers],
+        datasets=[replace(d, path=near(base, d.path), eval_path=near(base, d.eval_path))
                   for d in merge.datasets],
-        sft=replace(merge.sft, path=_resolve(base, merge.sft.path)) if merge.sft else None,
+        sft=replace(merge.sft, path=near(base, merge.sft.path)) if merge.sft else None,
     )
-    cluster = replace(cfg.cluster, teachers=[replace(t, model=_resolve(base, t.model)) for t in cfg.cluster.teachers])
-    return replace(cfg, student=replace(cfg.student, path=_resolve(base, cfg.student.path)), merge=merge,
+    cluster = replace(cfg.cluster, teachers=[replace(t, model=near(base, t.model)) for t in cfg.cluster.teachers])
+    return replace(cfg, student=replace(cfg.student, path=near(base, cfg.student.path)), merge=merge,
                    teacher_client=replace(cfg.teacher_client,
-                                          curve_secret_key=_resolve(base, cfg.teacher_client.curve_secret_key)),
-                   run=replace(cfg.run, out_dir=_resolve(base, cfg.run.out_dir)), cluster=cluster)
+                                          curve_secret_key=near(base, cfg.teacher_client.curve_secret_key)),
+                   run=replace(cfg.run, out_dir=near(base, cfg.run.out_dir)), cluster=cluster)
 
 
 def load_train_config(path: str | Path) -> TrainConfig:

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from opd.config import ConfigError, describe, load_yaml
+from opd.config import ConfigError, describe, load_yaml, near
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -30,13 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = HelpFormatter
 
 
-def _near(base: Path, p: str | None) -> str | None:
-    """A relative path in a config file means relative to that file's folder."""
-    if p is None or Path(p).is_absolute():
-        return p
-    return str(base / p)
-
-
 def load_config(path: str, steps: int | None = None, out: str | None = None):
     """Load an RL config; relative paths in it are taken relative to its folder (as in every opd
     config); --steps and --out override (--out relative to the current directory)."""
@@ -44,11 +37,11 @@ def load_config(path: str, steps: int | None = None, out: str | None = None):
 
     cfg = load_yaml(path, RLConfig)
     base = Path(path).resolve().parent
-    rewards = [dataclasses.replace(r, path=_near(base, r.path)) if r.path else r for r in cfg.rewards]
+    rewards = [dataclasses.replace(r, path=near(base, r.path)) if r.path else r for r in cfg.rewards]
     cfg = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, path=_near(base, cfg.model.path)),
-        data=dataclasses.replace(cfg.data, train=_near(base, cfg.data.train), eval=_near(base, cfg.data.eval)),
-        run=dataclasses.replace(cfg.run, out_dir=_near(base, cfg.run.out_dir)), rewards=rewards)
+        cfg, model=dataclasses.replace(cfg.model, path=near(base, cfg.model.path)),
+        data=dataclasses.replace(cfg.data, train=near(base, cfg.data.train), eval=near(base, cfg.data.eval)),
+        run=dataclasses.replace(cfg.run, out_dir=near(base, cfg.run.out_dir)), rewards=rewards)
     run = cfg.run
     if steps is not None:
         run = dataclasses.replace(run, steps=steps)

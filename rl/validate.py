@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from opd.config import ConfigError, describe, field, load_yaml
-from opd.rl.train import HelpFormatter, _near
+from opd.config import ConfigError, describe, field, load_yaml, near
+from opd.rl.train import HelpFormatter
 
 
 @dataclass(frozen=True)
@@ -261,13 +261,10 @@ def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
 
 def resolve_paths(cfg: ValidateConfig, base: Path) -> ValidateConfig:
     """Relative paths in a config file are relative to its folder (as in every opd config)."""
-    def near(p: str) -> str:
-        return _near(base, p)
-
     return dataclasses.replace(
-        cfg, models=[dataclasses.replace(m, path=near(m.path)) for m in cfg.models],
-        sets=[dataclasses.replace(s, path=near(s.path)) for s in cfg.sets], out_dir=near(cfg.out_dir),
-        grpo=dataclasses.replace(cfg.grpo, config=near(cfg.grpo.config)) if cfg.grpo else None)
+        cfg, models=[dataclasses.replace(m, path=near(base, m.path)) for m in cfg.models],
+        sets=[dataclasses.replace(s, path=near(base, s.path)) for s in cfg.sets], out_dir=near(base, cfg.out_dir),
+        grpo=dataclasses.replace(cfg.grpo, config=near(base, cfg.grpo.config)) if cfg.grpo else None)
 
 
 # ---- CLI ----------------------------------------------------------------------------------

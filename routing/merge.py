@@ -7,33 +7,25 @@ paths (data sets, SFT set, classifier files) are relative to the config file's f
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
-from opd.config import ConfigError, load_yaml
+from opd.config import ConfigError, load_yaml, near
 from opd.data import Sample, load_jsonl
 from opd.routing.config import MergeConfig
-
-
-def _resolve(base: Path, p: str | None) -> str | None:
-    if p is None:
-        return None
-    q = Path(p).expanduser()
-    return os.path.normpath(q if q.is_absolute() else base / q)
 
 
 def resolve_merge_paths(cfg: MergeConfig, base_dir: str | Path) -> MergeConfig:
     """Every relative path of `cfg` (data sets, eval sets, SFT set, classifier files) made
     relative to `base_dir`. Absolute paths are kept, so resolving twice changes nothing."""
     base = Path(base_dir)
-    routing = replace(cfg.routing, rules=[replace(r, path=_resolve(base, r.path)) for r in cfg.routing.rules])
+    routing = replace(cfg.routing, rules=[replace(r, path=near(base, r.path)) for r in cfg.routing.rules])
     return replace(
         cfg,
-        datasets=[replace(d, path=_resolve(base, d.path), eval_path=_resolve(base, d.eval_path)) for d in cfg.datasets],
-        sft=replace(cfg.sft, path=_resolve(base, cfg.sft.path)) if cfg.sft else None,
+        datasets=[replace(d, path=near(base, d.path), eval_path=near(base, d.eval_path)) for d in cfg.datasets],
+        sft=replace(cfg.sft, path=near(base, cfg.sft.path)) if cfg.sft else None,
         routing=routing,
     )
 
