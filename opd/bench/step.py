@@ -148,15 +148,15 @@ def _trl_main(work: str, steps: int) -> None:
 
 
 def _trl_python(arg: str | None) -> str | None:
+    """The interpreter to run TRL with: the one given, this one if it has trl, else .venv-bench's."""
+    import importlib.util
+
     if arg:
         return arg
-    try:
-        import trl  # noqa: F401
-
+    if importlib.util.find_spec("trl") is not None:
         return sys.executable
-    except ImportError:
-        bench = REPO / ".venv-bench" / "bin" / "python"
-        return str(bench) if bench.exists() else None
+    bench = REPO / ".venv-bench" / "bin" / "python"
+    return str(bench) if bench.exists() else None
 
 
 def run_trl(python: str, work: Path, steps: int, warmup: int) -> dict:
