@@ -83,7 +83,6 @@ class _Call:
     attempts: int = 0
     deadline: float = 0.0
     retry_at: float | None = None      # waiting out a back-off
-    topk: TopKResult | None = None
     delivered_rows: int = 0            # full mode: rows handed to the caller
     server_credit: int = 0             # full mode: chunks the server may still send
     sent: bool = False                 # on the wire on the current, verified connection
@@ -365,8 +364,9 @@ class TeacherClient:
             return  # a stale answer to an earlier attempt
         call.deadline = now + self.timeout_s
         if isinstance(msg, TopK):
-            t = [to_torch(a) for a in arrays]
-            call.topk = TopKResult(*t, row_offsets=list(msg.row_offsets))
+            del self._calls[call.rid]
+            call.future.set_result(TopKResult(*[to_torch(a) for a in arrays], row_offsets=list(msg.row_offsets),
+                                              stats=msg.stats))
         elif isinstance(msg, Chunk):
             call.server_credit -= 1
             rows = arrays[0].shape[0]
@@ -378,12 +378,8 @@ class TeacherClient:
             call.chunks.put(FullChunk(msg.row_start, *(to_torch(a, s.dtype) for a, s in zip(arrays, msg.tensors))))
         elif isinstance(msg, Done):
             del self._calls[call.rid]
-            if call.kind == "topk":
-                call.topk.stats = msg
-                call.future.set_result(call.topk)
-            else:
-                call.chunks.put(_END)
-                call.future.set_result(msg)
+            call.chunks.put(_END)
+            call.future.set_result(msg)
         elif isinstance(msg, Error):
             if msg.code in RETRYABLE and call.attempts < self.retries:
                 call.attempts += 1

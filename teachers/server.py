@@ -376,9 +376,9 @@ class TeacherServer:
         finally:
             out.close(linger=0)
 
-    def _done(self, out, job: _Job, msg) -> None:
+    def _done(self, out, job: _Job, msg, tensors=()) -> None:
         # Send before finishing: once the socket thread sees no jobs, every answer is in the pipe.
-        out.send_multipart([job.peer, *encode(msg)], copy=False)
+        out.send_multipart([job.peer, *encode(msg, tensors)], copy=False)
         with self._cv:
             self._finish_locked(job)
 
@@ -414,9 +414,8 @@ class TeacherServer:
             if job.cancelled:    # cancelled during the call: one answer, CANCELLED
                 self._done(out, job, self._cancelled(job))
                 continue
-            out.send_multipart([job.peer, *encode(TopK(request_id=job.req.request_id,
-                                                       row_offsets=job.req.row_offsets()), tuple(ans))], copy=False)
-            self._done(out, job, self._stats(job))
+            self._done(out, job, TopK(request_id=job.req.request_id, row_offsets=job.req.row_offsets(),
+                                      stats=self._stats(job)), tuple(ans))
 
     def _step_stream(self, out, job: _Job, start: bool) -> None:
         rid = job.req.request_id

@@ -15,7 +15,7 @@ import zmq
 
 from opd.teachers.launch import free_port
 from opd.teachers.client import TeacherClient, TeacherError
-from opd.teachers.protocol import Done, Error, ErrorCode, Score, decode, encode
+from opd.teachers.protocol import Error, ErrorCode, Score, TopK, decode, encode
 from opd.teachers.server import ServerLimits, serving_in_thread
 
 
@@ -57,7 +57,7 @@ def test_busy_past_inflight_budget_then_client_retries(teacher):
             if isinstance(msg, Error):
                 assert msg.code == ErrorCode.BUSY and msg.retryable
                 outcome[msg.request_id] = "busy"
-            elif isinstance(msg, Done):
+            elif isinstance(msg, TopK):
                 outcome[msg.request_id] = "done"
         sock.close()
         assert "busy" in outcome.values() and "done" in outcome.values()
