@@ -6,7 +6,9 @@ One optimizer step (`Trainer.run`):
   3. each teacher scores the responses routed to it (top-k, full vocabulary or sampled token),
      after trimming positions past the answer's end;
   4. the loss from opd.kernels on response rows only (prompt and padding masked), per-domain
-     weights, optional SFT cross-entropy; backward in micro-batches;
+     weights, optional SFT cross-entropy; backward in micro-batches. The first micro-batch's
+     student forward runs before waiting for step 3: the teachers score in their own
+     processes meanwhile;
   5. one optimizer step on the student (the teachers never change), then the rollout engine
      receives the new weights.
 With `run.pipeline`, step 2 and 3 of the NEXT batch happen before step 4 of the current one,
@@ -343,7 +345,13 @@ class Trainer:
                               impl=impl)
         return kl * t2, kl.detach()
 
-    def _train_batch(self, batch: Batch, answers: dict[str, Answer], scale: float, tally: DomainTally) -> dict:
+    def _wait_answers(self, batch: Batch, sums: dict) -> dict[str, Answer]:
+        t0 = time.perf_counter()
+        answers = self.teachers.answers(batch.futures)
+        sums["wait_s"] += time.perf_counter() - t0
+        return answers
+
+    def _train_batch(self, batch: Batch, scale: float, tally: DomainTally, sums: dict) -> dict:
         cfg = self.cfg
         n_seq = len(batch.rollouts)
         for seq, ro in enumerate(batch.rollouts):
@@ -355,9 +363,7 @@ class Trainer:
         domains = [batch.route_of(s).domain for s in range(n_seq)]
         lam = {d: cfg.merge.domain_weights.get(d, 1.0) * self.multipliers.get(d, 1.0) for d in set(domains)}
         weights_N = distill.row_weights(offsets, domains, lam, cfg.loss.length_norm) * scale
-        # Where each sequence's rows sit in each teacher's answer.
-        where = {t: {seq: answers[t].row_offsets[j] for j, seq in enumerate(seqs)}
-                 for t, seqs in batch.members.items()}
+        answers: dict[str, Answer] | None = None
         domain_loss: dict[str, float] = {}
         total = 0.0
         mb = cfg.optim.micro_batch_size
@@ -368,6 +374,13 @@ class Trainer:
             if packed.row_offsets[-1] == 0:
                 continue
             rows = distill.student_rows(self.model, packed, fused=cfg.loss.fused_linear)
+            if answers is None:
+                # The first micro-batch's forward ran while the teachers scored (they work in
+                # their own processes); only now does the student need their answers.
+                answers = self._wait_answers(batch, sums)
+                # Where each sequence's rows sit in each teacher's answer.
+                where = {t: {seq: answers[t].row_offsets[j] for j, seq in enumerate(members)}
+                         for t, members in batch.members.items()}
             device = rows[0].device if isinstance(rows, tuple) else rows.device
             loss = torch.zeros((), device=device)
             logits_for_diag = None
@@ -410,7 +423,9 @@ class Trainer:
                     tally.add_loss(d, part)
             loss.backward()
             total += float(loss.detach())
-        return {"loss": total, "domain_loss": domain_loss}
+        if answers is None:  # every response trimmed to nothing: still collect the answers
+            answers = self._wait_answers(batch, sums)
+        return {"loss": total, "domain_loss": domain_loss, "answers": answers}
 
     def _sft_step(self, scale: float) -> float | None:
         if self.sft is None:
@@ -462,18 +477,14 @@ class Trainer:
                     if self.batches <= last_batch:
                         self._submit(self.pending)
                 sums["rollout_s"] += time.perf_counter() - t0
-                # 3. the teachers' answers.
-                t0 = time.perf_counter()
-                answers = self.teachers.answers(batch.futures)
-                sums["wait_s"] += time.perf_counter() - t0
-                latencies += [a.latency_s for a in answers.values()]
                 stale.append(self.version - batch.policy_version)
                 for seq in range(len(batch.rollouts)):
                     for t, w in batch.route_of(seq).weights.items():
                         self.teacher_samples[t] = self.teacher_samples.get(t, 0.0) + w
                         routed[t] = routed.get(t, 0.0) + w
-                # 4. loss and backward, micro-batch by micro-batch.
-                out = self._train_batch(batch, answers, 1.0 / accum, tally)
+                # 3-4. the teachers' answers, then loss and backward, micro-batch by micro-batch.
+                out = self._train_batch(batch, 1.0 / accum, tally, sums)
+                latencies += [a.latency_s for a in out["answers"].values()]
                 sums["loss"] += out["loss"]
                 sums["tokens"] += sum(batch.keep)
                 sums["response_tokens"] += sum(len(ro.response_ids) for ro in batch.rollouts)
