@@ -33,7 +33,8 @@ def run(args) -> int:
     quick = ["--quick"] if args.quick else []
     plans = {
         "kernels": ["--json", str(out / "kernels.json"), *quick],
-        "transport": ["--json", str(out / "transport.json"), *quick, *(["--seconds", "0.5"] if args.quick else [])],
+        "transport": ["--json", str(out / "transport.json"), *quick,
+                      *(["--seconds", "0.3", "--rounds", "1", "--positions", "1024"] if args.quick else [])],
         "step": ["--json", str(out / "step.json"), *(["--steps", "3", "--warmup", "1"] if args.quick else []),
                  *(["--trl-python", args.trl_python] if args.trl_python else [])],
     }
@@ -77,11 +78,13 @@ def summary(out: Path, wall: dict, quick: bool) -> str:
     t = _load(out / "transport.json")
     if t:
         lines += ["## Transport (model taken out)", "",
-                  "| transport | answer | positions/s | bytes/position | % of bare ZeroMQ | x HTTP/JSON | CURVE cost |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| transport | answer | positions/request | positions/s | bytes/position | % of bare ZeroMQ "
+                  "| x HTTP/JSON | CURVE cost |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in t:
             what = f"top-{r['k']}" if r["mode"] == "topk" else f"full V={r['vocab']} {r['dtype']}"
-            lines.append(f"| {r['transport']} | {what} | {r['positions_per_s']:.0f} | {r['bytes_per_position']} | "
+            lines.append(f"| {r['transport']} | {what} | {r.get('positions_per_request', '-')} | "
+                         f"{r['positions_per_s']:.0f} | {r['bytes_per_position']} | "
                          f"{100 * r['ratio_to_ceiling']:.0f}% | "
                          f"{'%.0fx' % r['ratio_to_http'] if r.get('ratio_to_http') else '-'} | "
                          f"{'%.0f%%' % (100 * r['curve_cost']) if 'curve_cost' in r else '-'} |")
@@ -89,13 +92,14 @@ def summary(out: Path, wall: dict, quick: bool) -> str:
     s = _load(out / "step.json")
     if s:
         lines += ["## One on-policy distillation step", "",
-                  "| system | tokens/s | s/step | trainer peak RSS MiB | teacher server RSS MiB | x TRL tokens/s | phases (s) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| system | tokens/s | s/step | trainer peak RSS MiB | teacher server RSS MiB | total peak PSS MiB "
+                  "| x TRL tokens/s | phases (s) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in s:
             phases = ", ".join(f"{a} {b:.3f}" for a, b in (r.get("phases_s") or {}).items()) or "-"
             vs = f"{r['tokens_per_s_vs_trl']:.2f}" if "tokens_per_s_vs_trl" in r else "-"
             lines.append(f"| {r['system']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {_mib(r['peak_rss_trainer'])} | "
-                         f"{_mib(r['peak_rss_teacher'])} | {vs} | {phases} |")
+                         f"{_mib(r['peak_rss_teacher'])} | {_mib(r.get('peak_pss_total'))} | {vs} | {phases} |")
         lines.append("")
     lines += ["Wall time per benchmark: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()), ""]
     return "\n".join(lines)

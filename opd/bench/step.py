@@ -8,8 +8,9 @@ fp32 on CPU, forward KL (beta=0) on the full vocabulary, fully on-policy:
              in the trainer's process (TRL's design)
 Each runs in its own process; the first `--warmup` steps are dropped. Reported: trained
 response tokens per second, seconds per step, peak RSS of the trainer (and of the teacher
-server for opd, which TRL does not have), and for opd the time per phase (rollout, waiting
-for the teacher, loss + backward + optimizer). TRL is a benchmark extra: it runs with
+server for opd, which TRL does not have), the peak of the processes' summed PSS (trainer +
+teacher server for opd, TRL's one process), and for opd the time per phase (rollout,
+waiting for the teacher after the student's first forward, loss + backward + optimizer). TRL is a benchmark extra: it runs with
 `--trl-python` (default: this interpreter if it imports trl, else .venv-bench/bin/python,
 which `make bench` creates); without it the TRL row is skipped and says so.
 """
@@ -32,9 +33,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['co
 PROMPTS = [f"{a}+{b}=?" for a, b in [(12, 7), (40, 33), (5, 91), (68, 14), (23, 23), (77, 8), (31, 45), (9, 60)]]
 
 
-def build_models(work: Path) -> tuple[Path, Path, Path]:
+def build_models(work: Path | str) -> tuple[Path, Path, Path]:
     """Student (2 layers, ~0.4M params) and teacher (4 layers, ~2M), one chat template, and the prompts."""
     from transformers import AutoTokenizer
+
+    work = Path(work)
 
     from opd.tiny import build_tiny_model
 
@@ -63,12 +66,53 @@ def _vm_hwm(pid: int) -> int:
     return 0
 
 
+class GroupMemory:
+    """Peak of the summed PSS of a group of processes, sampled every `interval_s`.
+
+    Summing RSS would count twice the file pages two processes share (libtorch's code is
+    mapped by the trainer and the teacher server alike); PSS splits each shared page among
+    the processes that map it, so the sum is what the group takes. This driver process
+    never imports torch (the models are built in a subprocess), so it holds no share.
+    """
+
+    def __init__(self, interval_s: float = 0.05):
+        import threading
+
+        self.pids: list[int] = []
+        self.peak = 0
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def pss(pid: int) -> int:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:  # the process has exited
+            pass
+        return 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, sum(self.pss(p) for p in list(self.pids)))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, steps: int, warmup: int) -> dict:
     import yaml
 
     from opd.teachers.launch import start_server_process
 
+    memory = GroupMemory()
     server = start_server_process(["--model", str(teacher), "--max-k", "64"], threads=1)
+    memory.pids.append(server.proc.pid)
     try:
         out = work / f"opd-{mode}"
         cfg = {
@@ -88,6 +132,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "opd.cli", "train", str(path)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        memory.pids.append(proc.pid)
         text = proc.stdout.read()
         code, rss = _wait(proc)
         if code != 0:
@@ -95,13 +140,14 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
         teacher_rss = _vm_hwm(server.proc.pid)
     finally:
         server.stop()
+        pss = memory.stop()
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
     rows = [r for r in rows if "step_s" in r][warmup:]
     step_s = statistics.median(r["step_s"] for r in rows)
     return {
         "system": f"opd-{mode}", "steps_measured": len(rows), "step_s": step_s,
         "tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["step_s"] for r in rows),
-        "peak_rss_trainer": rss, "peak_rss_teacher": teacher_rss,
+        "peak_rss_trainer": rss, "peak_rss_teacher": teacher_rss, "peak_pss_total": pss,
         "phases_s": {"rollout": statistics.median(r["rollout_s"] for r in rows),
                      "teacher_wait": statistics.median(r["teacher_wait_s"] for r in rows),
                      "loss_backward_optim": statistics.median(r["step_s"] - r["rollout_s"] - r["teacher_wait_s"]
@@ -162,9 +208,12 @@ def _trl_python(arg: str | None) -> str | None:
 def run_trl(python: str, work: Path, steps: int, warmup: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     code = f"from opd.bench.step import _trl_main; _trl_main({str(work)!r}, {steps})"
+    memory = GroupMemory()
     proc = subprocess.Popen([python, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    memory.pids.append(proc.pid)
     text = proc.stdout.read()
     rc, rss = _wait(proc)
+    pss = memory.stop()
     line = next((l for l in text.splitlines() if l.startswith("TRL_RESULT ")), None)
     if rc != 0 or line is None:
         raise RuntimeError(f"TRL run failed ({rc}):\n{text[-3000:]}")
@@ -172,7 +221,7 @@ def run_trl(python: str, work: Path, steps: int, warmup: int) -> dict:
     times, tokens = res["times"][warmup:], res["tokens"][warmup:]
     return {"system": "trl-gkd", "steps_measured": len(times), "step_s": statistics.median(times),
             "tokens_per_s": sum(tokens) / sum(times), "peak_rss_trainer": rss, "peak_rss_teacher": 0,
-            "phases_s": None}
+            "peak_pss_total": pss, "phases_s": None}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -186,7 +235,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="opd-bench-step-"))
-    student, teacher, data = build_models(work)
+    # In a child, so that this process never maps torch (see GroupMemory).
+    subprocess.run([sys.executable, "-c", f"from opd.bench.step import build_models; build_models({str(work)!r})"],
+                   check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
+    student, teacher, data = work / "student", work / "teacher", work / "prompts.jsonl"
     rows = []
     for system in args.systems:
         if system == "trl-gkd":
@@ -204,8 +256,10 @@ def run(args) -> int:
         for r in rows:
             r["tokens_per_s_vs_trl"] = r["tokens_per_s"] / trl["tokens_per_s"]
             r["peak_rss_vs_trl"] = r["peak_rss_trainer"] / trl["peak_rss_trainer"]
+            r["peak_pss_total_vs_trl"] = r["peak_pss_total"] / trl["peak_pss_total"]
             print(f"{r['system']:<9} {r['tokens_per_s_vs_trl']:.2f}x TRL tokens/s, "
-                  f"{r['peak_rss_vs_trl']:.2f}x TRL trainer peak RSS")
+                  f"{r['peak_rss_vs_trl']:.2f}x TRL trainer peak RSS, "
+                  f"{r['peak_pss_total_vs_trl']:.2f}x TRL total peak PSS (trainer + teacher server)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": f"{os.cpu_count()} cores", "rows": rows}, indent=1))
@@ -217,4 +271,5 @@ def _fmt(r: dict) -> str:
     if r["phases_s"]:
         phases = "  phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in r["phases_s"].items())
     return (f"{r['system']:<9} {r['tokens_per_s']:8.0f} tok/s  {r['step_s']:.3f} s/step  trainer RSS "
-            f"{r['peak_rss_trainer'] / 2**20:6.0f} MiB  teacher RSS {r['peak_rss_teacher'] / 2**20:5.0f} MiB{phases}")
+            f"{r['peak_rss_trainer'] / 2**20:6.0f} MiB  teacher RSS {r['peak_rss_teacher'] / 2**20:5.0f} MiB  "
+            f"total PSS {r['peak_pss_total'] / 2**20:5.0f} MiB{phases}")

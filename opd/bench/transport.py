@@ -18,6 +18,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -183,26 +184,42 @@ def measure_opd(address: str, mode: str, k: int, dtype: str, positions: int, sec
         return done / (time.perf_counter() - t0), per_pos
 
 
-def measure_ceiling(bind: str, frame_sizes: list[int], rows_per_msg: int, seconds: float) -> float:
-    import zmq
+class Ceiling:
+    """A bare ZeroMQ PUSH (its own process) -> PULL (here) moving exactly the given frames,
+    kept open so that its rounds interleave with the other methods' rounds."""
 
-    p, address = _start(_push_server, bind, frame_sizes)
-    try:
-        ctx = zmq.Context()
-        s = ctx.socket(zmq.PULL)
-        s.setsockopt(zmq.RCVHWM, 8)
-        s.connect(address)
-        s.recv_multipart(copy=False)  # connection up
+    def __init__(self, bind: str, frame_sizes: list[int], rows_per_msg: int):
+        import zmq
+
+        self.proc, address = _start(_push_server, bind, frame_sizes)
+        self.rows_per_msg = rows_per_msg
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.RCVHWM, 8)
+        self.sock.connect(address)
+        self.sock.recv_multipart(copy=False)  # connection up
+
+    def measure(self, seconds: float) -> float:
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            s.recv_multipart(copy=False)
+            self.sock.recv_multipart(copy=False)
             n += 1
-        rate = n * rows_per_msg / (time.perf_counter() - t0)
-        s.close(0)
-        ctx.term()
-        return rate
-    finally:
-        _stop(p)
+        return n * self.rows_per_msg / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+        _stop(self.proc)
+
+
+def interleaved(methods: dict, rounds: int, seconds: float) -> dict[str, list[float]]:
+    """Each method measured `rounds` times, in turns (a, b, a, b, ...): drifts of a shared
+    machine hit every method alike, and the medians are compared."""
+    out = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            out[name].append(fn(seconds))
+    return out
 
 
 def measure_http(k: int, positions: int, seconds: float) -> float:
@@ -240,44 +257,55 @@ def run_cases(args) -> list[dict]:
         cpub, csec = zmq.curve_keypair()
         spub, ssec = zmq.curve_keypair()
         curve = dict(client_public=cpub, client_secret=csec, server_public=spub, server_secret=ssec)
+
+    def compare(case: dict, ceiling: Ceiling, methods: dict) -> dict:
+        try:
+            res = interleaved({**methods, "ceiling": ceiling.measure}, args.rounds, args.seconds)
+        finally:
+            ceiling.close()
+        med = {name: statistics.median(v) for name, v in res.items()}
+        row = dict(case, positions_per_s=med["opd"], ceiling_positions_per_s=med["ceiling"],
+                   ratio_to_ceiling=med["opd"] / med["ceiling"], rounds=res)
+        if "curve" in med:
+            row["curve_positions_per_s"] = med["curve"]
+            row["curve_cost"] = 1 - med["curve"] / med["opd"]
+        return row
+
     for transport in args.transports:
         for vocab in ([32768] if args.quick else args.vocabs):
             has_topk = vocab == (32768 if args.quick else args.vocabs[0])
             server, address = _start(_opd_server, _bind(transport, tmp, f"opd{vocab}"), vocab,
-                                     args.positions, args.chunk_rows, None)
+                                     max(args.positions), args.chunk_rows, None)
             cserver = caddress = None
             if curve is not None and has_topk:
                 cserver, caddress = _start(_opd_server, _bind(transport, tmp, f"curve{vocab}"), vocab,
-                                           args.positions, args.chunk_rows, curve)
+                                           max(args.positions), args.chunk_rows, curve)
             try:
-                if has_topk:
-                    for k in args.ks:
-                        rate, per_pos = measure_opd(address, "topk", k, "float32", args.positions, args.seconds)
-                        ceil = measure_ceiling(_bind(transport, tmp, "push"), _topk_frame_sizes(args.positions, k),
-                                               args.positions, args.seconds)
-                        http = measure_http(k, min(args.positions, 1024), args.seconds) if transport == "tcp" else None
-                        row = dict(transport=transport, mode="topk", k=k, vocab=None, dtype="float32",
-                                   positions_per_s=rate, bytes_per_position=per_pos, ceiling_positions_per_s=ceil,
-                                   http_json_positions_per_s=http, ratio_to_ceiling=rate / ceil,
-                                   ratio_to_http=(rate / http) if http else None)
+                for k in args.ks if has_topk else []:
+                    http = measure_http(k, min(max(args.positions), 1024), args.seconds) if transport == "tcp" else None
+                    for n in args.positions:
+                        methods = {"opd": lambda sec, n=n, k=k: measure_opd(address, "topk", k, "float32", n, sec)[0]}
                         if caddress is not None:
-                            crate, _ = measure_opd(caddress, "topk", k, "float32", args.positions, args.seconds,
-                                                   curve=curve)
-                            row["curve_positions_per_s"] = crate
-                            row["curve_cost"] = 1 - crate / rate
+                            methods["curve"] = lambda sec, n=n, k=k: measure_opd(caddress, "topk", k, "float32", n,
+                                                                                 sec, curve=curve)[0]
+                        ceiling = Ceiling(_bind(transport, tmp, "push"), _topk_frame_sizes(n, k), n)
+                        row = compare(dict(transport=transport, mode="topk", k=k, vocab=None, dtype="float32",
+                                           positions_per_request=n, bytes_per_position=k * 8 + 12), ceiling, methods)
+                        row["http_json_positions_per_s"] = http
+                        row["ratio_to_http"] = row["positions_per_s"] / http if http else None
                         rows_out.append(row)
                         print(_fmt(row), flush=True)
                 for dtype in args.dtypes:
-                    full_positions = args.chunk_rows * 8
-                    rate, per_pos = measure_opd(address, "full", 0, dtype, full_positions, args.seconds,
-                                                chunk_rows=args.chunk_rows)
+                    n = args.chunk_rows * 8
                     item = 4 if dtype == "float32" else 2
-                    ceil = measure_ceiling(_bind(transport, tmp, "push"),
-                                           [200, args.chunk_rows * vocab * item, args.chunk_rows * 4,
-                                            args.chunk_rows * 4], args.chunk_rows, args.seconds)
-                    row = dict(transport=transport, mode="full", k=None, vocab=vocab, dtype=dtype,
-                               positions_per_s=rate, bytes_per_position=per_pos, ceiling_positions_per_s=ceil,
-                               http_json_positions_per_s=None, ratio_to_ceiling=rate / ceil, ratio_to_http=None)
+                    methods = {"opd": lambda sec, dtype=dtype, n=n: measure_opd(address, "full", 0, dtype, n, sec,
+                                                                               chunk_rows=args.chunk_rows)[0]}
+                    ceiling = Ceiling(_bind(transport, tmp, "push"),
+                                      [200, args.chunk_rows * vocab * item, args.chunk_rows * 4, args.chunk_rows * 4],
+                                      args.chunk_rows)
+                    row = compare(dict(transport=transport, mode="full", k=None, vocab=vocab, dtype=dtype,
+                                       positions_per_request=n, bytes_per_position=vocab * item + 8), ceiling, methods)
+                    row["http_json_positions_per_s"] = row["ratio_to_http"] = None
                     rows_out.append(row)
                     print(_fmt(row), flush=True)
             finally:
@@ -292,7 +320,7 @@ def _fmt(r: dict) -> str:
     http = f"{r['http_json_positions_per_s']:>10.0f}" if r.get("http_json_positions_per_s") else f"{'-':>10}"
     ratio_http = f"{r['ratio_to_http']:>7.1f}x" if r.get("ratio_to_http") else f"{'-':>8}"
     curve = f"  curve -{100 * r['curve_cost']:.0f}%" if "curve_cost" in r else ""
-    return (f"{r['transport']:<4} {what:<24} {r['positions_per_s']:>12.0f} pos/s {r['bytes_per_position']:>8} B/pos "
+    return (f"{r['transport']:<4} {what:<24} {r['positions_per_request']:>6}/req {r['positions_per_s']:>12.0f} pos/s {r['bytes_per_position']:>8} B/pos "
             f"ceiling {r['ceiling_positions_per_s']:>12.0f} ({100 * r['ratio_to_ceiling']:5.1f}%) "
             f"http {http} {ratio_http}{curve}")
 
@@ -303,9 +331,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ks", nargs="+", type=int, default=[1, 8, 64], help="top-k sizes")
     p.add_argument("--vocabs", nargs="+", type=int, default=[32768, 152064], help="full-mode vocabulary sizes")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
-    p.add_argument("--positions", type=int, default=4096, help="scored positions per top-k request")
+    p.add_argument("--positions", nargs="+", type=int, default=[4096, 16384],
+                   help="scored positions per top-k request (each size is a row): 4096 = 8 sequences x 512, "
+                        "16384 = a training batch of 32 x 512")
     p.add_argument("--chunk-rows", type=int, default=32, help="rows per CHUNK in full mode")
-    p.add_argument("--seconds", type=float, default=2.0, help="measuring time per case and method")
+    p.add_argument("--seconds", type=float, default=1.0, help="measuring time per round, case and method")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per case; methods take turns, medians are compared")
     p.add_argument("--curve", action="store_true", help="also measure top-k with CURVE encryption")
     p.add_argument("--quick", action="store_true", help="one vocabulary, short runs (smoke test)")
 

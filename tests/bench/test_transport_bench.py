@@ -1,0 +1,49 @@
+"""Smoke test of `opd bench transport`: the pieces move the right bytes; no timing asserts."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from opd.bench import transport
+from opd.teachers.client import TeacherClient
+from opd.teachers.server import ServerLimits, serving_in_thread
+
+
+def test_precomputed_answers_cross_the_real_client_unchanged():
+    backend = transport.PrecomputedBackend(vocab_size=1000, max_rows=64, chunk_rows=8)
+    seqs, starts = transport._requests(40, seq_rows=20)          # 2 sequences x 20 scored rows
+    limits = ServerLimits(max_tokens_per_request=1024)
+    with serving_in_thread(backend, limits=limits) as server, TeacherClient(server.address) as client:
+        got = client.score_topk(seqs, starts, k=8)
+        assert got.row_offsets == [0, 20, 40] and got.stats.rows == 40
+        want = backend._topk
+        assert torch.equal(got.ids, want.ids[:40, :8])
+        assert torch.equal(got.logprobs, want.logprobs[:40, :8])
+        assert torch.equal(got.tail_logmass, want.tail_logmass[:40])
+        chunks = list(client.score_full(seqs, starts, dtype="bfloat16", chunk_rows=8))
+        assert [c.row_start for c in chunks] == [0, 8, 16, 24, 32]
+        assert all(torch.equal(c.logits, backend._logits["bfloat16"]) for c in chunks)
+
+
+def test_interleaved_takes_turns():
+    calls = []
+    res = transport.interleaved({"a": lambda s: calls.append("a") or 1.0, "b": lambda s: calls.append("b") or 2.0},
+                                rounds=3, seconds=0.0)
+    assert calls == ["a", "b"] * 3 and res == {"a": [1.0] * 3, "b": [2.0] * 3}
+
+
+def test_run_cases_writes_one_row_per_size_and_mode():
+    p = argparse.ArgumentParser()
+    transport.add_arguments(p)
+    args = p.parse_args(["--transports", "tcp", "--ks", "8", "--positions", "128", "256", "--vocabs", "1024",
+                         "--dtypes", "bfloat16", "--chunk-rows", "8", "--seconds", "0.1", "--rounds", "2"])
+    rows = transport.run_cases(args)
+    assert [(r["mode"], r["positions_per_request"]) for r in rows] == [("topk", 128), ("topk", 256), ("full", 64)]
+    top, full = rows[0], rows[2]
+    assert top["bytes_per_position"] == 8 * 8 + 12 and full["bytes_per_position"] == 1024 * 2 + 8
+    for r in rows:
+        assert len(r["rounds"]["opd"]) == len(r["rounds"]["ceiling"]) == 2
+        assert r["ratio_to_ceiling"] == r["positions_per_s"] / r["ceiling_positions_per_s"] > 0
+    assert top["http_json_positions_per_s"] > 0 and full["ratio_to_http"] is None
