@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from opd.rollout.base import SamplingParams
-from opd.rollout.hf import HFRolloutEngine
+from opd.rollout.hf import HFRolloutEngine, top_p_filter
 
 
 def test_hf_rollout_logprobs_match_forward_pass(tiny_model_dir):
@@ -26,3 +26,80 @@ def test_hf_rollout_logprobs_match_forward_pass(tiny_model_dir):
         ref = lp[p - 1:len(ids) - 1].gather(1, ids[p:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-3, rtol=0)
         assert r.finish_reason == ("eos" if r.response_ids[-1] in stops else "length")
+
+
+def _load(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def test_hf_rollout_greedy_equals_transformers_generate(tiny_model_dir):
+    model, tok = _load(tiny_model_dir)
+    prompts = [[72, 101, 108, 108, 111], list(range(60, 80)), [33]]      # different lengths: left padding
+    rollouts = HFRolloutEngine(model, tok, batch_size=2).generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))
+    for prompt, r in zip(prompts, rollouts):
+        ids = torch.tensor([prompt])
+        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(prompt):]
+        assert r.response_ids == want.tolist()
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([r.ids])).logits[0].float(), -1)
+        ref = lp[len(prompt) - 1:-1].gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-4, rtol=0)
+    assert model.training is False
+    model.train()
+    HFRolloutEngine(model, tok).generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=2))
+    assert model.training is True                                         # the training flag comes back
+
+
+def test_top_p_filter_matches_transformers_warper():
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 260, generator=g) * 3
+    logits[0, :5] = 50.0                                                  # one row: a tie at the top
+    for top_p in (0.05, 0.3, 0.8, 0.95, 0.999):
+        want = TopPLogitsWarper(top_p)(None, logits.clone())
+        got = top_p_filter(logits.clone(), top_p)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), top_p
+        assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])
+        assert (~torch.isinf(got)).sum(-1).min() >= 1
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+
+
+def test_hf_rollout_sampling_distribution(tiny_model_dir):
+    """Empirical first-token distribution over N samples vs softmax(logits / T).
+
+    Bound: E[TV] = 1/2 sum_i E|p^_i - p_i| <= 1/2 sum_i sqrt(p_i / N), and TV moves by at most
+    1/N when one sample changes, so (McDiarmid) P(TV > E[TV] + 0.05) <= exp(-2 N 0.05^2) = 3e-7.
+    """
+    model, tok = _load(tiny_model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15)                                    # logit std ~2.5: a peaked distribution
+    prompt, T, N = [72, 101, 108], 0.7, 3000
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].float()
+    engine = HFRolloutEngine(model, tok, batch_size=1000)               # 3 chunks
+    vocab = logits.numel()
+
+    def first_tokens(top_p):
+        rs = engine.generate([prompt], SamplingParams(temperature=T, top_p=top_p, max_new_tokens=1, n=N, seed=0))
+        return torch.tensor([r.response_ids[0] for r in rs])
+
+    def tv(counts, p):
+        return 0.5 * (counts / N - p).abs().sum()
+
+    want = (logits / T).softmax(-1)
+    counts = torch.bincount(first_tokens(1.0), minlength=vocab).float()
+    bound = 0.5 * (want / N).sqrt().sum() + 0.05
+    assert tv(counts, want) < bound
+    assert tv(counts, logits.softmax(-1)) > bound                        # the test sees a wrong temperature
+
+    kept = ~torch.isinf(top_p_filter(logits[None] / T, 0.6)[0])
+    assert 1 < kept.sum() < vocab
+    counts = torch.bincount(first_tokens(0.6), minlength=vocab).float()
+    assert counts[~kept].sum() == 0                                      # never a filtered token
+    want = torch.where(kept, want, 0.0) / want[kept].sum()
+    assert tv(counts, want) < 0.5 * (want / N).sqrt().sum() + 0.05
