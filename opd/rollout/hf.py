@@ -1,9 +1,17 @@
 """Rollouts with transformers models and a plain KV-cached decoding loop: the reference engine.
 
-The loop does what `model.generate(do_sample=...)` does for these settings (same tokens for
-greedy; same sampling distribution, warper order and `torch.multinomial` draw otherwise) but
-skips generate's per-step machinery, which costs about a quarter of the rollout on small
-models: one prefill, then one forward of one token per step.
+One prefill, then one forward of one token per step, sampling what `model.generate` samples
+(greedy: the same tokens; otherwise temperature, then transformers' top-p rule, then one
+exact draw from the resulting distribution). Two things make it faster than `generate` on
+small models, where Python per step, not arithmetic, is the cost (8 prompts x 32 tokens,
+2-layer model, one thread: generate 46 ms, this loop 34 ms):
+  - no per-step generate machinery (logits processors, stopping criteria, cache bookkeeping);
+  - for full-attention models under SDPA, the 4-D boolean attention mask is built here and
+    grown by one column per step; transformers would rebuild it from the 2-D mask every
+    step (11 % of a step). Other models get the 2-D mask and build their own;
+  - the draw is an exponential race, argmax(p / E) with E ~ Exp(1), exact like
+    `torch.multinomial` (which took 0.09 ms of a 1.3 ms step here) and cheaper; the random
+    stream therefore differs from generate's, the distribution does not.
 """
 
 from __future__ import annotations
@@ -32,11 +40,24 @@ def top_p_filter(logits_B_V: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def pick_tokens(logits_B_V: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """[B, V] float logits -> [B] token ids: argmax if temperature <= 0, else temperature,
-    then top-p, then one `torch.multinomial` draw per row (the global RNG, as generate)."""
+    then top-p, then one exact draw per row from the global RNG (seeded by `params.seed`)."""
     if temperature <= 0:
         return logits_B_V.argmax(dim=-1)
     probs_B_V = top_p_filter(logits_B_V / temperature, top_p).softmax(dim=-1)
-    return torch.multinomial(probs_B_V, num_samples=1).squeeze(1)
+    # Exponential race: row-wise argmax of p_i / E_i is token i with probability p_i (the
+    # smallest of the Exp(p_i)-distributed E_i / p_i). E is kept off 0 so that a token of
+    # probability 0 (filtered by top-p) can never win through 0 / 0.
+    race_B_V = torch.empty_like(probs_B_V).exponential_().clamp_(min=torch.finfo(probs_B_V.dtype).tiny)
+    return (probs_B_V / race_B_V).argmax(dim=-1)
+
+
+def _builds_own_mask(config) -> bool:
+    """True when this loop may hand the model a ready 4-D boolean mask: SDPA attention and
+    every layer full causal attention (a sliding window would need a banded mask)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return (getattr(config, "_attn_implementation", None) == "sdpa" and not sliding
+            and all(t == "full_attention" for t in layer_types))
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -86,8 +107,15 @@ class HFRolloutEngine(RolloutEngine):
                              dtype=torch.long, device=device)
 
         cache = DynamicCache(config=model.config)
+        own_mask = _builds_own_mask(model.config)
+        keys_B_K = mask.bool()  # which cached positions are real tokens (K grows by one per step)
+        if own_mask:  # [B, 1, P, P]: causal and not padding, True = attend
+            causal_P_P = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            attn = causal_P_P[None, None] & keys_B_K[:, None, None, :]
+        else:
+            attn = mask
         # Prefill; the LM head runs on the last position only.
-        logits_B_V = model(input_ids=ids_B_P, attention_mask=mask, position_ids=pos_B_P, past_key_values=cache,
+        logits_B_V = model(input_ids=ids_B_P, attention_mask=attn, position_ids=pos_B_P, past_key_values=cache,
                            use_cache=True, logits_to_keep=1).logits[:, -1].float()
         next_pos_B = pos_B_P[:, -1] + 1
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
@@ -100,10 +128,10 @@ class HFRolloutEngine(RolloutEngine):
             done_B |= torch.isin(tok_B, stops)
             if step + 1 == params.max_new_tokens or bool(done_B.all()):
                 break
-            # Stopped rows keep decoding (tokens cut below): one static batch, and the same RNG
-            # draws as generate, so a seed gives the tokens it gave.
-            mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
-            logits_B_V = model(input_ids=tok_B[:, None], attention_mask=mask, position_ids=next_pos_B[:, None],
+            # Stopped rows keep decoding (their tokens are cut below): one static batch.
+            keys_B_K = torch.cat([keys_B_K, keys_B_K.new_ones(B, 1)], dim=1)
+            attn = keys_B_K[:, None, None, :] if own_mask else keys_B_K.long()  # [B, 1, 1, K] or [B, K]
+            logits_B_V = model(input_ids=tok_B[:, None], attention_mask=attn, position_ids=next_pos_B[:, None],
                                past_key_values=cache, use_cache=True).logits[:, -1].float()
             next_pos_B = next_pos_B + 1
 

@@ -103,3 +103,33 @@ def test_hf_rollout_sampling_distribution(tiny_model_dir):
     assert counts[~kept].sum() == 0                                      # never a filtered token
     want = torch.where(kept, want, 0.0) / want[kept].sum()
     assert tv(counts, want) < 0.5 * (want / N).sqrt().sum() + 0.05
+
+
+def test_own_4d_mask_equals_the_models_own_masking(tiny_model_dir, monkeypatch):
+    """The ready 4-D mask (SDPA, full attention) gives what transformers' 2-D path gives."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import opd.rollout.hf as hf
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    assert hf._builds_own_mask(model.config)  # the tiny Qwen2 takes the fast path
+    engine = HFRolloutEngine(model, AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    prompts = [[72, 101, 108], list(range(60, 75)), [5, 6, 7, 8, 9, 10]]   # left padding in one batch
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=12, n=2, seed=3)
+    fast = engine.generate(prompts, params)
+    monkeypatch.setattr(hf, "_builds_own_mask", lambda config: False)
+    slow = engine.generate(prompts, params)
+    assert [r.response_ids for r in fast] == [r.response_ids for r in slow]
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_builds_own_mask_only_for_full_attention_sdpa():
+    from types import SimpleNamespace as C
+
+    from opd.rollout.hf import _builds_own_mask
+
+    assert _builds_own_mask(C(_attn_implementation="sdpa", sliding_window=4096, use_sliding_window=False))
+    assert not _builds_own_mask(C(_attn_implementation="eager"))
+    assert not _builds_own_mask(C(_attn_implementation="sdpa", sliding_window=4096))            # Mistral-style
+    assert not _builds_own_mask(C(_attn_implementation="sdpa", layer_types=["full_attention", "sliding_attention"]))
