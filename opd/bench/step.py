@@ -105,13 +105,14 @@ class GroupMemory:
         return self.peak
 
 
-def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, steps: int, warmup: int) -> dict:
+def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, steps: int, warmup: int,
+            threads: int = 1) -> dict:
     import yaml
 
     from opd.teachers.launch import start_server_process
 
     memory = GroupMemory()
-    server = start_server_process(["--model", str(teacher), "--max-k", "64"], threads=1)
+    server = start_server_process(["--model", str(teacher), "--max-k", "64"], threads=threads)
     memory.pids.append(server.proc.pid)
     try:
         out = work / f"opd-{mode}"
@@ -129,7 +130,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
         }
         path = work / f"opd-{mode}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         proc = subprocess.Popen([sys.executable, "-m", "opd.cli", "train", str(path)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         memory.pids.append(proc.pid)
@@ -155,14 +156,14 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
     }
 
 
-def _trl_main(work: str, steps: int) -> None:
+def _trl_main(work: str, steps: int, threads: int = 1) -> None:
     """Runs inside the TRL interpreter: GKDTrainer, fully on-policy, per-step times and tokens."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     work = Path(work)
     tok = AutoTokenizer.from_pretrained(str(work / "student"))
     ds = Dataset.from_list([{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "0"}]}
@@ -205,9 +206,9 @@ def _trl_python(arg: str | None) -> str | None:
     return str(bench) if bench.exists() else None
 
 
-def run_trl(python: str, work: Path, steps: int, warmup: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    code = f"from opd.bench.step import _trl_main; _trl_main({str(work)!r}, {steps})"
+def run_trl(python: str, work: Path, steps: int, warmup: int, threads: int = 1) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    code = f"from opd.bench.step import _trl_main; _trl_main({str(work)!r}, {steps}, {threads})"
     memory = GroupMemory()
     proc = subprocess.Popen([python, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     memory.pids.append(proc.pid)
@@ -231,6 +232,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", nargs="+", default=["opd-full", "opd-topk", "trl-gkd"],
                    choices=["opd-full", "opd-topk", "trl-gkd"])
     p.add_argument("--trl-python", default=None, help="interpreter that has trl installed")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of every process (TRL's, opd's trainer, opd's teacher server)")
 
 
 def run(args) -> int:
@@ -246,9 +249,9 @@ def run(args) -> int:
             if python is None:
                 print("trl-gkd: skipped (trl not installed; `make bench` installs it into .venv-bench)")
                 continue
-            row = run_trl(python, work, args.steps, args.warmup)
+            row = run_trl(python, work, args.steps, args.warmup, args.threads)
         else:
-            row = run_opd(work, student, teacher, data, system.split("-")[1], args.steps, args.warmup)
+            row = run_opd(work, student, teacher, data, system.split("-")[1], args.steps, args.warmup, args.threads)
         rows.append(row)
         print(_fmt(row), flush=True)
     trl = next((r for r in rows if r["system"] == "trl-gkd"), None)
