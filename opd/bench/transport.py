@@ -91,7 +91,9 @@ def _push_server(bind: str, frames_sizes: list[int], q) -> None:
     s.setsockopt(zmq.SNDHWM, 8)
     s.bind(bind)
     q.put(s.getsockopt_string(zmq.LAST_ENDPOINT))
-    frames = [np.zeros(n, np.uint8) for n in frames_sizes]
+    # Written memory, like the answers the opd server sends (np.zeros would map the zero page).
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 256, n, dtype=np.uint8) for n in frames_sizes]
     while True:
         s.send_multipart(frames, copy=False)
 
