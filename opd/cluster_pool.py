@@ -101,7 +101,7 @@ class ReplicaPool:
         return self.submit_topk(sequences, response_starts, k, temperature).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
-                   chunk_rows: int = 1024, window: int = 4) -> Iterator[FullChunk]:
+                   chunk_rows: int | None = None, window: int = 4) -> Iterator[FullChunk]:
         """Full-vocabulary rows, streamed; a replica dying mid-stream is replaced from the next unseen row."""
         tokens, delivered, tried = _tokens(sequences), 0, set()
         while True:

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     import torch
 
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
-                                   Ping, ProtocolError, Score, TopK, Welcome, decode, encode, to_torch)
+                                   Ping, ProtocolError, Score, TopK, Welcome, decode, default_chunk_rows, encode,
+                                   to_torch)
 
 
 class TeacherError(Exception):
@@ -151,9 +152,12 @@ class TeacherClient:
         return self.submit_topk(sequences, response_starts, k, temperature).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
-                   chunk_rows: int = 1024, window: int = 4) -> Iterator[FullChunk]:
-        """Full-vocabulary rows, streamed: at most `window` chunks are ever buffered here."""
-        self.info()
+                   chunk_rows: int | None = None, window: int = 4) -> Iterator[FullChunk]:
+        """Full-vocabulary rows, streamed: at most `window` chunks are ever buffered here.
+        `chunk_rows` None: ~64 MiB chunks for this teacher's vocabulary (`default_chunk_rows`)."""
+        welcome = self.info()
+        if chunk_rows is None:
+            chunk_rows = default_chunk_rows(welcome.vocab_size, dtype)
         ids, offsets = _pack(sequences)
         score = Score(request_id=0, mode="full", response_starts=[int(s) for s in response_starts],
                       temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window))

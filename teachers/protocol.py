@@ -65,6 +65,15 @@ DTYPES: dict[str, np.dtype] = {
     "int64": np.dtype("<i8"),
 }
 LOGIT_DTYPES = ("float32", "bfloat16", "float16")  # what a client may ask for in full mode
+MAX_CHUNK_BYTES = 256 << 20       # a full-mode CHUNK's rows x V x 4 bytes may not exceed this
+DEFAULT_CHUNK_BYTES = 64 << 20    # what clients aim for when the caller gives no chunk_rows
+
+
+def default_chunk_rows(vocab_size: int, dtype: str) -> int:
+    """Rows per CHUNK of ~DEFAULT_CHUNK_BYTES (at most 1024): 110 rows at V=152,064 fp32,
+    512 at V=32,768 fp32. A fixed 1024 exceeded MAX_CHUNK_BYTES past V=65,536."""
+    item = 2 if dtype in ("bfloat16", "float16") else 4
+    return max(1, min(1024, DEFAULT_CHUNK_BYTES // (item * vocab_size), MAX_CHUNK_BYTES // (4 * vocab_size)))
 
 
 class ErrorCode(str, enum.Enum):
@@ -125,7 +134,7 @@ class Score(_Msg, tag="score"):
     k: int = 0                          # topk mode
     temperature: float = 1.0
     dtype: str = "float32"              # full mode: logits dtype on the wire
-    chunk_rows: int = 1024              # full mode: rows per CHUNK
+    chunk_rows: int = 1024              # full mode: rows per CHUNK (<= MAX_CHUNK_BYTES / (4 V))
     window: int = 4                     # full mode: CHUNKs the server may send before a CREDIT
 
 

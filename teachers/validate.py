@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 from opd.teachers.backend import ScoreRequest, TeacherBackend
-from opd.teachers.protocol import LOGIT_DTYPES, ErrorCode, ProtocolError, Score
+from opd.teachers.protocol import LOGIT_DTYPES, MAX_CHUNK_BYTES, ErrorCode, ProtocolError, Score
 
-MAX_CHUNK_BYTES = 256 << 20   # one full-mode CHUNK never exceeds this many logit bytes
 MAX_WINDOW = 64               # CHUNKs a client may ask to receive before its first CREDIT
 
 

@@ -229,3 +229,22 @@ def test_pending_requests_share_one_backend_call(teacher):
     assert sum(groups) == 8 and max(groups) > 1, groups
     for r in results[1:]:
         torch.testing.assert_close(r.logprobs, results[0].logprobs, atol=1e-6, rtol=0)
+
+
+def test_full_mode_default_chunk_fits_a_large_vocabulary():
+    """A fixed 1024-row chunk exceeded the server's 256 MiB CHUNK limit past V = 65,536 (found
+    by `opd bench step --vocab 152064`); the client now sizes chunks from the WELCOME."""
+    from opd.bench.transport import PrecomputedBackend
+    from opd.teachers.protocol import default_chunk_rows
+    from opd.teachers.server import serving_in_thread
+
+    vocab = 262144                                   # 1 MiB per fp32 row: 64 rows per chunk
+    assert default_chunk_rows(vocab, "float32") == 64 and default_chunk_rows(vocab, "bfloat16") == 128
+    assert default_chunk_rows(152064, "float32") == 110 and default_chunk_rows(260, "float32") == 1024
+    backend = PrecomputedBackend(vocab, max_rows=8, chunk_rows=64)
+    with serving_in_thread(backend) as server, TeacherClient(server.address) as client:
+        chunks = list(client.score_full([[1] * 101], [1]))
+        assert [(c.row_start, c.logits.shape) for c in chunks] == [(0, (64, vocab)), (64, (36, vocab))]
+        with pytest.raises(TeacherError) as e:      # an explicit size past the limit is still refused
+            list(client.score_full([[1] * 101], [1], chunk_rows=1024))
+        assert e.value.code == "BAD_REQUEST" and "[1, 256]" in e.value.message
