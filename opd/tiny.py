@@ -51,8 +51,13 @@ def build_tiny_model(
     seed: int = 0,
     init_std: float = 0.02,
     tie_embeddings: bool = False,
+    vocab_size: int | None = None,
 ) -> Path:
     """Save a randomly initialised Qwen2-style causal LM plus the byte tokenizer to `out_dir`.
+
+    `vocab_size` above the tokenizer's 260 pads the embedding and LM head, as real models pad
+    theirs (Qwen2.5: 151,936 rows for 151,665 tokens): benchmarks get realistic [tokens x V]
+    sizes; ids past the tokenizer decode to nothing.
 
     Head size hidden / heads defaults to 32: vLLM's CPU attention accepts 32 and up, so
     every tiny model can be served and sampled by vLLM as well as transformers.
@@ -66,7 +71,7 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
     cfg = Qwen2Config(
-        vocab_size=len(tok),
+        vocab_size=max(len(tok), vocab_size or 0),
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,

@@ -33,16 +33,18 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['co
 PROMPTS = [f"{a}+{b}=?" for a, b in [(12, 7), (40, 33), (5, 91), (68, 14), (23, 23), (77, 8), (31, 45), (9, 60)]]
 
 
-def build_models(work: Path | str) -> tuple[Path, Path, Path]:
-    """Student (2 layers, ~0.4M params) and teacher (4 layers, ~2M), one chat template, and the prompts."""
+def build_models(work: Path | str, vocab: int | None = None) -> tuple[Path, Path, Path]:
+    """Student (2 layers, ~0.4M params) and teacher (4 layers, ~2M), one chat template, and the
+    prompts; `vocab` pads both models' vocabulary (LM head rows) to a real model's size."""
     from transformers import AutoTokenizer
 
     work = Path(work)
 
     from opd.tiny import build_tiny_model
 
-    student = build_tiny_model(work / "student", layers=2, hidden=64, intermediate=128, seed=0)
-    teacher = build_tiny_model(work / "teacher", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, seed=1)
+    student = build_tiny_model(work / "student", layers=2, hidden=64, intermediate=128, seed=0, vocab_size=vocab)
+    teacher = build_tiny_model(work / "teacher", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, seed=1,
+                               vocab_size=vocab)
     for d in (student, teacher):
         tok = AutoTokenizer.from_pretrained(str(d))
         tok.chat_template = CHAT_TEMPLATE
@@ -232,6 +234,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", nargs="+", default=["opd-full", "opd-topk", "trl-gkd"],
                    choices=["opd-full", "opd-topk", "trl-gkd"])
     p.add_argument("--trl-python", default=None, help="interpreter that has trl installed")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="pad both models' vocabulary to this many rows (default: the byte tokenizer's 260)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every process (TRL's, opd's trainer, opd's teacher server)")
 
@@ -239,7 +243,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="opd-bench-step-"))
     # In a child, so that this process never maps torch (see GroupMemory).
-    subprocess.run([sys.executable, "-c", f"from opd.bench.step import build_models; build_models({str(work)!r})"],
+    subprocess.run([sys.executable, "-c", f"from opd.bench.step import build_models; build_models({str(work)!r}, {args.vocab})"],
                    check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
     student, teacher, data = work / "student", work / "teacher", work / "prompts.jsonl"
     rows = []
