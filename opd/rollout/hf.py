@@ -9,9 +9,10 @@ small models, where Python per step, not arithmetic, is the cost (8 prompts x 32
   - for full-attention models under SDPA, the 4-D boolean attention mask is built here and
     grown by one column per step; transformers would rebuild it from the 2-D mask every
     step (11 % of a step). Other models get the 2-D mask and build their own;
-  - the draw is an exponential race, argmax(p / E) with E ~ Exp(1), exact like
-    `torch.multinomial` (which took 0.09 ms of a 1.3 ms step here) and cheaper; the random
-    stream therefore differs from generate's, the distribution does not.
+  - the draw inverts the cumulative distribution with one uniform per row, exact like
+    `torch.multinomial` and far cheaper at real vocabulary sizes (1.3 ms vs 25 ms per step
+    at V = 152,064); the random stream therefore differs from generate's, the
+    distribution does not.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ def pick_tokens(logits_B_V: torch.Tensor, temperature: float, top_p: float) -> t
     if temperature <= 0:
         return logits_B_V.argmax(dim=-1)
     probs_B_V = top_p_filter(logits_B_V / temperature, top_p).softmax(dim=-1)
-    # Exponential race: row-wise argmax of p_i / E_i is token i with probability p_i (the
-    # smallest of the Exp(p_i)-distributed E_i / p_i). E is kept off 0 so that a token of
-    # probability 0 (filtered by top-p) can never win through 0 / 0.
-    race_B_V = torch.empty_like(probs_B_V).exponential_().clamp_(min=torch.finfo(probs_B_V.dtype).tiny)
-    return (probs_B_V / race_B_V).argmax(dim=-1)
+    # Inverse CDF: one uniform per row, the first token whose cumulative probability exceeds
+    # it. fp64 so the sum over 152k tokens does not drift; a token of probability 0 (cut by
+    # top-p) adds no width and is never chosen. One pass instead of one random number per
+    # token: at V = 152,064, B = 8 it takes 1.3 ms where torch.multinomial takes 25 ms.
+    cdf_B_V = probs_B_V.double().cumsum(dim=-1)
+    u_B_1 = torch.rand(cdf_B_V.shape[0], 1, dtype=torch.float64, device=cdf_B_V.device) * cdf_B_V[:, -1:]
+    return torch.searchsorted(cdf_B_V, u_B_1, right=True).squeeze(1)
 
 
 def _builds_own_mask(config) -> bool:
