@@ -130,20 +130,30 @@ def _parts(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
+def _head_is_plain(model) -> bool:
+    """True when logits are exactly lm_head(hidden): no soft-capping or scaling after the head
+    (Gemma 2's final_logit_softcapping, Cohere's logit_scale), which body + head would skip."""
+    cfg = model.config
+    return getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) in (None, 1.0)
+
+
 def student_rows(model, packed: Packed, *, fused: bool):
     """The student's response rows: logits [N, V], or (hidden [N, H], lm_head weight [V, H]) when fused.
 
-    The fused path runs only the decoder body, so [B, L, V] logits are never built.
+    Both run the decoder body, gather the N response rows of [B, L, H], and (not fused) apply
+    the LM head to those rows only: [B, L, V] logits, prompt and padding positions included,
+    are never built (at V = 152,064 that tensor alone was 1.5x the rows' logits, plus the
+    copy the gather made). A model whose head is followed by a soft-cap or scale goes
+    through its own forward instead.
     """
     device = next(model.parameters()).device
     ids, attn = packed.input_ids_B_L.to(device), packed.attention_B_L.to(device)
     b, pos = packed.row_b_N.to(device), packed.row_pos_N.to(device)
-    if fused:
-        body, head = _parts(model)
-        hidden_B_L_H = body(input_ids=ids, attention_mask=attn).last_hidden_state
-        return hidden_B_L_H[b, pos], head.weight
-    logits_B_L_V = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-    return logits_B_L_V[b, pos]
+    if not fused and not _head_is_plain(model):
+        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[b, pos]
+    body, head = _parts(model)
+    hidden_N_H = body(input_ids=ids, attention_mask=attn).last_hidden_state[b, pos]
+    return (hidden_N_H, head.weight) if fused else head(hidden_N_H)
 
 
 def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:
@@ -157,6 +167,11 @@ def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:
 
 
 def select_rows(rows, index: torch.Tensor):
+    """Rows `index` of either form of `student_rows`; all rows in order (one teacher for the
+    whole micro-batch, the usual case) are returned as they are, not copied."""
+    n = len(rows[0]) if isinstance(rows, tuple) else len(rows)
+    if len(index) == n and bool((index == torch.arange(n, device=index.device)).all()):
+        return rows
     if isinstance(rows, tuple):
         return rows[0][index], rows[1]
     return rows[index]

@@ -72,3 +72,22 @@ def test_row_weights_per_token_and_per_sequence():
 def test_row_weights_skip_empty_sequences():
     w = row_weights([0, 0, 3], ["a", "a"], {}, "sequence")
     assert torch.allclose(w, torch.full((3,), 1 / 3))
+
+
+def test_student_rows_equal_the_models_own_logits_at_the_response_rows(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from opd.distill import select_rows, student_rows
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    packed = pack([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], pad_id=0)
+    want = model(input_ids=packed.input_ids_B_L, attention_mask=packed.attention_B_L).logits[
+        packed.row_b_N, packed.row_pos_N]
+    rows = student_rows(model, packed, fused=False)               # body + head on the 5 rows only
+    torch.testing.assert_close(rows, want, atol=1e-5, rtol=0)
+    hidden, weight = student_rows(model, packed, fused=True)
+    torch.testing.assert_close(hidden @ weight.T, want, atol=1e-5, rtol=0)
+    assert select_rows(rows, torch.arange(5)) is rows              # all rows in order: no copy
+    torch.testing.assert_close(select_rows(rows, torch.tensor([4, 0])), want[[4, 0]])
+    model.config.final_logit_softcapping = 30.0                    # a head followed by a soft-cap:
+    torch.testing.assert_close(student_rows(model, packed, fused=False), want)  # the model's own forward
