@@ -112,9 +112,9 @@ class HFBackend(TeacherBackend):
         z = self.lm_head(hidden).float() / temperature          # [rows, V]
         lse = torch.logsumexp(z, dim=-1)
         top_z, top_ids = z.topk(k, dim=-1)
-        rest = z.scatter(1, top_ids, float("-inf"))
-        tail = torch.logsumexp(rest, dim=-1) - lse              # -inf - finite = -inf when k == V
         token_lp = z.gather(1, targets[:, None]).squeeze(1) - lse
+        # The tail in place: z is not needed after this, and a copy is [rows, V] fp32 again.
+        tail = torch.logsumexp(z.scatter_(1, top_ids, float("-inf")), dim=-1) - lse  # -inf when k == V
         return top_ids.int(), top_z - lse[:, None], tail, token_lp, lse
 
     @torch.no_grad()
