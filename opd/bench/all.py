@@ -35,7 +35,8 @@ def run(args) -> int:
         "kernels": ["--json", str(out / "kernels.json"), *quick],
         "transport": ["--json", str(out / "transport.json"), *quick,
                       *(["--seconds", "0.3", "--rounds", "1", "--positions", "1024"] if args.quick else [])],
-        "step": ["--json", str(out / "step.json"), *(["--steps", "3", "--warmup", "1"] if args.quick else []),
+        "step": ["--json", str(out / "step.json"),
+                 *(["--steps", "3", "--warmup", "1", "--rounds", "1"] if args.quick else []),
                  *(["--trl-python", args.trl_python] if args.trl_python else [])],
     }
     wall = {}

@@ -6,7 +6,8 @@ fp32 on CPU, forward KL (beta=0) on the full vocabulary, fully on-policy:
   opd-topk   the same with the teacher's top-k answer (k=32) and its tail bucket
   trl-gkd    TRL `GKDTrainer` with lmbda=1 (every step samples from the student), teacher
              in the trainer's process (TRL's design)
-Each runs in its own process; the first `--warmup` steps are dropped. Reported: trained
+Each runs in its own process, `--rounds` times, the systems taking turns; the first
+`--warmup` steps of a run are dropped and the rest pooled. Reported: trained
 response tokens per second, seconds per step, peak RSS of the trainer (and of the teacher
 server for opd, which TRL does not have), the peak of the processes' summed PSS (trainer +
 teacher server for opd, TRL's one process), and for opd the time per phase (rollout,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -118,6 +120,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
     memory.pids.append(server.proc.pid)
     try:
         out = work / f"opd-{mode}"
+        shutil.rmtree(out, ignore_errors=True)  # a fresh run each round, not a resume
         cfg = {
             "student": {"path": str(student)},
             "merge": {"teachers": [{"name": "teacher", "address": server.address, "mode": mode, "k": 32,
@@ -145,17 +148,30 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
         server.stop()
         pss = memory.stop()
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    rows = [r for r in rows if "step_s" in r][warmup:]
-    step_s = statistics.median(r["step_s"] for r in rows)
+    steps_ = [{"tokens": r["tokens"], "step_s": r["step_s"], "rollout": r["rollout_s"],
+               "teacher_wait": r["teacher_wait_s"], "loss_backward_optim": r["step_s"] - r["rollout_s"] - r["teacher_wait_s"]}
+              for r in rows if "step_s" in r][warmup:]
+    return summarize(f"opd-{mode}", steps_, rss, teacher_rss, pss)
+
+
+PHASES = ("rollout", "teacher_wait", "loss_backward_optim")
+
+
+def summarize(system: str, steps: list[dict], rss: int, teacher_rss: int, pss: int) -> dict:
+    """One row from measured steps ({tokens, step_s[, phases]}) and the peaks of memory."""
     return {
-        "system": f"opd-{mode}", "steps_measured": len(rows), "step_s": step_s,
-        "tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["step_s"] for r in rows),
+        "system": system, "steps_measured": len(steps), "step_s": statistics.median(r["step_s"] for r in steps),
+        "tokens_per_s": sum(r["tokens"] for r in steps) / sum(r["step_s"] for r in steps),
         "peak_rss_trainer": rss, "peak_rss_teacher": teacher_rss, "peak_pss_total": pss,
-        "phases_s": {"rollout": statistics.median(r["rollout_s"] for r in rows),
-                     "teacher_wait": statistics.median(r["teacher_wait_s"] for r in rows),
-                     "loss_backward_optim": statistics.median(r["step_s"] - r["rollout_s"] - r["teacher_wait_s"]
-                                                              for r in rows)},
+        "phases_s": ({k: statistics.median(r[k] for r in steps) for k in PHASES} if PHASES[0] in steps[0] else None),
+        "steps": steps,
     }
+
+
+def pool(rows: list[dict]) -> dict:
+    """The rows of one system from several rounds as one: every measured step, the highest peaks."""
+    return summarize(rows[0]["system"], [s for r in rows for s in r["steps"]],
+                     *(max(r[k] for r in rows) for k in ("peak_rss_trainer", "peak_rss_teacher", "peak_pss_total")))
 
 
 def _trl_main(work: str, steps: int, threads: int = 1) -> None:
@@ -221,16 +237,15 @@ def run_trl(python: str, work: Path, steps: int, warmup: int, threads: int = 1) 
     if rc != 0 or line is None:
         raise RuntimeError(f"TRL run failed ({rc}):\n{text[-3000:]}")
     res = json.loads(line[len("TRL_RESULT "):])
-    times, tokens = res["times"][warmup:], res["tokens"][warmup:]
-    return {"system": "trl-gkd", "steps_measured": len(times), "step_s": statistics.median(times),
-            "tokens_per_s": sum(tokens) / sum(times), "peak_rss_trainer": rss, "peak_rss_teacher": 0,
-            "peak_pss_total": pss, "phases_s": None}
+    steps = [{"tokens": n, "step_s": t} for n, t in zip(res["tokens"][warmup:], res["times"][warmup:])]
+    return summarize("trl-gkd", steps, rss, 0, pss)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    p.add_argument("--steps", type=int, default=12, help="steps per system (the first --warmup are dropped)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=18, help="steps per run (the first --warmup are dropped)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="runs per system, the systems taking turns; steps pooled")
     p.add_argument("--systems", nargs="+", default=["opd-full", "opd-topk", "trl-gkd"],
                    choices=["opd-full", "opd-topk", "trl-gkd"])
     p.add_argument("--trl-python", default=None, help="interpreter that has trl installed")
@@ -246,17 +261,23 @@ def run(args) -> int:
     subprocess.run([sys.executable, "-c", f"from opd.bench.step import build_models; build_models({str(work)!r}, {args.vocab})"],
                    check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
     student, teacher, data = work / "student", work / "teacher", work / "prompts.jsonl"
-    rows = []
-    for system in args.systems:
-        if system == "trl-gkd":
-            python = _trl_python(args.trl_python)
-            if python is None:
-                print("trl-gkd: skipped (trl not installed; `make bench` installs it into .venv-bench)")
-                continue
-            row = run_trl(python, work, args.steps, args.warmup, args.threads)
-        else:
-            row = run_opd(work, student, teacher, data, system.split("-")[1], args.steps, args.warmup, args.threads)
-        rows.append(row)
+    python = _trl_python(args.trl_python)
+    systems = [s for s in args.systems if s != "trl-gkd" or python is not None]
+    if len(systems) < len(args.systems):
+        print("trl-gkd: skipped (trl not installed; `make bench` installs it into .venv-bench)")
+    # Systems take turns, round after round: drifts of a shared machine hit all of them alike.
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for r in range(args.rounds):
+        for system in systems:
+            if system == "trl-gkd":
+                row = run_trl(python, work, args.steps, args.warmup, args.threads)
+            else:
+                row = run_opd(work, student, teacher, data, system.split("-")[1], args.steps, args.warmup,
+                              args.threads)
+            runs[system].append(row)
+            print(f"round {r + 1}/{args.rounds}  " + _fmt(row), flush=True)
+    rows = [pool(v) for v in runs.values()]
+    for row in rows:
         print(_fmt(row), flush=True)
     trl = next((r for r in rows if r["system"] == "trl-gkd"), None)
     if trl:
