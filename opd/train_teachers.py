@@ -132,19 +132,26 @@ class TeacherSet:
         t0 = time.perf_counter()
         if spec.mode == "full":
             def collect() -> Answer:
-                chunks = list(client.score_full(sequences, starts, temperature=spec.temperature,
-                                                dtype=self.cfg.loss.full_dtype))
-                rows = sum(len(s) - st for s, st in zip(sequences, starts))
-                if chunks:
-                    logits = torch.cat([c.logits for c in chunks])
-                    token_lp = torch.cat([c.token_logprob for c in chunks])
-                else:
-                    logits, token_lp = torch.zeros(0, 0), torch.zeros(0)
                 offsets = [0]
                 for s, st in zip(sequences, starts):
                     offsets.append(offsets[-1] + len(s) - st)
-                if not offsets[-1] == rows == len(token_lp):
-                    raise TrainError(f"teacher {teacher!r} returned {len(token_lp)} rows, expected {rows}")
+                rows, logits, token_lp, got = offsets[-1], None, torch.zeros(offsets[-1]), 0
+                # Each chunk is copied into one [rows, V] buffer as it arrives and then dropped:
+                # holding the chunks and concatenating them needed twice the answer's memory.
+                for c in client.score_full(sequences, starts, temperature=spec.temperature,
+                                           dtype=self.cfg.loss.full_dtype):
+                    if logits is None:
+                        logits = torch.empty(rows, c.logits.shape[1], dtype=c.logits.dtype)
+                    n = c.logits.shape[0]
+                    if c.row_start + n > rows:
+                        raise TrainError(f"teacher {teacher!r} sent rows past the {rows} requested")
+                    logits[c.row_start:c.row_start + n] = c.logits
+                    token_lp[c.row_start:c.row_start + n] = c.token_logprob
+                    got += n
+                if got != rows:
+                    raise TrainError(f"teacher {teacher!r} returned {got} rows, expected {rows}")
+                if logits is None:
+                    logits = torch.zeros(0, 0)
                 return Answer(None, logits, token_lp, offsets, time.perf_counter() - t0)
             return self.pool.submit(collect)
 
