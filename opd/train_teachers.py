@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from opd.distill import take_rows
+
 
 class TrainError(RuntimeError):
     """A run that cannot start or continue; the message says what to change."""
@@ -193,7 +195,7 @@ class TeacherSet:
     def topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor:
         if answer.topk is not None:
             return answer.topk.ids[idx]
-        return answer.logits[idx].float().topk(min(spec.k, answer.logits.shape[1]), -1).indices
+        return take_rows(answer.logits, idx).float().topk(min(spec.k, answer.logits.shape[1]), -1).indices
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

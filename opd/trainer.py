@@ -323,7 +323,7 @@ class Trainer:
             # Policy gradient with advantage -est: d/dθ of est * log p_student(x).
             return est * student_lp * t2, est
         if spec.mode == "full":
-            teacher = answer.logits[idx].float()
+            teacher = distill.take_rows(answer.logits, idx).float()
         else:
             t = answer.topk
             teacher = type(t)(t.ids[idx], t.logprobs[idx], t.tail_logmass[idx])

@@ -91,3 +91,12 @@ def test_student_rows_equal_the_models_own_logits_at_the_response_rows(tiny_mode
     torch.testing.assert_close(select_rows(rows, torch.tensor([4, 0])), want[[4, 0]])
     model.config.final_logit_softcapping = 30.0                    # a head followed by a soft-cap:
     torch.testing.assert_close(student_rows(model, packed, fused=False), want)  # the model's own forward
+
+
+def test_take_rows_copies_only_a_real_selection():
+    from opd.distill import take_rows
+
+    t = torch.arange(12.0).view(4, 3)
+    assert take_rows(t, torch.arange(4)) is t
+    assert torch.equal(take_rows(t, torch.tensor([2, 0])), t[[2, 0]])
+    assert torch.equal(take_rows(t, torch.tensor([0, 1, 3, 2])), t[[0, 1, 3, 2]])   # same length, not in order
