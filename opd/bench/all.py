@@ -39,9 +39,12 @@ def run(args) -> int:
                  *(["--steps", "3", "--warmup", "1", "--rounds", "1"] if args.quick else []),
                  *(["--trl-python", args.trl_python] if args.trl_python else [])],
     }
+    if not args.quick:  # the same step at a real vocabulary, where [tokens x V] tensors dominate memory
+        plans["step-v152064"] = ["--json", str(out / "step_v152064.json"), "--vocab", "152064", "--steps", "6",
+                                 "--warmup", "1", *(["--trl-python", args.trl_python] if args.trl_python else [])]
     wall = {}
     for name, argv in plans.items():
-        module = importlib.import_module(f"opd.bench.{name}")
+        module = importlib.import_module(f"opd.bench.{name.split('-')[0]}")
         print(f"== opd bench {name} {' '.join(argv)}", flush=True)
         t0 = time.perf_counter()
         module.run(_sub_args(module, argv))
@@ -90,9 +93,17 @@ def summary(out: Path, wall: dict, quick: bool) -> str:
                          f"{'%.0fx' % r['ratio_to_http'] if r.get('ratio_to_http') else '-'} | "
                          f"{'%.0f%%' % (100 * r['curve_cost']) if 'curve_cost' in r else '-'} |")
         lines.append("")
-    s = _load(out / "step.json")
+    for name, title in (("step.json", "One on-policy distillation step"),
+                        ("step_v152064.json", "The same step, vocabulary padded to 152,064")):
+        lines += _step_table(_load(out / name), title)
+    lines += ["Wall time per benchmark: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()), ""]
+    return "\n".join(lines)
+
+
+def _step_table(s: list[dict], title: str) -> list[str]:
+    lines = []
     if s:
-        lines += ["## One on-policy distillation step", "",
+        lines += [f"## {title}", "",
                   "| system | tokens/s | s/step | trainer peak RSS MiB | teacher server RSS MiB | total peak PSS MiB "
                   "| x TRL tokens/s | phases (s) |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -102,5 +113,4 @@ def summary(out: Path, wall: dict, quick: bool) -> str:
             lines.append(f"| {r['system']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {_mib(r['peak_rss_trainer'])} | "
                          f"{_mib(r['peak_rss_teacher'])} | {_mib(r.get('peak_pss_total'))} | {vs} | {phases} |")
         lines.append("")
-    lines += ["Wall time per benchmark: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items()), ""]
-    return "\n".join(lines)
+    return lines
