@@ -71,9 +71,12 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer=None, sched
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    # Half-written checkpoints of crashed earlier processes (each a full model copy).
+    # Half-written checkpoints of crashed earlier processes (each a full model copy), and the
+    # `latest` pointer of one killed between writing and renaming it.
     for stale in root.glob("step_*.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob("latest.tmp-*"):
+        stale.unlink(missing_ok=True)
     try:
         tmp.mkdir()
         trainable = {n: p.detach().cpu().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
