@@ -108,3 +108,23 @@ def perturb_model(src_dir: str | Path, out_dir: str | Path, *, scale: float = 0.
     model.save_pretrained(str(out), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(src_dir)).save_pretrained(str(out))
     return out
+
+
+def lm_head_teacher(student_dir: str | Path, out_dir: str | Path, *, seed: int = 3) -> Path:
+    """The student with a rank-4 change of its LM head (logit changes of ~2 nats): the same
+    tokenizer and body, clearly other answers, reachable by full fine-tuning and by a LoRA
+    adapter on `lm_head`. Reused if `out_dir` already holds a model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    w = model.lm_head.weight
+    with torch.no_grad():
+        w.add_(torch.randn(w.shape[0], 4, generator=g) @ (torch.randn(4, w.shape[1], generator=g) * 0.125))
+    model.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(student_dir)).save_pretrained(str(out))
+    return out

@@ -65,23 +65,6 @@ def start_slow_server(model_dir, bind: str, delay_s: float, *, max_k: int = 16, 
                               "--delay-s", str(delay_s), "--max-k", str(max_k), *extra], env, timeout_s)
 
 
-def lm_head_teacher(student_dir, out_dir, seed: int = 3) -> Path:
-    """The student with a rank-4 change of its LM head: same tokenizer, clearly other answers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out_dir = Path(out_dir)
-    if (out_dir / "config.json").is_file():
-        return out_dir
-    model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    w = model.lm_head.weight
-    with torch.no_grad():
-        w.add_(torch.randn(w.shape[0], 4, generator=g) @ (torch.randn(4, w.shape[1], generator=g) * 0.125))
-    model.save_pretrained(str(out_dir))
-    AutoTokenizer.from_pretrained(str(student_dir)).save_pretrained(str(out_dir))
-    return out_dir
-
-
 def train_config_dict(student, address: str, data_dir: Path, out_dir: Path, *, steps: int = 6,
                       mode: str = "topk", **client) -> dict:
     """A tiny `opd train` config: 4 prompts per step, responses of at most 8 tokens."""

@@ -20,12 +20,13 @@ from unittest.mock import ANY
 import pytest
 import yaml
 
-from fault_helpers import free_port, lm_head_teacher, train_config_dict
+from fault_helpers import free_port, train_config_dict
 from opd.checkpoint import latest_checkpoint, load_checkpoint
 from opd.config import from_dict
 from opd.data import write_jsonl
 from opd.metrics import read_metrics
 from opd.teachers.launch import start_server_process
+from opd.tiny import lm_head_teacher
 from opd.train_config import TrainConfig
 from opd.trainer import Trainer, TrainError
 

@@ -17,23 +17,11 @@ import torch
 from opd.config import from_dict
 from opd.data import write_jsonl
 from opd.metrics import read_metrics
+from opd.tiny import lm_head_teacher
 from opd.train_config import TrainConfig
 from opd.trainer import Trainer, TrainError
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _lm_head_teacher(student_dir, out_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
-    g = torch.Generator().manual_seed(3)
-    w = model.lm_head.weight
-    with torch.no_grad():
-        w.add_(torch.randn(w.shape[0], 4, generator=g) @ (torch.randn(4, w.shape[1], generator=g) * 0.125))
-    model.save_pretrained(str(out_dir))
-    AutoTokenizer.from_pretrained(str(student_dir)).save_pretrained(str(out_dir))
-    return out_dir
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +29,7 @@ def setup(tmp_path_factory, tiny_model_dir):
     from opd.teachers.launch import start_server_process
 
     root = tmp_path_factory.mktemp("opd_train")
-    teacher = _lm_head_teacher(tiny_model_dir, root / "teacher")
+    teacher = lm_head_teacher(tiny_model_dir, root / "teacher")
     write_jsonl(root / "train.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(16)])
     write_jsonl(root / "eval.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?", "answer": str(2 * i)} for i in range(100, 108)])
     write_jsonl(root / "sft.jsonl", [{"prompt": f"say {i}", "response": f"{i}"} for i in range(4)])
