@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from opd.rollout.base import SamplingParams
+from oracles import forward_logprobs
 from opd.rollout.hf import HFRolloutEngine, top_p_filter
 
 
@@ -19,12 +20,7 @@ def test_hf_rollout_logprobs_match_forward_pass(tiny_model_dir):
                                                        n=3, stop_token_ids=stops, seed=2))
     assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1]
     for r in rollouts:
-        ids = torch.tensor(r.ids)
-        with torch.no_grad():
-            lp = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
-        p = len(r.prompt_ids)
-        ref = lp[p - 1:len(ids) - 1].gather(1, ids[p:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-3, rtol=0)
+        torch.testing.assert_close(torch.tensor(r.logprobs), forward_logprobs(model, r), atol=1e-3, rtol=0)
         assert r.finish_reason == ("eos" if r.response_ids[-1] in stops else "length")
 
 
@@ -44,10 +40,7 @@ def test_hf_rollout_greedy_equals_transformers_generate(tiny_model_dir):
         want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(prompt):]
         assert r.response_ids == want.tolist()
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([r.ids])).logits[0].float(), -1)
-        ref = lp[len(prompt) - 1:-1].gather(1, torch.tensor(r.response_ids)[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(r.logprobs), forward_logprobs(model, r), atol=1e-4, rtol=0)
     assert model.training is False
     model.train()
     HFRolloutEngine(model, tok).generate(prompts[:1], SamplingParams(temperature=0, max_new_tokens=2))

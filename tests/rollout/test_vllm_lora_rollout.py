@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from opd.rollout.base import SamplingParams
+from oracles import forward_logprobs
 
 pytestmark = pytest.mark.vllm
 
@@ -20,14 +21,6 @@ def lora_engine(vllm_model_dir):
     engine = VLLMRolloutEngine(vllm_model_dir, lora={"rank": RANK}, max_model_len=128, seed=0, max_num_seqs=16)
     yield engine
     engine.close()
-
-
-def _sampled_logprobs(model, rollout) -> torch.Tensor:
-    ids = torch.tensor(rollout.ids)
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
-    p = len(rollout.prompt_ids)
-    return lp[p - 1:len(ids) - 1].gather(1, ids[p:, None]).squeeze(1)
 
 
 def _randomize_adapter(model, seed: int) -> None:
@@ -53,9 +46,9 @@ def test_lora_push_serves_the_new_adapter(lora_engine, vllm_model_dir):
         lora_engine.sync_weights(student)
         rollouts = lora_engine.generate(PROMPTS, params)
         got = torch.cat([torch.tensor(r.logprobs) for r in rollouts])
-        want = torch.cat([_sampled_logprobs(student, r) for r in rollouts])
+        want = torch.cat([forward_logprobs(student, r) for r in rollouts])
         torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
-        plain = torch.cat([_sampled_logprobs(base, r) for r in rollouts])
+        plain = torch.cat([forward_logprobs(base, r) for r in rollouts])
         assert (got - plain).abs().max() > 0.1                      # the adapter is really applied
     # version 2 matched its own adapter above, so it was not served from vLLM's cache of version 1
     assert lora_engine._lora_request.lora_int_id == 2

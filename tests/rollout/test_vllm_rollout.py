@@ -6,20 +6,12 @@ import pytest
 import torch
 
 from opd.rollout.base import SamplingParams
+from oracles import forward_logprobs
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = [[72, 101, 108, 108, 111], [49, 43, 50, 61], list(range(60, 90))]
 STOPS = tuple(range(100, 130))       # 30 of 260 ids: some samples stop early, some run out
-
-
-def forward_logprobs(model, rollout) -> torch.Tensor:
-    """Raw log_softmax(logits) of each response token, from one transformers forward pass."""
-    ids = torch.tensor(rollout.ids)
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
-    p = len(rollout.prompt_ids)
-    return lp[p - 1:len(ids) - 1].gather(1, ids[p:, None]).squeeze(1)
 
 
 def assert_matches(model, rollouts, atol=1e-3):
