@@ -38,7 +38,7 @@ class StudentConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = field("hf", help="hf: transformers generate on the trained model; "
+    engine: Literal["hf", "vllm"] = field("hf", help="hf: a KV-cached sampling loop over the trained model; "
                                                      "vllm: a vLLM engine that receives the weights after each step")
     prompts_per_step: int = field(8, help="prompts drawn per optimizer step", min=1)
     samples_per_prompt: int = field(1, help="responses sampled per prompt", min=1)

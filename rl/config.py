@@ -30,12 +30,13 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = field("hf", help="hf: transformers generate (exact, slow); vllm: the vLLM engine")
+    engine: Literal["hf", "vllm"] = field("hf", help="hf: a KV-cached sampling loop over the transformers model "
+                                                     "(exact); vllm: the vLLM engine")
     group_size: int = field(8, help="G: responses sampled per prompt", min=2)
     temperature: float = field(1.0, help="sampling temperature (too low -> groups of identical answers)", min=0.0)
     top_p: float = field(1.0, help="nucleus sampling", min=0.0, max=1.0)
     max_new_tokens: int = field(256, help="response length limit (also the Dr. GRPO normalizer)", min=1)
-    batch_size: int = field(64, help="sequences per generate call (hf engine)", min=1)
+    batch_size: int = field(64, help="sequences sampled together (hf engine)", min=1)
     max_model_len: int = field(2048, help="vLLM engine: prompt + response length limit", min=16)
     # --- on Ray (cluster.mode: ray): hf engines as actors, the prompts split between them
     actors: int = field(1, help="cluster.mode ray: rollout actors, each with its own copy of the policy", min=1)

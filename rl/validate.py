@@ -64,7 +64,7 @@ class ValidateConfig:
     greedy: bool = field(True, help="also report the accuracy of one greedy answer")
     max_new_tokens: int = field(256, help="response length limit", min=1)
     engine: Literal["hf", "vllm"] = field("hf", help="rollout engine: hf (transformers) or vllm")
-    batch_size: int = field(64, help="sequences per generate call (hf)", min=1)
+    batch_size: int = field(64, help="sequences sampled together (hf engine)", min=1)
     code: dict[str, Any] = field(default_factory=dict, help="code verifier options: timeout_s, memory_mb, workers")
     grpo: GRPOCheck | None = field(None, help="optional short GRPO pass: does reward still rise?")
     seed: int = field(0, help="sampling seed")
