@@ -256,6 +256,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    if not 0 <= args.warmup < args.steps:
+        raise SystemExit(f"opd bench step: --warmup ({args.warmup}) must lie in [0, --steps ({args.steps}))")
     work = Path(tempfile.mkdtemp(prefix="opd-bench-step-"))
     # In a child, so that this process never maps torch (see GroupMemory).
     subprocess.run([sys.executable, "-c", f"from opd.bench.step import build_models; build_models({str(work)!r}, {args.vocab})"],

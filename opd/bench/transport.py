@@ -157,8 +157,8 @@ def _requests(positions: int, seq_rows: int = 512) -> tuple[list[list[int]], lis
 
 
 def measure_opd(address: str, mode: str, k: int, dtype: str, positions: int, seconds: float,
-                curve=None, in_flight: int = 4, chunk_rows: int = 64) -> tuple[float, int]:
-    """(positions per second, bytes per position) of this project's client."""
+                curve=None, in_flight: int = 4, chunk_rows: int = 64) -> float:
+    """Positions per second through this project's client."""
     from opd.teachers.client import TeacherClient
 
     seqs, starts = _requests(positions, min(512, positions))
@@ -176,14 +176,11 @@ def measure_opd(address: str, mode: str, k: int, dtype: str, positions: int, sec
             for f in futures:
                 f.result()
             done += rows * len(futures)
-            per_pos = k * 8 + 12
         else:
             while time.perf_counter() - t0 < seconds:
                 for chunk in client.score_full(seqs, starts, dtype=dtype, chunk_rows=chunk_rows, window=4):
                     done += chunk.logits.shape[0]
-                    vocab = chunk.logits.shape[1]
-            per_pos = vocab * (4 if dtype == "float32" else 2) + 8
-        return done / (time.perf_counter() - t0), per_pos
+        return done / (time.perf_counter() - t0)
 
 
 class Ceiling:
@@ -286,10 +283,10 @@ def run_cases(args) -> list[dict]:
                 for k in args.ks if has_topk else []:
                     http = measure_http(k, min(max(args.positions), 1024), args.seconds) if transport == "tcp" else None
                     for n in args.positions:
-                        methods = {"opd": lambda sec, n=n, k=k: measure_opd(address, "topk", k, "float32", n, sec)[0]}
+                        methods = {"opd": lambda sec, n=n, k=k: measure_opd(address, "topk", k, "float32", n, sec)}
                         if caddress is not None:
                             methods["curve"] = lambda sec, n=n, k=k: measure_opd(caddress, "topk", k, "float32", n,
-                                                                                 sec, curve=curve)[0]
+                                                                                 sec, curve=curve)
                         ceiling = Ceiling(_bind(transport, tmp, "push"), _topk_frame_sizes(n, k), n)
                         row = compare(dict(transport=transport, mode="topk", k=k, vocab=None, dtype="float32",
                                            positions_per_request=n, bytes_per_position=k * 8 + 12), ceiling, methods)
@@ -301,7 +298,7 @@ def run_cases(args) -> list[dict]:
                     n = args.chunk_rows * 8
                     item = 4 if dtype == "float32" else 2
                     methods = {"opd": lambda sec, dtype=dtype, n=n: measure_opd(address, "full", 0, dtype, n, sec,
-                                                                               chunk_rows=args.chunk_rows)[0]}
+                                                                               chunk_rows=args.chunk_rows)}
                     ceiling = Ceiling(_bind(transport, tmp, "push"),
                                       [200, args.chunk_rows * vocab * item, args.chunk_rows * 4, args.chunk_rows * 4],
                                       args.chunk_rows)
