@@ -121,6 +121,7 @@ class TeacherClient:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
+        self._wake_pending = False           # a wake byte is on its way to the I/O thread
         self._rids = itertools.count(1)
         self._calls: dict[int, _Call] = {}   # wire request id -> call (top-k and full)
         self._hellos: list[_Call] = []
@@ -202,10 +203,14 @@ class TeacherClient:
         if self._closed and what == "submit":
             raise TeacherError("CLOSED", "client is closed")
         self._cmds.put((what, call))
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
+        # One wake byte per I/O-loop turn is enough: the loop clears the flag before it drains
+        # the queue, so a command put after that drain began finds it clear and wakes it again.
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self._wake_w.send(b"x")
+            except OSError:
+                pass
         return call.future if call is not None else Future()
 
     # ---- the I/O thread ------------------------------------------------------------------
@@ -240,6 +245,7 @@ class TeacherClient:
                         self._wake_r.recv(4096)
                     except BlockingIOError:
                         pass
+                self._wake_pending = False
                 while True:
                     try:
                         what, call = self._cmds.get_nowait()
@@ -253,11 +259,10 @@ class TeacherClient:
                     while self._monitor.poll(0):
                         self._on_event(recv_monitor_message(self._monitor)["event"], now)
                 if self._sock in ready:
-                    for _ in range(256):
-                        try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
+                    for _ in range(256):  # EVENTS, not recv-until-EAGAIN: a raised zmq.Again costs ~3 us
+                        if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
                             break
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         self._last_recv = now
                         self._on_message(frames, now)
                 if self._tick(now):  # replace the connection
@@ -435,11 +440,20 @@ class TeacherClient:
 
 
 def _pack(sequences) -> tuple[np.ndarray, np.ndarray]:
-    """Flat int32 ids and [B + 1] int32 offsets of a list of token-id sequences."""
-    parts = [np.asarray(s.tolist() if hasattr(s, "tolist") else s, dtype=np.int64).reshape(-1) for s in sequences]
-    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(p) for p in parts])
-    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
+    """Flat int32 ids and [B + 1] int32 offsets of token-id sequences (lists, numpy arrays or
+    torch tensors). Lists go through one `np.fromiter` (~25 ns a token, half of converting
+    each list); arrays and tensors are concatenated without a detour through Python ints."""
+    lengths = [len(s) for s in sequences]
+    offsets = np.zeros(len(lengths) + 1, dtype="<i4")
+    offsets[1:] = np.cumsum(lengths)
+    if all(isinstance(s, (list, tuple)) for s in sequences):
+        try:
+            ids = np.fromiter(itertools.chain.from_iterable(sequences), dtype="<i4", count=int(offsets[-1]))
+        except OverflowError:
+            raise ValueError("token ids do not fit in int32") from None
+        return ids, offsets
+    parts = [np.asarray(s.cpu() if hasattr(s, "cpu") else s).reshape(-1) for s in sequences]
+    wide = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+    if wide.size and (wide.min() < np.iinfo(np.int32).min or wide.max() > np.iinfo(np.int32).max):
         raise ValueError("token ids do not fit in int32")
-    return ids.astype("<i4"), offsets.astype("<i4")
+    return wide.astype("<i4"), offsets

@@ -42,26 +42,27 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     if B < 1 or len(offsets) != B + 1:
         fail(ErrorCode.MALFORMED, f"{B} response_starts need {B + 1} offsets, got {len(offsets)}")
     offs = offsets.astype(np.int64)
-    if offs[0] != 0 or offs[-1] != len(ids) or np.any(np.diff(offs) < 0):
+    lengths = np.diff(offs)
+    if offs[0] != 0 or offs[-1] != len(ids) or (lengths < 0).any():
         fail(ErrorCode.MALFORMED, f"offsets must rise from 0 to {len(ids)} (the number of ids)")
 
     # Sizes.
     if len(ids) > max_tokens_per_request:
         fail(ErrorCode.TOO_LONG, f"request has {len(ids)} tokens, max_tokens_per_request is {max_tokens_per_request}")
-    lengths = np.diff(offs)
     longest = int(lengths.max())
     if longest > backend.max_positions:
         fail(ErrorCode.TOO_LONG, f"a sequence has {longest} tokens, the model takes at most {backend.max_positions}")
 
     # Token ids.
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= backend.vocab_size):
-        fail(ErrorCode.BAD_TOKEN, f"token ids must lie in [0, {backend.vocab_size}); got "
-                                  f"min {int(ids.min())}, max {int(ids.max())}")
+    lo, hi = (int(ids.min()), int(ids.max())) if len(ids) else (0, 0)
+    if lo < 0 or hi >= backend.vocab_size:
+        fail(ErrorCode.BAD_TOKEN, f"token ids must lie in [0, {backend.vocab_size}); got min {lo}, max {hi}")
 
     # Response starts: 1 <= s_b <= len_b (s_b == len_b means no rows for that sequence).
+    lengths = lengths.tolist()
     for b, (s, n) in enumerate(zip(starts, lengths)):
         if not 1 <= s <= n:
-            fail(ErrorCode.BAD_REQUEST, f"response_starts[{b}] = {s} must lie in [1, {int(n)}] (sequence length)")
+            fail(ErrorCode.BAD_REQUEST, f"response_starts[{b}] = {s} must lie in [1, {n}] (sequence length)")
 
     if not (math.isfinite(msg.temperature) and msg.temperature > 0):
         fail(ErrorCode.BAD_REQUEST, f"temperature must be finite and > 0, got {msg.temperature}")
@@ -80,7 +81,7 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
 
     req = ScoreRequest(
         request_id=rid, mode=msg.mode, ids=torch.from_numpy(ids.astype(np.int64)),
-        offsets=tuple(int(o) for o in offs), response_starts=tuple(int(s) for s in starts),
+        offsets=tuple(offs.tolist()), response_starts=tuple(starts),
         k=int(msg.k), temperature=float(msg.temperature), dtype=msg.dtype, chunk_rows=int(msg.chunk_rows),
     )
     why = backend.unsupported(req)

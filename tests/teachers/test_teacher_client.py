@@ -248,3 +248,43 @@ def test_full_mode_default_chunk_fits_a_large_vocabulary():
         with pytest.raises(TeacherError) as e:      # an explicit size past the limit is still refused
             list(client.score_full([[1] * 101], [1], chunk_rows=1024))
         assert e.value.code == "BAD_REQUEST" and "[1, 256]" in e.value.message
+
+
+def test_pack_takes_lists_arrays_and_tensors_alike():
+    from opd.teachers.client import _pack
+
+    want_ids, want_offsets = [5, 6, 7, 8, 9], [0, 3, 3, 5]
+    for seqs in ([[5, 6, 7], [], [8, 9]], [(5, 6, 7), (), (8, 9)],
+                 [np.array([5, 6, 7]), np.array([], dtype=np.int64), np.array([8, 9])],
+                 [torch.tensor([5, 6, 7]), torch.tensor([], dtype=torch.long), torch.tensor([8, 9])]):
+        ids, offsets = _pack(seqs)
+        assert ids.dtype == np.dtype("<i4") and offsets.dtype == np.dtype("<i4")
+        assert ids.tolist() == want_ids and offsets.tolist() == want_offsets
+    for too_big in ([[1, 2 ** 31]], [torch.tensor([1, 2 ** 31])]):
+        with pytest.raises(ValueError, match="int32"):
+            _pack(too_big)
+
+
+def test_many_requests_in_flight_from_several_threads_all_answer(teacher):
+    """Wakes of the client's I/O thread and of the server's socket thread are coalesced (one
+    byte per loop turn). A lost wake leaves a command waiting for the I/O loop's poll timeout,
+    heartbeat_s / 4 = 5 s here: ten requests in turn would take 50 s instead of well under 1 s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with running(teacher) as server, TeacherClient(server.address, timeout_s=60, retries=0,
+                                                   heartbeat_s=20) as client:
+        want = client.score_topk(SEQS, STARTS, k=4).logprobs
+        t0 = time.monotonic()
+        for _ in range(10):
+            client.score_topk(SEQS, STARTS, k=4)
+        assert time.monotonic() - t0 < 15
+
+        def burst(_):
+            futures = [client.submit_topk(SEQS, STARTS, k=4) for _ in range(16)]
+            return [f.result(timeout=30).logprobs for f in futures]
+
+        with ThreadPoolExecutor(4) as pool:
+            results = [r for rs in pool.map(burst, range(4)) for r in rs]
+    assert len(results) == 64
+    for r in results:
+        torch.testing.assert_close(r, want, atol=1e-6, rtol=0)
