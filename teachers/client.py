@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
                                    Ping, ProtocolError, Score, TopK, Welcome, decode, default_chunk_rows, encode,
-                                   to_torch)
+                                   send_frames, to_torch)
 
 
 class TeacherError(Exception):
@@ -309,7 +309,7 @@ class TeacherClient:
 
     def _send(self, frames) -> bool:
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            send_frames(self._sock, frames)
             return True
         except zmq.Again:
             return False  # not connected or full: the deadline or the next WELCOME sends it again
@@ -453,7 +453,9 @@ def _pack(sequences) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError("token ids do not fit in int32") from None
         return ids, offsets
     parts = [np.asarray(s.cpu() if hasattr(s, "cpu") else s).reshape(-1) for s in sequences]
-    wide = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-    if wide.size and (wide.min() < np.iinfo(np.int32).min or wide.max() > np.iinfo(np.int32).max):
-        raise ValueError("token ids do not fit in int32")
-    return wide.astype("<i4"), offsets
+    ids = np.concatenate(parts)
+    if ids.dtype != np.dtype("<i4"):
+        if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
+            raise ValueError("token ids do not fit in int32")
+        ids = ids.astype("<i4")
+    return ids, offsets

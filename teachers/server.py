@@ -36,7 +36,7 @@ import zmq
 
 from opd.teachers.backend import ScoreRequest, TeacherBackend
 from opd.teachers.protocol import (PROTOCOL_VERSION, Cancel, Chunk, Credit, Done, ErrorCode, Hello, Ping, Pong,
-                                   ProtocolError, Score, TopK, Welcome, decode, encode, error)
+                                   ProtocolError, Score, TopK, Welcome, decode, encode, error, send_frames)
 from opd.teachers.validate import score_request
 
 log = logging.getLogger("opd.teachers.server")
@@ -297,7 +297,7 @@ class TeacherServer:
 
     def _send(self, peer: bytes, frames) -> None:
         try:
-            self.router.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
+            send_frames(self.router, [peer, *frames])
         except zmq.ZMQError as e:  # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
             with self._cv:
                 jobs = [j for j in self._jobs.values() if j.peer == peer and not j.cancelled]

@@ -65,6 +65,14 @@ def _mib(b) -> str:
     return f"{b / 2**20:.0f}" if isinstance(b, (int, float)) and b else "-"
 
 
+def _cpu(r: dict) -> str:
+    """CPU microseconds per position of opd and of the bare socket (rows written before they
+    were measured have none)."""
+    if r.get("cpu_us_per_position") is None:
+        return "-"
+    return f"{r['cpu_us_per_position']:.3g} / {r['ceiling_cpu_us_per_position']:.3g}"
+
+
 def summary(out: Path, wall: dict, quick: bool) -> str:
     lines = [f"# Benchmark summary{' (quick smoke run: not representative)' if quick else ''}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
@@ -83,13 +91,14 @@ def summary(out: Path, wall: dict, quick: bool) -> str:
     if t:
         lines += ["## Transport (model taken out)", "",
                   "| transport | answer | positions/request | positions/s | bytes/position | % of bare ZeroMQ "
-                  "| x HTTP/JSON | CURVE cost |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| CPU us/position, opd / bare | x HTTP/JSON | CURVE cost |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in t:
             what = f"top-{r['k']}" if r["mode"] == "topk" else f"full V={r['vocab']} {r['dtype']}"
             lines.append(f"| {r['transport']} | {what} | {r.get('positions_per_request', '-')} | "
                          f"{r['positions_per_s']:.0f} | {r['bytes_per_position']} | "
                          f"{100 * r['ratio_to_ceiling']:.0f}% | "
+                         f"{_cpu(r)} | "
                          f"{'%.0fx' % r['ratio_to_http'] if r.get('ratio_to_http') else '-'} | "
                          f"{'%.0f%%' % (100 * r['curve_cost']) if 'curve_cost' in r else '-'} |")
         lines.append("")

@@ -8,8 +8,10 @@ Three ways to move the same answers, measured side by side in one run:
   http     an HTTP server returning the same top-k answer as JSON, shaped like the
            `prompt_logprobs` of OpenAI-compatible servers ({token_id: {logprob, rank,
            decoded_token}} per position), parsed back into arrays by the client.
-Reported: scored positions per second, bytes per position on the wire, and the ratio of
-`opd` to the ceiling and to HTTP/JSON.
+Reported: scored positions per second, bytes per position on the wire, the ratio of `opd`
+to the ceiling and to HTTP/JSON, and the CPU time both processes of each method spent per
+position (all threads, from /proc). On a machine whose cores are all busy the ratio to the
+ceiling follows the ratio of those CPU times, which swing far less between runs than rates.
 """
 
 from __future__ import annotations
@@ -150,10 +152,12 @@ def _bind(transport: str, tmp: str, name: str) -> str:
     return "tcp://127.0.0.1:*" if transport == "tcp" else f"ipc://{tmp}/{name}.sock"
 
 
-def _requests(positions: int, seq_rows: int = 512) -> tuple[list[list[int]], list[int]]:
-    """Sequences of seq_rows + 1 tokens scored from position 1: `positions` rows in total."""
+def _requests(positions: int, seq_rows: int = 512) -> tuple[list[np.ndarray], list[int]]:
+    """Sequences of seq_rows + 1 tokens scored from position 1: `positions` rows in total.
+    int32 arrays, as a sampler's output tensors are: a trainer that holds Python lists pays
+    ~25 ns a token more to pack them (`client._pack`), which is input conversion, not transport."""
     n = max(1, positions // seq_rows)
-    return [[1] * (seq_rows + 1)] * n, [1] * n
+    return [np.ones(seq_rows + 1, dtype=np.int32)] * n, [1] * n
 
 
 def measure_opd(address: str, mode: str, k: int, dtype: str, positions: int, seconds: float,
@@ -211,6 +215,25 @@ class Ceiling:
         _stop(self.proc)
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all threads (Linux /proc)."""
+    f = Path(f"/proc/{pid}/stat").read_text()
+    f = f[f.rindex(")") + 2:].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_cpu(fn, pid: int, out: list[float]):
+    """`fn(seconds) -> positions/s`, also appending to `out` the CPU microseconds per position
+    spent by this process and process `pid` (the other end) together."""
+    def run(seconds: float) -> float:
+        c0, t0 = _cpu_s(pid) + _cpu_s(os.getpid()), time.perf_counter()
+        rate = fn(seconds)
+        positions = rate * (time.perf_counter() - t0)
+        out.append(1e6 * (_cpu_s(pid) + _cpu_s(os.getpid()) - c0) / positions)
+        return rate
+    return run
+
+
 def interleaved(methods: dict, rounds: int, seconds: float) -> dict[str, list[float]]:
     """Each method measured `rounds` times, in turns (a, b, a, b, ...): drifts of a shared
     machine hit every method alike, and the medians are compared."""
@@ -257,14 +280,19 @@ def run_cases(args) -> list[dict]:
         spub, ssec = zmq.curve_keypair()
         curve = dict(client_public=cpub, client_secret=csec, server_public=spub, server_secret=ssec)
 
-    def compare(case: dict, ceiling: Ceiling, methods: dict) -> dict:
+    def compare(case: dict, ceiling: Ceiling, methods: dict, server_pid: int) -> dict:
+        cpu = {"opd": [], "ceiling": []}
+        methods = dict(methods, opd=with_cpu(methods["opd"], server_pid, cpu["opd"]),
+                       ceiling=with_cpu(ceiling.measure, ceiling.proc.pid, cpu["ceiling"]))
         try:
-            res = interleaved({**methods, "ceiling": ceiling.measure}, args.rounds, args.seconds)
+            res = interleaved(methods, args.rounds, args.seconds)
         finally:
             ceiling.close()
         med = {name: statistics.median(v) for name, v in res.items()}
         row = dict(case, positions_per_s=med["opd"], ceiling_positions_per_s=med["ceiling"],
-                   ratio_to_ceiling=med["opd"] / med["ceiling"], rounds=res)
+                   ratio_to_ceiling=med["opd"] / med["ceiling"], rounds=res,
+                   cpu_us_per_position=statistics.median(cpu["opd"]),
+                   ceiling_cpu_us_per_position=statistics.median(cpu["ceiling"]))
         if "curve" in med:
             row["curve_positions_per_s"] = med["curve"]
             row["curve_cost"] = 1 - med["curve"] / med["opd"]
@@ -289,7 +317,8 @@ def run_cases(args) -> list[dict]:
                                                                                  sec, curve=curve)
                         ceiling = Ceiling(_bind(transport, tmp, "push"), _topk_frame_sizes(n, k), n)
                         row = compare(dict(transport=transport, mode="topk", k=k, vocab=None, dtype="float32",
-                                           positions_per_request=n, bytes_per_position=k * 8 + 12), ceiling, methods)
+                                           positions_per_request=n, bytes_per_position=k * 8 + 12), ceiling, methods,
+                                  server.pid)
                         row["http_json_positions_per_s"] = http
                         row["ratio_to_http"] = row["positions_per_s"] / http if http else None
                         rows_out.append(row)
@@ -303,7 +332,8 @@ def run_cases(args) -> list[dict]:
                                       [200, args.chunk_rows * vocab * item, args.chunk_rows * 4, args.chunk_rows * 4],
                                       args.chunk_rows)
                     row = compare(dict(transport=transport, mode="full", k=None, vocab=vocab, dtype=dtype,
-                                       positions_per_request=n, bytes_per_position=vocab * item + 8), ceiling, methods)
+                                       positions_per_request=n, bytes_per_position=vocab * item + 8), ceiling, methods,
+                              server.pid)
                     row["http_json_positions_per_s"] = row["ratio_to_http"] = None
                     rows_out.append(row)
                     print(_fmt(row), flush=True)
@@ -321,6 +351,7 @@ def _fmt(r: dict) -> str:
     curve = f"  curve -{100 * r['curve_cost']:.0f}%" if "curve_cost" in r else ""
     return (f"{r['transport']:<4} {what:<24} {r['positions_per_request']:>6}/req {r['positions_per_s']:>12.0f} pos/s {r['bytes_per_position']:>8} B/pos "
             f"ceiling {r['ceiling_positions_per_s']:>12.0f} ({100 * r['ratio_to_ceiling']:5.1f}%) "
+            f"cpu {r['cpu_us_per_position']:.3g}/{r['ceiling_cpu_us_per_position']:.3g} us/pos "
             f"http {http} {ratio_http}{curve}")
 
 

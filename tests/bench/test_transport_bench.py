@@ -46,4 +46,27 @@ def test_run_cases_writes_one_row_per_size_and_mode():
     for r in rows:
         assert len(r["rounds"]["opd"]) == len(r["rounds"]["ceiling"]) == 2
         assert r["ratio_to_ceiling"] == r["positions_per_s"] / r["ceiling_positions_per_s"] > 0
+        assert r["cpu_us_per_position"] > 0 and r["ceiling_cpu_us_per_position"] > 0
     assert top["http_json_positions_per_s"] > 0 and full["ratio_to_http"] is None
+
+
+def test_with_cpu_counts_this_process_and_the_other_per_position():
+    import subprocess
+    import sys
+    import time
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        def busy(seconds):  # 0.3 s of CPU here, reported as 1000 positions/s
+            t0 = time.process_time()
+            while time.process_time() - t0 < 0.3:
+                pass
+            return 1000.0
+
+        out: list[float] = []
+        assert transport.with_cpu(busy, other.pid, out)(0.3) == 1000.0
+    finally:
+        other.kill()
+    # ~0.3 s of CPU over ~300 positions: ~1000 us each (wall time counts the positions, so a
+    # loaded machine lowers it; a CPU reading of the wrong process would give ~0).
+    assert len(out) == 1 and 500 < out[0] < 1100, out
