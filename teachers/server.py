@@ -65,10 +65,12 @@ class _Job:
     started: float = 0.0
     stream: object = None                 # full mode: the backend's chunk iterator
     chunks_sent: int = 0
+    row_offsets: list[int] = field(init=False)   # [B + 1], sent with every TOPK and CHUNK
     rows: int = field(init=False)
 
     def __post_init__(self):
-        self.rows = self.req.row_offsets()[-1]
+        self.row_offsets = self.req.row_offsets()
+        self.rows = self.row_offsets[-1]
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -427,7 +429,7 @@ class TeacherServer:
             if job.cancelled:    # cancelled during the call: one answer, CANCELLED
                 self._done(out, job, self._cancelled(job))
                 continue
-            self._done(out, job, TopK(request_id=job.req.request_id, row_offsets=job.req.row_offsets(),
+            self._done(out, job, TopK(request_id=job.req.request_id, row_offsets=job.row_offsets,
                                       stats=self._stats(job)), tuple(ans))
 
     def _step_stream(self, out, job: _Job, start: bool) -> None:
@@ -444,7 +446,7 @@ class TeacherServer:
             n_chunks = -(-job.rows // job.req.chunk_rows)
             if job.chunks_sent < n_chunks:
                 c = next(job.stream)
-                msg = Chunk(request_id=rid, row_start=c.row_start, row_offsets=job.req.row_offsets())
+                msg = Chunk(request_id=rid, row_start=c.row_start, row_offsets=job.row_offsets)
                 self._post(out, job.peer, encode(msg, (c.logits, c.lse, c.token_logprob)))
                 job.chunks_sent += 1
             if job.chunks_sent == n_chunks:

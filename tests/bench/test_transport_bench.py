@@ -64,9 +64,12 @@ def test_with_cpu_counts_this_process_and_the_other_per_position():
             return 1000.0
 
         out: list[float] = []
+        t0 = time.perf_counter()
         assert transport.with_cpu(busy, other.pid, out)(0.3) == 1000.0
+        wall = time.perf_counter() - t0
     finally:
         other.kill()
-    # ~0.3 s of CPU over ~300 positions: ~1000 us each (wall time counts the positions, so a
-    # loaded machine lowers it; a CPU reading of the wrong process would give ~0).
-    assert len(out) == 1 and 500 < out[0] < 1100, out
+    # 0.3 s of CPU over 1000 * wall positions (a loaded machine stretches the wall, not the
+    # CPU). Reading only the other (sleeping) process would give ~0, counting this one twice 2x.
+    want = 1e6 * 0.3 / (1000 * wall)
+    assert len(out) == 1 and 0.75 * want < out[0] < 1.3 * want, (out, want)
