@@ -143,8 +143,8 @@ def student_rows(model, packed: Packed, *, fused: bool):
     Both run the decoder body, gather the N response rows of [B, L, H], and (not fused) apply
     the LM head to those rows only: [B, L, V] logits, prompt and padding positions included,
     are never built (in the step bench, 336 positions for 256 response rows: 1.3x the rows'
-    logits, 200 MB at V = 152,064, plus the copy the gather made). A model whose head is followed by a soft-cap or scale goes
-    through its own forward instead.
+    logits, 200 MB at V = 152,064, plus the copy the gather made). A model whose head is
+    followed by a soft-cap or scale goes through its own forward instead.
     """
     device = next(model.parameters()).device
     ids, attn = packed.input_ids_B_L.to(device), packed.attention_B_L.to(device)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from opd.config import ConfigError, describe, field, load_yaml, to_dict, near
+from opd.config import ConfigError, describe, field, load_yaml, near, to_dict
 
 
 # ----------------------------------------------------------------------------- config

@@ -35,8 +35,8 @@ from opd import distill
 from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from opd.config import to_dict
 from opd.data import Cycler, Sample, encode_prompt, load_jsonl
-from opd.lora import add_lora
 from opd.diagnostics import DomainTally, topk_overlap
+from opd.lora import add_lora
 from opd.metrics import MetricsLogger, plot_metrics
 from opd.rollout.base import Rollout, SamplingParams
 from opd.train_card import write_train_card

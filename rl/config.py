@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opd.cluster import ClusterConfig
-from opd.lora import LoraSpec
 from opd.config import field
+from opd.lora import LoraSpec
 
 
 @dataclass(frozen=True)

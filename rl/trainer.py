@@ -35,10 +35,10 @@ import torch
 from tqdm import tqdm
 
 from opd.card import write_card
-from opd.lora import add_lora
 from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
 from opd.config import to_dict
 from opd.data import Cycler, encode_prompt, load_jsonl
+from opd.lora import add_lora
 from opd.metrics import MetricsLogger, plot_metrics
 from opd.rl import grpo
 from opd.rl.config import RLConfig

@@ -66,7 +66,7 @@ def _fit(args) -> int:
 def _explain(args) -> int:
     from opd.data import load_jsonl
     from opd.routing.merge import load_merge_config
-    from opd.routing.router import Router, RoutingError, _preview
+    from opd.routing.router import Router, RoutingError, preview
 
     cfg = load_merge_config(args.config)
     router = Router(cfg.routing, cfg.teachers, base_dir=args.config.resolve().parent)
@@ -87,7 +87,7 @@ def _explain(args) -> int:
             print(json.dumps({"index": i, "prompt": s.prompt, "teacher": r.teacher, "weights": r.weights,
                               "rule": r.rule, "domain": r.domain, "reason": r.reason}))
         else:
-            print(f"{i:5d}  {r.teacher:<10} {r.rule:<13} {_preview(s.prompt, 40)!r:<44} {r.reason}")
+            print(f"{i:5d}  {r.teacher:<10} {r.rule:<13} {preview(s.prompt, 40)!r:<44} {r.reason}")
     st = router.stats()
     out = sys.stderr if args.json else sys.stdout
     print(f"routed {len(samples) - failed} of {len(samples)}", file=out)

@@ -45,7 +45,7 @@ class Route:
     domain: str | None = field(default=None)  # the domain the sample is counted under (metrics)
 
 
-def _preview(text: str, n: int = 60) -> str:
+def preview(text: str, n: int = 60) -> str:
     text = " ".join(text.split())
     return text if len(text) <= n else text[: n - 3] + "..."
 
@@ -186,7 +186,7 @@ class Router:
             return self._count(self._to_teacher(self.names[0], "fallback", "only teacher", sample.domain))
         kinds = [r.kind for r in self.cfg.rules]
         raise RoutingError(f"no routing rule decided sample (domain={sample.domain!r}, "
-                           f"prompt {_preview(sample.prompt)!r}); rules tried: {kinds}. "
+                           f"prompt {preview(sample.prompt)!r}); rules tried: {kinds}. "
                            f"Add a `fallback` rule or a rule that covers it.")
 
     def _count(self, r: Route) -> Route:
