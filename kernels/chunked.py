@@ -141,26 +141,26 @@ def full_forward(src, t, opts: DistillOptions):
     # Every term is a difference of log-probabilities, so +-1e4 logits cancel nothing.
     n = src[1].shape[0]
     inv_t = 1.0 / opts.temperature
-    parts: dict[int, list] = {}
-    for r0, r1, c0, c1 in _tiles(src, opts):
+    zero = torch.zeros((), device=t.device)
+    tiles = list(_tiles(src, opts))
+    column = {c0: j for j, c0 in enumerate(sorted({c0 for _, _, c0, _ in tiles}))}
+    # Per-chunk results [N, chunks], allocated before the loop. Appending them tile by tile
+    # left small live tensors between the freed [R, C] tiles; glibc then carved those holes
+    # up and took fresh memory for every tile: +1.6 to 3.4 GB of RSS at N=2048, V=152,064, by
+    # the heap's state (importing argparse first was enough to trigger it).
+    ls_c, lt_c, local = (torch.empty(n, len(column), device=t.device) for _ in range(3))
+    for r0, r1, c0, c1 in tiles:
+        j = column[c0]
         s = _student(src, r0, r1, c0, c1, inv_t)
         tt = _teacher(t, r0, r1, c0, c1, inv_t)
-        lse_s_c, lse_t_c = s.logsumexp(-1), tt.logsumexp(-1)
-        log_s, log_t = s.sub_(lse_s_c[:, None]), tt.sub_(lse_t_c[:, None])
+        ls_c[r0:r1, j], lt_c[r0:r1, j] = s.logsumexp(-1), tt.logsumexp(-1)
+        log_s, log_t = s.sub_(ls_c[r0:r1, j, None]), tt.sub_(lt_c[r0:r1, j, None])
         p = log_t.exp()
-        local = torch.where(p > 0, p * (log_t - log_s), torch.zeros((), device=p.device)).sum(-1)
-        parts.setdefault(r0, []).append((lse_s_c, lse_t_c, local))
-    lse_s = torch.empty(n, device=t.device)
-    lse_t = torch.empty(n, device=t.device)
-    loss = torch.empty(n, device=t.device)
-    for r0, chunks in parts.items():
-        ls_c, lt_c, local = (torch.stack(x, dim=1) for x in zip(*chunks))   # [R, chunks]
-        r1 = r0 + ls_c.shape[0]
-        lse_s[r0:r1], lse_t[r0:r1] = ls_c.logsumexp(-1), lt_c.logsumexp(-1)
-        log_v, log_w = ls_c - lse_s[r0:r1, None], lt_c - lse_t[r0:r1, None]
-        mass = log_w.exp()
-        loss[r0:r1] = torch.where(mass > 0, mass * (local + log_w - log_v),
-                                  torch.zeros((), device=mass.device)).sum(-1)
+        local[r0:r1, j] = torch.where(p > 0, p * (log_t - log_s), zero).sum(-1)
+    lse_s, lse_t = ls_c.logsumexp(-1), lt_c.logsumexp(-1)
+    log_v, log_w = ls_c - lse_s[:, None], lt_c - lse_t[:, None]
+    mass = log_w.exp()
+    loss = torch.where(mass > 0, mass * (local + log_w - log_v), zero).sum(-1)
     return lse_s, lse_t, loss, torch.zeros_like(loss)   # forward KL's gradient needs no c
 
 
