@@ -73,6 +73,13 @@ def _cpu(r: dict) -> str:
     return f"{r['cpu_us_per_position']:.3g} / {r['ceiling_cpu_us_per_position']:.3g}"
 
 
+def _references(r: dict) -> str:
+    """Where opd's gap to the bare socket comes from (`opd bench transport`, top-k rows only)."""
+    if r.get("reqresp_ratio_to_ceiling") is None:
+        return "-"
+    return f"{100 * r['reqresp_ratio_to_ceiling']:.0f}% / {100 * r['work_ratio_to_ceiling']:.0f}%"
+
+
 def summary(out: Path, wall: dict, quick: bool) -> str:
     lines = [f"# Benchmark summary{' (quick smoke run: not representative)' if quick else ''}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
@@ -91,13 +98,14 @@ def summary(out: Path, wall: dict, quick: bool) -> str:
     if t:
         lines += ["## Transport (model taken out)", "",
                   "| transport | answer | positions/request | positions/s | bytes/position | % of bare ZeroMQ "
+                  "| references, % of bare ZeroMQ: request/response, + message work "
                   "| CPU us/position, opd / bare | x HTTP/JSON | CURVE cost |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in t:
             what = f"top-{r['k']}" if r["mode"] == "topk" else f"full V={r['vocab']} {r['dtype']}"
             lines.append(f"| {r['transport']} | {what} | {r.get('positions_per_request', '-')} | "
                          f"{r['positions_per_s']:.0f} | {r['bytes_per_position']} | "
-                         f"{100 * r['ratio_to_ceiling']:.0f}% | "
+                         f"{100 * r['ratio_to_ceiling']:.0f}% | {_references(r)} | "
                          f"{_cpu(r)} | "
                          f"{'%.0fx' % r['ratio_to_http'] if r.get('ratio_to_http') else '-'} | "
                          f"{'%.0f%%' % (100 * r['curve_cost']) if 'curve_cost' in r else '-'} |")

@@ -8,6 +8,13 @@ Three ways to move the same answers, measured side by side in one run:
   http     an HTTP server returning the same top-k answer as JSON, shaped like the
            `prompt_logprobs` of OpenAI-compatible servers ({token_id: {logprob, rank,
            decoded_token}} per position), parsed back into arrays by the client.
+For top-k, two references between the ceiling and `opd` say where the gap comes from, both
+one thread per side, 4 requests in flight:
+  reqresp  a bare DEALER -> ROUTER request/response answering with the same frames: the
+           cost of round trips alone;
+  work     the same plus this project's per-message work (pack and encode the SCORE; decode,
+           validate and answer it; decode the TOPK into tensors), without the client's I/O
+           thread and the server's worker thread that `opd` needs to stay responsive.
 Reported: scored positions per second, bytes per position on the wire, the ratio of `opd`
 to the ceiling and to HTTP/JSON, and the CPU time both processes of each method spent per
 position (all threads, from /proc). On a machine whose cores are all busy the ratio to the
@@ -32,6 +39,7 @@ import torch
 from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
 
 MAX_K = 64
+IN_FLIGHT = 4   # top-k requests a client keeps outstanding
 
 
 class PrecomputedBackend(TeacherBackend):
@@ -100,6 +108,95 @@ def _push_server(bind: str, frames_sizes: list[int], q) -> None:
         s.send_multipart(frames, copy=False)
 
 
+def _reference_server(bind: str, vocab: int, rows: int, q) -> None:
+    """The server end of the request/response references: one thread, one ROUTER. A request of
+    one frame, b"<rows> <k>", gets the frames of a top-k answer that size straight back (`reqresp`);
+    a SCORE is decoded, validated, answered by the backend and encoded as `opd`'s server does,
+    but in this thread (`work`)."""
+    import zmq
+
+    from opd.teachers.protocol import Done, TopK, decode, encode, send_frames
+    from opd.teachers.validate import score_request
+
+    backend = PrecomputedBackend(vocab, rows, 1)
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.bind(bind)
+    q.put(s.getsockopt_string(zmq.LAST_ENDPOINT))
+    rng = np.random.default_rng(0)
+    bare: dict[bytes, list] = {}
+    while True:
+        peer, *frames = s.recv_multipart(copy=False)
+        if len(frames) == 1:
+            key = frames[0].bytes
+            if key not in bare:  # written memory, like the ceiling's
+                n, k = map(int, key.split())
+                bare[key] = [rng.integers(0, 256, size, dtype=np.uint8) for size in _topk_frame_sizes(n, k)]
+            send_frames(s, [peer, *bare[key]])
+            continue
+        msg, arrays = decode(frames)
+        req = score_request(msg, arrays, backend, 1 << 24)
+        offsets = req.row_offsets()
+        stats = Done(request_id=req.request_id, rows=offsets[-1], tokens=req.num_tokens, queue_ms=0.0,
+                     compute_ms=0.0, total_ms=0.0)
+        answer = backend.score_topk([req])[0]
+        send_frames(s, [peer, *encode(TopK(request_id=req.request_id, row_offsets=offsets, stats=stats), answer)])
+
+
+class RequestResponse:
+    """This process's end of the references (see the module docstring): one thread keeping
+    IN_FLIGHT requests outstanding on a DEALER."""
+
+    def __init__(self, address: str, positions: int, k: int):
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(address)
+        self.k = k
+        self.seqs, self.starts = _requests(positions, min(512, positions))
+        self.rows = sum(len(s) - st for s, st in zip(self.seqs, self.starts))
+
+    def _rate(self, seconds: float, send, recv) -> float:
+        for _ in range(IN_FLIGHT):
+            send()
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            recv()
+            done += 1
+            send()
+        for _ in range(IN_FLIGHT):
+            recv()
+        return (done + IN_FLIGHT) * self.rows / (time.perf_counter() - t0)
+
+    def bare(self, seconds: float) -> float:
+        return self._rate(seconds, self.send_bare, lambda: self.sock.recv_multipart(copy=False))
+
+    def work(self, seconds: float) -> float:
+        return self._rate(seconds, self.send_score, self.recv_topk)
+
+    def send_bare(self) -> None:
+        self.sock.send(f"{self.rows} {self.k}".encode())
+
+    def send_score(self) -> None:
+        from opd.teachers.client import _pack
+        from opd.teachers.protocol import Score, encode, send_frames
+
+        score = Score(request_id=1, mode="topk", response_starts=[int(s) for s in self.starts], k=self.k)
+        send_frames(self.sock, encode(score, _pack(self.seqs)))
+
+    def recv_topk(self):
+        from opd.teachers.client import TopKResult
+        from opd.teachers.protocol import decode, to_torch
+
+        msg, arrays = decode(self.sock.recv_multipart(copy=False))
+        return TopKResult(*[to_torch(a) for a in arrays], row_offsets=list(msg.row_offsets), stats=msg.stats)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
 def _http_server(rows: int, k: int, port_q) -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -161,7 +258,7 @@ def _requests(positions: int, seq_rows: int = 512) -> tuple[list[np.ndarray], li
 
 
 def measure_opd(address: str, mode: str, k: int, dtype: str, positions: int, seconds: float,
-                curve=None, in_flight: int = 4, chunk_rows: int = 64) -> float:
+                curve=None, in_flight: int = IN_FLIGHT, chunk_rows: int = 64) -> float:
     """Positions per second through this project's client."""
     from opd.teachers.client import TeacherClient
 
@@ -296,6 +393,10 @@ def run_cases(args) -> list[dict]:
         if "curve" in med:
             row["curve_positions_per_s"] = med["curve"]
             row["curve_cost"] = 1 - med["curve"] / med["opd"]
+        for name in ("reqresp", "work"):
+            if name in med:
+                row[f"{name}_positions_per_s"] = med[name]
+                row[f"{name}_ratio_to_ceiling"] = med[name] / med["ceiling"]
         return row
 
     for transport in args.transports:
@@ -303,7 +404,10 @@ def run_cases(args) -> list[dict]:
             has_topk = vocab == (32768 if args.quick else args.vocabs[0])
             server, address = _start(_opd_server, _bind(transport, tmp, f"opd{vocab}"), vocab,
                                      max(args.positions), args.chunk_rows, None)
-            cserver = caddress = None
+            cserver = caddress = refserver = None
+            if has_topk and args.ks:
+                refserver, refaddress = _start(_reference_server, _bind(transport, tmp, f"ref{vocab}"), vocab,
+                                               max(args.positions))
             if curve is not None and has_topk:
                 cserver, caddress = _start(_opd_server, _bind(transport, tmp, f"curve{vocab}"), vocab,
                                            max(args.positions), args.chunk_rows, curve)
@@ -315,10 +419,15 @@ def run_cases(args) -> list[dict]:
                         if caddress is not None:
                             methods["curve"] = lambda sec, n=n, k=k: measure_opd(caddress, "topk", k, "float32", n,
                                                                                  sec, curve=curve)
+                        ref = RequestResponse(refaddress, n, k)
+                        methods.update(reqresp=ref.bare, work=ref.work)
                         ceiling = Ceiling(_bind(transport, tmp, "push"), _topk_frame_sizes(n, k), n)
-                        row = compare(dict(transport=transport, mode="topk", k=k, vocab=None, dtype="float32",
-                                           positions_per_request=n, bytes_per_position=k * 8 + 12), ceiling, methods,
-                                  server.pid)
+                        try:
+                            row = compare(dict(transport=transport, mode="topk", k=k, vocab=None, dtype="float32",
+                                               positions_per_request=n, bytes_per_position=k * 8 + 12), ceiling,
+                                          methods, server.pid)
+                        finally:
+                            ref.close()
                         row["http_json_positions_per_s"] = http
                         row["ratio_to_http"] = row["positions_per_s"] / http if http else None
                         rows_out.append(row)
@@ -339,8 +448,9 @@ def run_cases(args) -> list[dict]:
                     print(_fmt(row), flush=True)
             finally:
                 _stop(server)
-                if cserver is not None:
-                    _stop(cserver)
+                for p in (cserver, refserver):
+                    if p is not None:
+                        _stop(p)
     return rows_out
 
 
@@ -349,6 +459,9 @@ def _fmt(r: dict) -> str:
     http = f"{r['http_json_positions_per_s']:>10.0f}" if r.get("http_json_positions_per_s") else f"{'-':>10}"
     ratio_http = f"{r['ratio_to_http']:>7.1f}x" if r.get("ratio_to_http") else f"{'-':>8}"
     curve = f"  curve -{100 * r['curve_cost']:.0f}%" if "curve_cost" in r else ""
+    if "reqresp_ratio_to_ceiling" in r:
+        curve += (f"  (of the ceiling: reqresp {100 * r['reqresp_ratio_to_ceiling']:.0f}%, "
+                  f"+work {100 * r['work_ratio_to_ceiling']:.0f}%)")
     return (f"{r['transport']:<4} {what:<24} {r['positions_per_request']:>6}/req {r['positions_per_s']:>12.0f} pos/s {r['bytes_per_position']:>8} B/pos "
             f"ceiling {r['ceiling_positions_per_s']:>12.0f} ({100 * r['ratio_to_ceiling']:5.1f}%) "
             f"cpu {r['cpu_us_per_position']:.3g}/{r['ceiling_cpu_us_per_position']:.3g} us/pos "

@@ -48,6 +48,26 @@ def test_run_cases_writes_one_row_per_size_and_mode():
         assert r["ratio_to_ceiling"] == r["positions_per_s"] / r["ceiling_positions_per_s"] > 0
         assert r["cpu_us_per_position"] > 0 and r["ceiling_cpu_us_per_position"] > 0
     assert top["http_json_positions_per_s"] > 0 and full["ratio_to_http"] is None
+    for name in ("reqresp", "work"):  # the references, top-k only
+        assert len(top["rounds"][name]) == 2
+        assert top[f"{name}_ratio_to_ceiling"] == top[f"{name}_positions_per_s"] / top["ceiling_positions_per_s"] > 0
+        assert f"{name}_positions_per_s" not in full
+
+
+def test_references_answer_with_the_frames_of_the_case():
+    server, address = transport._start(transport._reference_server, "tcp://127.0.0.1:*", 1000, 64)
+    try:
+        ref = transport.RequestResponse(address, positions=40, k=8)
+        ref.send_bare()
+        sizes = [len(f.buffer) for f in ref.sock.recv_multipart(copy=False)]
+        assert sizes == transport._topk_frame_sizes(40, 8)
+        ref.send_score()  # `work`: validated and answered as opd's server does
+        got, want = ref.recv_topk(), transport.PrecomputedBackend(1000, 64, 1)._topk
+        assert got.row_offsets == [0, 40] and got.stats.rows == 40
+        assert torch.equal(got.ids, want.ids[:40, :8]) and torch.equal(got.lse, want.lse[:40])
+        ref.close()
+    finally:
+        transport._stop(server)
 
 
 def test_with_cpu_counts_this_process_and_the_other_per_position():
