@@ -214,7 +214,7 @@ _TAGS = {dt: tag for tag, dt in DTYPES.items() if tag != "bf16"}
 
 def _wire_array(t) -> tuple[str, np.ndarray]:
     """A torch tensor or numpy array as (wire dtype tag, little-endian C-contiguous ndarray).
-    Runs for every tensor of every answer: lookups, not loops (5 tensors took 14 us, now 6)."""
+    Runs for every tensor of every answer: lookups, not loops (a TOPK's 5 took 13.7 us, now 7.5)."""
     if not isinstance(t, np.ndarray):  # torch.Tensor
         import torch
 

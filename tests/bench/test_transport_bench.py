@@ -56,8 +56,8 @@ def test_run_cases_writes_one_row_per_size_and_mode():
 
 def test_references_answer_with_the_frames_of_the_case():
     server, address = transport._start(transport._reference_server, "tcp://127.0.0.1:*", 1000, 64)
+    ref = transport.RequestResponse(address, positions=40, k=8)
     try:
-        ref = transport.RequestResponse(address, positions=40, k=8)
         ref.send_bare()
         sizes = [len(f.buffer) for f in ref.sock.recv_multipart(copy=False)]
         assert sizes == transport._topk_frame_sizes(40, 8)
@@ -65,8 +65,8 @@ def test_references_answer_with_the_frames_of_the_case():
         got, want = ref.recv_topk(), transport.PrecomputedBackend(1000, 64, 1)._topk
         assert got.row_offsets == [0, 40] and got.stats.rows == 40
         assert torch.equal(got.ids, want.ids[:40, :8]) and torch.equal(got.lse, want.lse[:40])
-        ref.close()
     finally:
+        ref.close()
         transport._stop(server)
 
 
