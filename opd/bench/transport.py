@@ -24,6 +24,7 @@ ceiling follows the ratio of those CPU times, which swing far less between runs 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -157,23 +158,11 @@ class RequestResponse:
         self.seqs, self.starts = _requests(positions, min(512, positions))
         self.rows = sum(len(s) - st for s, st in zip(self.seqs, self.starts))
 
-    def _rate(self, seconds: float, send, recv) -> float:
-        for _ in range(IN_FLIGHT):
-            send()
-        done, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            recv()
-            done += 1
-            send()
-        for _ in range(IN_FLIGHT):
-            recv()
-        return (done + IN_FLIGHT) * self.rows / (time.perf_counter() - t0)
-
     def bare(self, seconds: float) -> float:
-        return self._rate(seconds, self.send_bare, lambda: self.sock.recv_multipart(copy=False))
+        return _pipelined(seconds, self.rows, self.send_bare, lambda _: self.sock.recv_multipart(copy=False))
 
     def work(self, seconds: float) -> float:
-        return self._rate(seconds, self.send_score, self.recv_topk)
+        return _pipelined(seconds, self.rows, self.send_score, lambda _: self.recv_topk())
 
     def send_bare(self) -> None:
         self.sock.send(f"{self.rows} {self.k}".encode())
@@ -267,21 +256,30 @@ def measure_opd(address: str, mode: str, k: int, dtype: str, positions: int, sec
     cli_curve = None if curve is None else (curve["client_public"], curve["client_secret"], curve["server_public"])
     with TeacherClient(address, timeout_s=120, curve=cli_curve) as client:
         client.info()
-        done, t0 = 0, time.perf_counter()
         if mode == "topk":
-            futures = [client.submit_topk(seqs, starts, k) for _ in range(in_flight)]
-            while time.perf_counter() - t0 < seconds:
-                futures.pop(0).result()
-                done += rows
-                futures.append(client.submit_topk(seqs, starts, k))
-            for f in futures:
-                f.result()
-            done += rows * len(futures)
-        else:
-            while time.perf_counter() - t0 < seconds:
-                for chunk in client.score_full(seqs, starts, dtype=dtype, chunk_rows=chunk_rows, window=4):
-                    done += chunk.logits.shape[0]
+            return _pipelined(seconds, rows, lambda: client.submit_topk(seqs, starts, k), lambda f: f.result(),
+                              in_flight)
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for chunk in client.score_full(seqs, starts, dtype=dtype, chunk_rows=chunk_rows, window=4):
+                done += chunk.logits.shape[0]
         return done / (time.perf_counter() - t0)
+
+
+def _pipelined(seconds: float, rows: int, submit, wait, in_flight: int = IN_FLIGHT) -> float:
+    """Positions per second with `in_flight` requests of `rows` positions kept outstanding:
+    `submit()` sends one and returns a handle, `wait(handle)` takes its answer. Requests still
+    in flight when the time is up are waited for and counted."""
+    t0 = time.perf_counter()
+    handles = collections.deque(submit() for _ in range(in_flight))
+    done = 0
+    while time.perf_counter() - t0 < seconds:
+        wait(handles.popleft())
+        done += 1
+        handles.append(submit())
+    for h in handles:
+        wait(h)
+    return (done + len(handles)) * rows / (time.perf_counter() - t0)
 
 
 class Ceiling:
