@@ -194,7 +194,7 @@ class TeacherSet:
 
     def topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor:
         if answer.topk is not None:
-            return answer.topk.ids[idx]
+            return take_rows(answer.topk.ids, idx)
         return take_rows(answer.logits, idx).float().topk(min(spec.k, answer.logits.shape[1]), -1).indices
 
     def close(self) -> None:

@@ -326,7 +326,7 @@ class Trainer:
             teacher = distill.take_rows(answer.logits, idx).float()
         else:
             t = answer.topk
-            teacher = type(t)(t.ids[idx], t.logprobs[idx], t.tail_logmass[idx])
+            teacher = type(t)(*(distill.take_rows(x, idx) for x in t))
         if isinstance(rows, tuple):
             hidden, weight = rows
             teacher = teacher.to(hidden.device) if isinstance(teacher, torch.Tensor) else type(teacher)(
