@@ -12,7 +12,9 @@ torch.distributed (opd/cluster_dp.py).
     cluster.shutdown()
 
 With `mode: local` nothing here is used: the trainer connects to the addresses in its
-merge config as before.
+merge config as before. With `mode: fork` (one machine, no Ray) `opd train` starts each of
+`teachers` itself, forked after its imports so both hold one copy of the Python and torch
+runtime (opd.teachers.launch.fork_server), bound at its merge address.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ class TeacherReplicas:
     startup_timeout_s: float = field(600.0, help="time a replica may take to print its startup line", min=1.0)
     max_restarts: int = field(10, help="restarts of one replica before its supervisor gives up", min=0)
 
+    def server_args(self, bind: str) -> list[str]:
+        """`opd serve-teacher` arguments of one replica bound at `bind` (torch threads not included)."""
+        args = ["--model", self.model, "--backend", self.backend, "--name", self.name, "--bind", bind]
+        if self.num_gpus > 0 and "--device" not in self.serve_args:
+            args += ["--device", "cuda"]
+        return args + list(self.serve_args)
+
 
 @dataclass(frozen=True)
 class StudentWorkers:
@@ -58,8 +67,10 @@ class StudentWorkers:
 @dataclass(frozen=True)
 class ClusterConfig:
     # --- core
-    mode: Literal["local", "ray"] = field("local", help="local: teachers at the merge config's addresses, "
-                                                        "one training process; ray: place everything on Ray")
+    mode: Literal["local", "fork", "ray"] = field(
+        "local", help="local: teachers at the merge config's addresses, one training process; fork: opd train "
+                      "starts `teachers` on this machine at their merge addresses, forked from it (the runtime "
+                      "held once); ray: place everything on Ray")
     address: str | None = field(None, help="Ray cluster: 'auto' (the one started by `ray start` on this "
                                            "node), 'HOST:PORT' of a head, or null to start a local one")
     num_cpus: int | None = field(None, help="CPUs of a started local cluster (null: all)", min=1)
@@ -67,7 +78,9 @@ class ClusterConfig:
     bind: Literal["auto", "loopback", "node_ip"] = field(
         "auto", help="address teacher servers bind: auto: loopback on a one-node cluster, the node IP otherwise")
     # --- teachers and student
-    teachers: list[TeacherReplicas] = field(default_factory=list, help="teacher replicas to place on Ray")
+    teachers: list[TeacherReplicas] = field(default_factory=list,
+                                            help="teacher replicas to place on Ray (mode ray) or to fork (mode "
+                                                 "fork: one replica each)")
     student: StudentWorkers = field(default_factory=StudentWorkers, help="data-parallel student workers")
     # --- replica pool (client side)
     request_timeout_s: float = field(120.0, help="a replica silent this long is taken as dead and the request "
@@ -79,6 +92,11 @@ class ClusterConfig:
         names = [t.name for t in self.teachers]
         if len(set(names)) != len(names):
             raise ValueError(f"teacher names must be unique, got {names}")
+        if self.mode == "fork":
+            many = [t.name for t in self.teachers if t.replicas != 1]
+            if many:
+                raise ValueError(f"cluster.mode fork starts one server per teacher; set replicas: 1 for {many} "
+                                 f"(several replicas need cluster.mode ray)")
 
     def teacher(self, name: str) -> TeacherReplicas:
         for t in self.teachers:

@@ -47,11 +47,7 @@ class TeacherReplica:
         threading.Thread(target=self._supervise, name=f"supervise-{spec.name}-{index}", daemon=True).start()
 
     def _args(self, port: str) -> list[str]:
-        s = self.spec
-        args = ["--model", s.model, "--backend", s.backend, "--name", s.name, "--bind", f"tcp://{self.host}:{port}"]
-        if s.num_gpus > 0 and "--device" not in s.serve_args:
-            args += ["--device", "cuda"]
-        return args + list(s.serve_args)
+        return self.spec.server_args(f"tcp://{self.host}:{port}")
 
     def _start(self) -> None:
         from opd.teachers.launch import start_server_process

@@ -44,11 +44,13 @@ def run(args: argparse.Namespace) -> int:
     if args.out_dir is not None:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
     try:
-        result = Trainer(cfg, resume=args.resume, base_dir=Path(args.config).resolve().parent).run()
+        result = Trainer(cfg, resume=args.resume, base_dir=Path(args.config).resolve().parent,
+                         fork_teachers=True).run()
     except (TrainError, DataError, RoutingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     last = result["evals"][-1] if result["evals"] else {}
-    print(f"done: {result['step']} steps, held-out KL {last.get('eval/kl', float('nan')):.4f}; "
+    kl = f"held-out KL {last['eval/kl']:.4f}" if "eval/kl" in last else "no held-out set (datasets[].eval_path)"
+    print(f"done: {result['step']} steps, {kl}; "
           f"run directory {result['out_dir']} (card.md, metrics.jsonl, plots/, checkpoints/)")
     return 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -127,8 +127,15 @@ def lr_lambda(optim, steps: int):
 # ---- the trainer ------------------------------------------------------------------------
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: str | Path | bool | None = None, base_dir: str | Path = "."):
+    def __init__(self, cfg: TrainConfig, *, resume: str | Path | bool | None = None, base_dir: str | Path = ".",
+                 fork_teachers: bool = False):
+        """fork_teachers: with cluster.mode fork, fork the teacher servers from this process (what
+        `opd train` does, before it computes anything); False starts them as subprocesses, which
+        a process that may already have run torch (a notebook, a test) needs: a forked child
+        hangs in the OpenMP thread pool its parent used."""
         self.cfg = cfg
+        self.fork_teachers = fork_teachers
+        self.servers: dict = {}   # cluster.mode fork: {teacher name: ServerProcess} this run started
         self.out = Path(cfg.run.out_dir)
         self.base_dir = Path(base_dir)
         self.resume = resume
@@ -150,6 +157,7 @@ class Trainer:
         # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
         self.student_fp = tokenizer_fingerprint(load_tokenizer(cfg.student))
         self.cluster = self._start_cluster()
+        self.cfg = cfg = self._start_servers(cfg)
         self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.cluster)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tok = load_student(cfg.student, cfg.run.seed)
@@ -188,6 +196,54 @@ class Trainer:
                 ray.shutdown()
             raise TrainError(f"cluster.mode: ray: could not start the teacher replicas ({type(e).__name__}: {e})") \
                 from None
+
+    def _start_servers(self, cfg: TrainConfig) -> TrainConfig:
+        """cluster.mode: fork: start cluster.teachers here, each bound at its merge address; returns
+        `cfg` with the addresses they bound (a port `*` becomes the one picked)."""
+        if cfg.cluster.mode != "fork":
+            return cfg
+        bound = {}
+        for t in cfg.cluster.teachers:
+            args = t.server_args(cfg.merge.teacher(t.name).address)
+            if "--threads" not in args:
+                args += ["--threads", str(max(1, int(t.num_cpus)))]
+            log = self.out / "teachers" / f"{t.name}.log"
+            try:
+                server = self._start_server(t, args, log)
+            except RuntimeError as e:
+                self._stop_servers()
+                raise TrainError(f"cluster.teachers {t.name!r} did not start: {e}") from None
+            self.servers[t.name] = server
+            bound[t.name] = server.address
+            print(f"teacher {t.name!r} serving at {server.address} (pid {server.proc.pid}"
+                  f"{f', log {log}' if not server.output else ''})", flush=True)
+        teachers = [replace(s, address=bound.get(s.name, s.address)) for s in cfg.merge.teachers]
+        return replace(cfg, merge=replace(cfg.merge, teachers=teachers))
+
+    def _start_server(self, t, args: list[str], log: Path):
+        from opd.teachers.launch import ForkUnsafe, fork_server, start_server_process
+
+        try:
+            if not self.fork_teachers:
+                raise ForkUnsafe("Trainer(fork_teachers=False)")
+            _preload(t.model)
+            return fork_server(args, log_path=log, timeout_s=t.startup_timeout_s)
+        except ForkUnsafe as e:
+            print(f"teacher {t.name!r}: not forked ({e}); started as a subprocess, which holds its own copy "
+                  f"of the runtime", flush=True)
+            return start_server_process(args, timeout_s=t.startup_timeout_s, threads=None)
+
+    def _stop_servers(self) -> None:
+        """Close the clients, then stop the servers this run started (SIGTERM: they drain)."""
+        if not self.servers:
+            return
+        if hasattr(self, "teachers"):
+            self.teachers.close()
+        for name, server in self.servers.items():
+            code = server.stop()
+            if code != 0:
+                print(f"teacher {name!r} (pid {server.proc.pid}) exited with {code}", flush=True)
+        self.servers = {}
 
     def _load_data(self) -> None:
         cfg = self.cfg
@@ -522,6 +578,7 @@ class Trainer:
             if (cfg.run.eval_every and self.step % cfg.run.eval_every == 0) or self.step == cfg.run.steps:
                 self._evaluate()
         bar.close()
+        self._stop_servers()  # the teachers are done; the card keeps their WELCOMEs
         # RUN/model: the distilled student as a loadable directory (LoRA merged in), with its tokenizer.
         save_final_model(self.model, self.tok, self.out / "model")
         plot_metrics(self.out, {"loss": ["loss", "sft_loss"], "kl": ["kl", "eval/kl"],
@@ -659,8 +716,24 @@ class Trainer:
             self.metrics.close()
         if hasattr(self, "teachers"):
             self.teachers.close()
+        self._stop_servers()
         if getattr(self, "cluster", None) is not None:
             self.cluster.shutdown(disconnect=self._ray_started)
+
+
+def _preload(model_dir: str) -> None:
+    """Import what loading this teacher imports (its architecture's module, the server), so the
+    forked server finds it on pages it shares with the trainer; errors are the server's to report."""
+    import opd.teachers.hf_backend  # noqa: F401
+    import opd.teachers.server  # noqa: F401
+
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
+    except (KeyError, OSError, ValueError):
+        pass
 
 
 def _verifier():

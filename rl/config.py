@@ -122,6 +122,9 @@ class RLConfig:
                                         "new weights pushed to them by file after each step (docs/multi_machine.md)")
 
     def __post_init__(self):
+        if self.cluster.mode == "fork":
+            raise ValueError("cluster.mode fork starts the teachers of `opd train`; opd rl has none "
+                             "(use local or ray)")
         if self.cluster.mode != "ray":
             return
         if self.model.lora is not None:

@@ -1,32 +1,38 @@
-"""Start `opd serve-teacher` as a subprocess and wait until it serves (tests, demo, scripts).
+"""Start `opd serve-teacher` and wait until it serves: as a subprocess (tests, demo, scripts)
+or forked from this process (`opd train` with cluster.mode: fork).
 
     with start_server_process(["--model", model_dir, "--max-k", "16"]) as server:
         client = TeacherClient(server.address)
         ...
     # leaving the block sends SIGTERM and waits for the server to drain
 
-`start_server_process(args)` returns a `ServerProcess`: `.proc` (Popen), `.address`,
-`.model_fingerprint`, `.tokenizer_fingerprint`, `.output` (every line the server printed,
-stdout and stderr, collected by a reader thread), `.stop()`, `.kill()`. It also unpacks
-as `proc, address = start_server_process(args)`.
+`start_server_process(args)` and `fork_server(args, log_path=...)` return a `ServerProcess`:
+`.proc` (a Popen, or for a forked server a `ForkedProcess` with the same pid/poll/wait/
+send_signal/kill), `.address`, `.model_fingerprint`, `.tokenizer_fingerprint`, `.output`
+(every line a subprocess printed, collected by a reader thread; a forked server writes its
+log file instead), `.stop()`, `.kill()`. It also unpacks as `proc, address = ...`.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from opd.teachers.serve import READY
 
 
 @dataclass
 class ServerProcess:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     address: str
     model_fingerprint: str
     tokenizer_fingerprint: str
@@ -113,5 +119,166 @@ def spawn_until_ready(cmd: list[str], env: dict, timeout_s: float) -> ServerProc
     if line is None:
         proc.wait(timeout=10)
         raise RuntimeError(f"teacher server exited with {proc.returncode}:\n" + "\n".join(output[-40:]))
+    return _from_ready_line(proc, line, output)
+
+
+def _from_ready_line(proc, line: str, output: list[str]) -> ServerProcess:
     fields = dict(kv.split("=", 1) for kv in line[len(READY):].split())
     return ServerProcess(proc, fields["address"], fields["model_fingerprint"], fields["tokenizer_fingerprint"], output)
+
+
+# ---- forked servers ---------------------------------------------------------------------
+
+class ForkUnsafe(RuntimeError):
+    """This process runs more than one thread, so it must not fork (start a subprocess instead)."""
+
+
+_live_forks: set[int] = set()  # pids of forked servers not yet reaped; gc stays frozen while any runs
+
+
+class ForkedProcess:
+    """The Popen subset ServerProcess uses, for a child made by os.fork()."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self._reaped(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked teacher server {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _reaped(self, status: int) -> None:
+        self.returncode = os.waitstatus_to_exitcode(status)
+        _live_forks.discard(self.pid)
+        if not _live_forks:
+            gc.unfreeze()  # nothing shares our pages any more; let the collector see them again
+
+
+def fork_server(args: list[str], *, log_path: str | Path, timeout_s: float = 180.0) -> ServerProcess:
+    """Fork this process into `opd serve-teacher *args`; return once it serves.
+
+    Why fork rather than start a fresh interpreter: the child begins with every module this
+    process has imported (torch and transformers with what loading a model pulls in: ~260 MiB
+    of heap per process, whatever the model's size) on copy-on-write pages, so the trainer and
+    its teacher hold that runtime once. Before forking, gc.freeze() moves every object into a
+    generation the collector never scans, so collections in either process do not write to
+    (and so copy) the shared pages; it is undone when the last forked server is reaped.
+
+    Fork only a process that has not computed anything yet (`opd train` forks right after its
+    imports): an OpenMP thread pool used before the fork hangs the child's first parallel
+    region, and CUDA cannot be used in a child forked after it was initialized. This raises
+    ForkUnsafe when other Python threads run (a lock one holds would stay held in the child
+    forever) or CUDA is initialized. The server's output goes to `log_path`; its startup line
+    comes back through a pipe. It gets SIGTERM when this process dies (Linux). Raises
+    RuntimeError with the log's tail if it exits or stays silent for `timeout_s`.
+    """
+    if threading.active_count() > 1:
+        raise ForkUnsafe(f"{threading.active_count()} Python threads run in this process "
+                         f"({[t.name for t in threading.enumerate()]})")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise ForkUnsafe("CUDA is initialized in this process")
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    sys.stdout.flush()  # else the child inherits and writes our buffered output
+    sys.stderr.flush()
+    gc.collect()
+    gc.freeze()
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        if not _live_forks:
+            gc.unfreeze()
+        raise
+    if pid == 0:  # the teacher server; it never returns into the caller's code
+        os.close(read_fd)
+        _serve_forked(args, log_path, write_fd, parent)
+    os.close(write_fd)
+    _live_forks.add(pid)
+    proc = ForkedProcess(pid)
+    line = _read_line(read_fd, timeout_s)
+    if line is None or not line.startswith(READY):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            why = f"not ready after {timeout_s}s"
+        else:
+            why = f"exited with {proc.returncode}"
+        tail = log_path.read_text(errors="replace").splitlines()[-40:] if log_path.exists() else []
+        raise RuntimeError(f"forked teacher server {why} (log {log_path}):\n" + "\n".join(tail))
+    return _from_ready_line(proc, line, [])
+
+
+def _serve_forked(args: list[str], log_path: Path, write_fd: int, parent: int) -> None:
+    code = 1
+    try:
+        _die_with_parent(parent)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        import argparse
+
+        from opd.teachers import serve
+
+        parser = argparse.ArgumentParser(prog="opd serve-teacher (forked by opd train)")
+        serve.add_arguments(parser)
+        code = serve.run(parser.parse_args(args), on_ready=lambda line: os.write(write_fd, (line + "\n").encode()))
+    except SystemExit as e:  # argparse's errors, with their message already in the log
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # not the parent's atexit handlers, not its interpreter teardown
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux for SIGTERM when the parent dies, so a killed trainer leaves no teacher behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: not Linux
+        return
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+
+
+def _read_line(fd: int, timeout_s: float) -> str | None:
+    """The first line written to pipe `fd`; None at end of file (the writer exited) or timeout."""
+    data, deadline = b"", time.monotonic() + timeout_s
+    try:
+        while b"\n" not in data:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if select.select([fd], [], [], min(left, 0.5))[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    return None
+                data += chunk
+    finally:
+        os.close(fd)
+    return data.split(b"\n", 1)[0].decode()

@@ -76,7 +76,9 @@ def load_backend(args):
     return HFBackend(args.model, **kwargs, batch_tokens=args.batch_tokens)
 
 
-def run(args) -> int:
+def run(args, on_ready=None) -> int:
+    """Serve until SIGTERM/SIGINT. `on_ready(line)` also gets the startup line (a forked server
+    hands it to its parent through a pipe, opd.teachers.launch.fork_server)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = check_bind(args.bind, args.curve_secret_key is not None, args.insecure)
     if problem:
@@ -104,9 +106,12 @@ def run(args) -> int:
                           heartbeat_s=args.heartbeat_s, peer_timeout_s=args.peer_timeout_s)
 
     def ready(server) -> None:
-        print(f"{READY} address={server.address} backend={backend.name} name={server.name} "
-              f"model_fingerprint={backend.model_fingerprint} tokenizer_fingerprint={backend.tokenizer_fingerprint} "
-              f"curve={'on' if curve else 'off'}", flush=True)
+        line = (f"{READY} address={server.address} backend={backend.name} name={server.name} "
+                f"model_fingerprint={backend.model_fingerprint} tokenizer_fingerprint={backend.tokenizer_fingerprint} "
+                f"curve={'on' if curve else 'off'}")
+        print(line, flush=True)
+        if on_ready is not None:
+            on_ready(line)
 
     code = serve(backend, args.bind, ready=ready, signals=True, limits=limits, name=args.name, **curve)
     backend.close()

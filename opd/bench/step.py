@@ -2,7 +2,9 @@
 
 Same tiny student, same teacher, same prompts, same batch (8 prompts x 32 new tokens),
 fp32 on CPU, forward KL (beta=0) on the full vocabulary, fully on-policy:
-  opd-full   `opd train`, teacher in its own `opd serve-teacher` process, mode full
+  opd-full   `opd train`, teacher in its own `opd serve-teacher` process, mode full; the
+             trainer forks that process after its imports (cluster.mode fork), or with
+             `--teacher-launch process` it is started beforehand as its own interpreter
   opd-topk   the same with the teacher's top-k answer (k=32) and its tail bucket
   trl-gkd    TRL `GKDTrainer` with lmbda=1 (every step samples from the student), teacher
              in the trainer's process (TRL's design)
@@ -63,20 +65,15 @@ def _wait(proc: subprocess.Popen) -> tuple[int, int]:
     return proc.returncode, usage.ru_maxrss * 1024
 
 
-def _vm_hwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 class GroupMemory:
-    """Peak of the summed PSS of a group of processes, sampled every `interval_s`.
+    """Peak of the summed PSS of groups of processes, sampled every `interval_s`.
 
     Summing RSS would count twice the file pages two processes share (libtorch's code is
-    mapped by the trainer and the teacher server alike); PSS splits each shared page among
-    the processes that map it, so the sum is what the group takes. This driver process
-    never imports torch (the models are built in a subprocess), so it holds no share.
+    mapped by the trainer and the teacher server alike), and the copy-on-write pages a forked
+    teacher shares with its trainer; PSS splits each shared page among the processes that map
+    it, so the sum is what the group takes. Each pid counts with its descendants (a trainer's
+    forked teacher servers). This driver process never imports torch (the models are built in
+    a subprocess), so it holds no share.
     """
 
     def __init__(self, interval_s: float = 0.05):
@@ -84,24 +81,42 @@ class GroupMemory:
 
         self.pids: list[int] = []
         self.peak = 0
+        self.hwm: dict[int, int] = {}   # pid -> its last VmHWM seen (peak RSS), descendants included
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     @staticmethod
-    def pss(pid: int) -> int:
+    def _status(pid: int, key: str, file: str = "smaps_rollup") -> int:
         try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
+            for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
         except OSError:  # the process has exited
             pass
         return 0
 
+    @staticmethod
+    def family(pid: int) -> list[int]:
+        """`pid` and its descendants."""
+        out, todo = [], [pid]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            try:
+                for task in os.listdir(f"/proc/{p}/task"):
+                    todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+            except OSError:
+                pass
+        return out
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, sum(self.pss(p) for p in list(self.pids)))
+            pids = [p for root in list(self.pids) for p in self.family(root)]
+            self.peak = max(self.peak, sum(self._status(p, "Pss:") for p in pids))
+            for p in pids:
+                self.hwm[p] = max(self.hwm.get(p, 0), self._status(p, "VmHWM:", "status"))
 
     def stop(self) -> int:
         self._stop.set()
@@ -110,21 +125,25 @@ class GroupMemory:
 
 
 def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, steps: int, warmup: int,
-            threads: int = 1) -> dict:
+            threads: int = 1, launch: str = "fork") -> dict:
+    """One `opd train` run. launch: fork: the trainer forks its teacher server (cluster.mode fork,
+    the runtime held once); process: the teacher is an `opd serve-teacher` started beforehand."""
     import yaml
 
     from opd.teachers.launch import start_server_process
 
     memory = GroupMemory()
-    server = start_server_process(["--model", str(teacher), "--max-k", "64"], threads=threads)
-    memory.pids.append(server.proc.pid)
+    server = None
+    out = work / f"opd-{mode}"
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each round, not a resume
     try:
-        out = work / f"opd-{mode}"
-        shutil.rmtree(out, ignore_errors=True)  # a fresh run each round, not a resume
+        if launch == "process":
+            server = start_server_process(["--model", str(teacher), "--max-k", "64"], threads=threads)
+            memory.pids.append(server.proc.pid)
         cfg = {
             "student": {"path": str(student)},
-            "merge": {"teachers": [{"name": "teacher", "address": server.address, "mode": mode, "k": 32,
-                                    "beta": 0.0, "domains": ["math"]}],
+            "merge": {"teachers": [{"name": "teacher", "address": server.address if server else "tcp://127.0.0.1:*",
+                                    "mode": mode, "k": 32, "beta": 0.0, "domains": ["math"]}],
                       "datasets": [{"domain": "math", "path": str(data)}],
                       "routing": {"rules": [{"kind": "fallback", "teacher": "teacher"}]}},
             "rollout": {"prompts_per_step": 8, "max_new_tokens": 32, "temperature": 1.0},
@@ -133,6 +152,9 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
             "run": {"steps": steps, "out_dir": str(out), "pipeline": False, "eval_every": 0,
                     "checkpoint_every": 0, "progress": False, "tensorboard": False},
         }
+        if launch == "fork":
+            cfg["cluster"] = {"mode": "fork", "teachers": [{"name": "teacher", "model": str(teacher),
+                                                            "serve_args": ["--max-k", "64"], "num_cpus": threads}]}
         path = work / f"opd-{mode}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -143,15 +165,16 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
         code, rss = _wait(proc)
         if code != 0:
             raise RuntimeError(f"opd train failed ({code}):\n{text[-3000:]}")
-        teacher_rss = _vm_hwm(server.proc.pid)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
         pss = memory.stop()
+    teacher_rss = max((v for p, v in memory.hwm.items() if p != proc.pid), default=0)
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
     steps_ = [{"tokens": r["tokens"], "step_s": r["step_s"], "rollout": r["rollout_s"],
                "teacher_wait": r["teacher_wait_s"], "loss_backward_optim": r["step_s"] - r["rollout_s"] - r["teacher_wait_s"]}
               for r in rows if "step_s" in r][warmup:]
-    return summarize(f"opd-{mode}", steps_, rss, teacher_rss, pss)
+    return {**summarize(f"opd-{mode}", steps_, rss, teacher_rss, pss), "teacher_launch": launch}
 
 
 PHASES = ("rollout", "teacher_wait", "loss_backward_optim")
@@ -170,8 +193,9 @@ def summarize(system: str, steps: list[dict], rss: int, teacher_rss: int, pss: i
 
 def pool(rows: list[dict]) -> dict:
     """The rows of one system from several rounds as one: every measured step, the highest peaks."""
-    return summarize(rows[0]["system"], [s for r in rows for s in r["steps"]],
-                     *(max(r[k] for r in rows) for k in ("peak_rss_trainer", "peak_rss_teacher", "peak_pss_total")))
+    pooled = summarize(rows[0]["system"], [s for r in rows for s in r["steps"]],
+                       *(max(r[k] for r in rows) for k in ("peak_rss_trainer", "peak_rss_teacher", "peak_pss_total")))
+    return {**pooled, **({"teacher_launch": rows[0]["teacher_launch"]} if "teacher_launch" in rows[0] else {})}
 
 
 def _trl_main(work: str, steps: int, threads: int = 1) -> None:
@@ -253,6 +277,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pad both models' vocabulary to this many rows (default: the byte tokenizer's 260)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every process (TRL's, opd's trainer, opd's teacher server)")
+    p.add_argument("--teacher-launch", choices=["fork", "process"], default="fork",
+                   help="fork: opd train forks its teacher server (cluster.mode fork: one copy of the Python and "
+                        "torch runtime in memory); process: an `opd serve-teacher` started beforehand")
 
 
 def run(args) -> int:
@@ -275,7 +302,7 @@ def run(args) -> int:
                 row = run_trl(python, work, args.steps, args.warmup, args.threads)
             else:
                 row = run_opd(work, student, teacher, data, system.split("-")[1], args.steps, args.warmup,
-                              args.threads)
+                              args.threads, args.teacher_launch)
             runs[system].append(row)
             print(f"round {r + 1}/{args.rounds}  " + _fmt(row), flush=True)
     rows = [pool(v) for v in runs.values()]

@@ -29,3 +29,15 @@ def test_bad_cluster_configs_are_refused():
         from_dict({"teachers": [{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]}, ClusterConfig)
     with pytest.raises(ValueError, match="mode: ray"):
         RayCluster.start(ClusterConfig())
+
+
+def test_fork_mode_starts_one_server_per_teacher_and_only_for_opd_train():
+    cfg = from_dict({"mode": "fork", "teachers": [{"name": "a", "model": "m", "serve_args": ["--max-k", "8"]}]},
+                    ClusterConfig)
+    assert cfg.teacher("a").server_args("tcp://127.0.0.1:*") == [
+        "--model", "m", "--backend", "hf", "--name", "a", "--bind", "tcp://127.0.0.1:*", "--max-k", "8"]
+    with pytest.raises(ConfigError, match="replicas: 1 for \\['a'\\]"):
+        from_dict({"mode": "fork", "teachers": [{"name": "a", "model": "m", "replicas": 2}]}, ClusterConfig)
+    from opd.rl.config import RLConfig
+    with pytest.raises(ConfigError, match="opd rl has none"):
+        from_dict({"model": {"path": "m"}, "data": {"train": "d"}, "cluster": {"mode": "fork"}}, RLConfig)

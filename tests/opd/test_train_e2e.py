@@ -7,6 +7,7 @@ responses of at most 12 tokens.
 """
 
 import json
+import os
 import shutil
 from concurrent.futures import Future
 from dataclasses import replace
@@ -180,6 +181,27 @@ def test_unreachable_teacher_is_refused_before_compute(setup, free_tcp_address):
         Trainer(cfg).run()
     assert time.monotonic() - t0 < 30
     assert not (setup["root"] / "unreachable" / "metrics.jsonl").exists()
+
+
+def test_fork_mode_starts_and_stops_its_teacher(setup, capsys):
+    # In this process (pytest runs threads) the teacher is started as a subprocess, the path a
+    # notebook takes; `opd train` forks it (tests/bench/test_step_bench.py runs that path).
+    cfg = _cfg(setup, "fork_mode", steps=2, **{"merge.teachers": [{"name": "t", "address": "tcp://127.0.0.1:*",
+                                                                      "k": 8}],
+                                               "cluster": {"mode": "fork", "teachers": [
+                                                   {"name": "t", "model": str(setup["root"] / "teacher"),
+                                                    "serve_args": ["--max-k", "16"]}]}})
+    trainer = Trainer(cfg)
+    trainer.run()
+    said = capsys.readouterr().out
+    assert "teacher 't': not forked (Trainer(fork_teachers=False))" in said
+    bound = trainer.cfg.merge.teachers[0].address      # the port the server picked
+    assert bound.startswith("tcp://127.0.0.1:") and not bound.endswith("*")
+    assert f"teacher 't' serving at {bound}" in said
+    pid = int(said.split(f"serving at {bound} (pid ", 1)[1].split(")", 1)[0])
+    assert trainer.servers == {} and not os.path.exists(f"/proc/{pid}")   # stopped (and reaped) by the run
+    card = json.loads((setup["root"] / "fork_mode" / "card.json").read_text())
+    assert bound in json.dumps(card)
 
 
 def test_fingerprint_change_stops_with_both_names():

@@ -1,0 +1,97 @@
+"""Starting teacher servers: forked from a process after its imports (cluster.mode fork).
+
+A forked server must serve like a spawned one, hand its startup line back, report a failed
+start with its log, refuse to fork a process with other threads, and never outlive its
+parent. The forking runs in a fresh interpreter: this pytest process has threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from opd.teachers.launch import ForkUnsafe, fork_server
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=150,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaped (a container's init may not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_forked_server_serves_reports_failures_and_stops(tiny_model_dir, tmp_path):
+    res = _python(f"""
+        import json, os
+        from opd.teachers.launch import fork_server
+        from opd.teachers.client import TeacherClient
+        out = {{}}
+        try:
+            fork_server(["--model", {str(tmp_path / "nowhere")!r}], log_path={str(tmp_path / "bad.log")!r}, timeout_s=60)
+        except RuntimeError as e:
+            out["bad"] = str(e)
+        s = fork_server(["--model", {str(tiny_model_dir)!r}, "--bind", "tcp://127.0.0.1:*", "--max-k", "8",
+                         "--threads", "1"], log_path={str(tmp_path / "good.log")!r})
+        client = TeacherClient(s.address)
+        w = client.info()
+        client.close()
+        out.update(pid=s.proc.pid, parent=os.getpid(), address=s.address, fp=s.tokenizer_fingerprint,
+                   welcome_fp=w.tokenizer_fingerprint, max_k=w.max_k, code=s.stop())
+        print("RESULT " + json.dumps(out))
+    """)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(next(l for l in res.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert "exited with" in out["bad"] and "bad.log" in out["bad"]
+    assert "nowhere" in out["bad"]                     # the log's tail names what failed
+    assert out["pid"] != out["parent"] and out["address"].startswith("tcp://127.0.0.1:")
+    assert out["fp"] == out["welcome_fp"] and out["max_k"] == 8
+    assert out["code"] == 0 and _gone(out["pid"])
+    log = (tmp_path / "good.log").read_text()
+    assert "opd-teacher ready address=" + out["address"] in log and "opd-teacher stopped" in log
+
+
+def test_forked_server_dies_with_its_parent(tiny_model_dir, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, sys
+        from opd.teachers.launch import fork_server
+        s = fork_server(["--model", {str(tiny_model_dir)!r}, "--bind", "tcp://127.0.0.1:*", "--threads", "1"],
+                        log_path={str(tmp_path / "t.log")!r})
+        print(s.proc.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)   # a crash: no stop(), no atexit
+    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    child = int(proc.stdout.readline())
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child)
+    assert "opd-teacher stopped" in (tmp_path / "t.log").read_text()   # SIGTERM: it drained and exited
+
+
+def test_fork_is_refused_while_other_threads_run(tmp_path):
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="busy", daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ForkUnsafe, match="busy"):
+            fork_server(["--model", "unused"], log_path=tmp_path / "never.log")
+    finally:
+        stop.set()
+    assert not (tmp_path / "never.log").exists()
