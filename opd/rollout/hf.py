@@ -75,7 +75,11 @@ class HFRolloutEngine(RolloutEngine):
     def sync_weights(self, model) -> None:
         self.model = model  # same object as the trainer's: nothing to copy
 
-    @torch.no_grad()
+    # inference_mode rather than no_grad: no version counters or view tracking per op, which is
+    # most of a small model's decode step (8 x 32 tokens, 2 layers: 32.8 -> 28.0 ms). Nothing
+    # made here outlives the call but Python lists, and buffers a dynamic RoPE replaces, which
+    # training then reads without saving them for backward (tests/rollout/test_hf_rollout.py).
+    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         out: list[Rollout] = []
         if params.seed is not None:

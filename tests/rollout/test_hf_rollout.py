@@ -126,3 +126,34 @@ def test_builds_own_mask_only_for_full_attention_sdpa():
     assert not _builds_own_mask(C(_attn_implementation="eager"))
     assert not _builds_own_mask(C(_attn_implementation="sdpa", sliding_window=4096))            # Mistral-style
     assert not _builds_own_mask(C(_attn_implementation="sdpa", layer_types=["full_attention", "sliding_attention"]))
+
+
+def test_training_after_a_rollout_that_replaced_rope_buffers(tmp_path):
+    # The rollout runs under inference_mode. A dynamic RoPE replaces its inv_freq buffer once a
+    # sequence passes max_position_embeddings, so the buffer the next training step reads was
+    # made there; training must still run forward and backward, with gradients equal to those
+    # of a model whose buffer was made normally.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from opd.tiny import build_tokenizer
+
+    cfg = Qwen2Config(vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=128, max_position_embeddings=16,
+                      rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    twin = Qwen2ForCausalLM(cfg)
+    twin.load_state_dict(model.state_dict())
+    tok = build_tokenizer(tmp_path)
+    engine = HFRolloutEngine(model, tok)
+    out = engine.generate([list(range(10, 22))], SamplingParams(temperature=1.0, max_new_tokens=12, seed=0,
+                                                                               stop_token_ids=[]))
+    assert model.model.rotary_emb.inv_freq.is_inference()       # replaced during the rollout
+    seq = torch.tensor([out[0].prompt_ids + out[0].response_ids])
+    assert seq.shape[1] > 16
+    with torch.no_grad():
+        twin(seq)                                                # the same replacement, made normally
+    for m in (model, twin):
+        m(seq, labels=seq).loss.backward()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
