@@ -127,7 +127,8 @@ def _step_table(s: list[dict], title: str) -> list[str]:
         for r in s:
             phases = ", ".join(f"{a} {b:.3f}" for a, b in (r.get("phases_s") or {}).items()) or "-"
             vs = f"{r['tokens_per_s_vs_trl']:.2f}" if "tokens_per_s_vs_trl" in r else "-"
-            lines.append(f"| {r['system']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {_mib(r['peak_rss_trainer'])} | "
+            system = r["system"] + (f" (teacher: {r['teacher_launch']})" if "teacher_launch" in r else "")
+            lines.append(f"| {system} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {_mib(r['peak_rss_trainer'])} | "
                          f"{_mib(r['peak_rss_teacher'])} | {_mib(r.get('peak_pss_total'))} | {vs} | {phases} |")
         lines.append("")
     return lines

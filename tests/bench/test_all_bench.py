@@ -17,7 +17,8 @@ def test_summary_tables_from_json(tmp_path):
                  "cpu_us_per_position": 0.3312, "ceiling_cpu_us_per_position": 0.2204,
                  "reqresp_ratio_to_ceiling": 0.884, "work_ratio_to_ceiling": 0.706}
     (tmp_path / "step.json").write_text(json.dumps({"rows": [step]}))
-    (tmp_path / "step_v152064.json").write_text(json.dumps({"rows": [dict(step, tokens_per_s_vs_trl=1.78)]}))
+    (tmp_path / "step_v152064.json").write_text(json.dumps({"rows": [dict(step, tokens_per_s_vs_trl=1.78,
+                                                                          teacher_launch="fork")]}))
     older = {k: v for k, v in transport.items()                       # written before CPU and the
              if "cpu" not in k and "reqresp" not in k and "work" not in k}   # references were measured
     (tmp_path / "transport.json").write_text(json.dumps({"rows": [transport, dict(older, k=8)]}))
@@ -26,5 +27,6 @@ def test_summary_tables_from_json(tmp_path):
     assert "| tcp | top-8 | 16384 | 4970000 | 524 | 59% | - | - | 1499x | 72% |" in text
     assert "| opd-topk | 3948 | 0.059 | 472 | 439 | 715 | 1.51 | rollout 0.035, teacher_wait 0.010, " in text
     assert "## The same step, vocabulary padded to 152,064" in text and "| 1.78 |" in text
+    assert "| opd-topk (teacher: fork) | 3948 |" in text
     assert "## Kernels" not in text                      # no kernels.json: no table
     assert "Wall time per benchmark: transport 200 s, step 70 s" in text
