@@ -41,7 +41,7 @@ def run(args) -> int:
     }
     if not args.quick:  # the same step at a real vocabulary, where [tokens x V] tensors dominate memory
         plans["step-v152064"] = ["--json", str(out / "step_v152064.json"), "--vocab", "152064", "--steps", "6",
-                                 "--warmup", "1", *(["--trl-python", args.trl_python] if args.trl_python else [])]
+                                 "--warmup", "1", "--rounds", "2", *(["--trl-python", args.trl_python] if args.trl_python else [])]
     wall = {}
     for name, argv in plans.items():
         module = importlib.import_module(f"opd.bench.{name.split('-')[0]}")
