@@ -130,7 +130,8 @@ def _from_ready_line(proc, line: str, output: list[str]) -> ServerProcess:
 # ---- forked servers ---------------------------------------------------------------------
 
 class ForkUnsafe(RuntimeError):
-    """This process runs more than one thread, so it must not fork (start a subprocess instead)."""
+    """Forking this process now is unsafe (other Python threads run, or CUDA is initialized):
+    start the server as a subprocess instead."""
 
 
 _live_forks: set[int] = set()  # pids of forked servers not yet reaped; gc stays frozen while any runs
