@@ -142,8 +142,18 @@ class TeacherClient:
 
     def submit_topk(self, sequences: Sequence[Sequence[int]], response_starts: Sequence[int], k: int,
                     temperature: float = 1.0) -> Future:
-        """Future of a TopKResult. Several may be in flight at once."""
-        self.info()
+        """Future of a TopKResult. Several may be in flight at once. A batch over the teacher's
+        max_tokens_per_request goes as several requests (whole sequences each), kept within its
+        max_inflight_tokens, and comes back as one result (`stats` None)."""
+        welcome = self.info()
+        lengths = [len(s) for s in sequences]
+        parts = _split(lengths, welcome.max_tokens_per_request)
+        if len(parts) == 1:
+            return self._submit_topk(sequences, response_starts, k, temperature)
+        return _SplitBatch(lambda a, b: self._submit_topk(sequences[a:b], response_starts[a:b], k, temperature),
+                           [(a, b, sum(lengths[a:b])) for a, b in parts], welcome.max_inflight_tokens).future
+
+    def _submit_topk(self, sequences, response_starts, k: int, temperature: float) -> Future:
         ids, offsets = _pack(sequences)
         score = Score(request_id=0, mode="topk", response_starts=[int(s) for s in response_starts], k=int(k),
                       temperature=float(temperature))
@@ -155,10 +165,26 @@ class TeacherClient:
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
                    chunk_rows: int | None = None, window: int = 4) -> Iterator[FullChunk]:
         """Full-vocabulary rows, streamed: at most `window` chunks are ever buffered here.
-        `chunk_rows` None: ~64 MiB chunks for this teacher's vocabulary (`default_chunk_rows`)."""
+        `chunk_rows` None: ~64 MiB chunks for this teacher's vocabulary (`default_chunk_rows`).
+        A batch over the teacher's max_tokens_per_request is streamed as several requests, one
+        after the other, `row_start` counting over the whole batch."""
         welcome = self.info()
         if chunk_rows is None:
             chunk_rows = default_chunk_rows(welcome.vocab_size, dtype)
+        parts = _split([len(s) for s in sequences], welcome.max_tokens_per_request)
+        if len(parts) == 1:
+            return self._score_full(sequences, response_starts, temperature, dtype, chunk_rows, window)
+        return self._score_full_parts(sequences, response_starts, parts, temperature, dtype, chunk_rows, window)
+
+    def _score_full_parts(self, sequences, response_starts, parts, *args) -> Iterator[FullChunk]:
+        shift = 0
+        for a, b in parts:
+            for chunk in self._score_full(sequences[a:b], response_starts[a:b], *args):
+                yield chunk._replace(row_start=chunk.row_start + shift)
+            shift += sum(len(s) - int(st) for s, st in zip(sequences[a:b], response_starts[a:b]))
+
+    def _score_full(self, sequences, response_starts, temperature: float, dtype: str, chunk_rows: int,
+                    window: int) -> Iterator[FullChunk]:
         ids, offsets = _pack(sequences)
         score = Score(request_id=0, mode="full", response_starts=[int(s) for s in response_starts],
                       temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window))
@@ -437,6 +463,89 @@ class TeacherClient:
     def _fail_all(self, err: Exception) -> None:
         for call in [*self._hellos, *self._calls.values()]:
             self._fail(call, err)
+
+
+def _split(lengths: list[int], limit: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of consecutive sequences of at most `limit` tokens each (the teacher's
+    max_tokens_per_request), in order; a sequence longer than `limit` alone is a ValueError."""
+    parts, a, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if n > limit:
+            raise ValueError(f"sequence {i} has {n} tokens, more than the teacher's max_tokens_per_request "
+                             f"({limit}); start the server with a larger --max-tokens-per-request")
+        if total + n > limit:
+            parts.append((a, i))
+            a, total = i, 0
+        total += n
+    parts.append((a, len(lengths)))
+    return parts
+
+
+class _SplitBatch:
+    """One top-k batch sent as several requests: parts go out while the tokens in flight stay
+    within `budget` (the server's max_inflight_tokens, past which it answers BUSY), the next
+    one as each answer arrives; `future` gets the answers joined in order."""
+
+    def __init__(self, submit, parts: list[tuple[int, int, int]], budget: int):
+        """submit(a, b) -> Future of the TopKResult of sequences a..b; parts: (a, b, tokens)."""
+        self.submit, self.parts, self.budget = submit, parts, budget
+        self.results: list[TopKResult | None] = [None] * len(parts)
+        self.future: Future = Future()
+        self.lock = threading.Lock()
+        self.next = 0
+        self.inflight = 0                  # tokens of parts sent and not yet answered
+        self._send_more()
+
+    def _send_more(self) -> None:
+        with self.lock:
+            ready = []
+            while self.next < len(self.parts) and (
+                    self.inflight == 0 or self.inflight + self.parts[self.next][2] <= self.budget):
+                ready.append(self.next)
+                self.inflight += self.parts[self.next][2]
+                self.next += 1
+        for i in ready:
+            a, b, _ = self.parts[i]
+            try:
+                fut = self.submit(a, b)
+            except BaseException as e:  # noqa: BLE001 - the caller sees it through the future
+                self._finish(exc=e)
+                return
+            fut.add_done_callback(lambda f, i=i: self._answered(i, f))
+
+    def _answered(self, i: int, fut: Future) -> None:
+        if fut.exception() is not None:
+            self._finish(exc=fut.exception())
+            return
+        with self.lock:
+            self.results[i] = fut.result()
+            self.inflight -= self.parts[i][2]
+            complete = all(r is not None for r in self.results)
+        if complete:
+            self._finish(result=_join(self.results))
+        else:
+            self._send_more()
+
+    def _finish(self, result=None, exc=None) -> None:
+        with self.lock:
+            if self.future.done():
+                return
+            if exc is not None:
+                self.future.set_exception(exc)
+            else:
+                self.future.set_result(result)
+
+
+def _join(results: list[TopKResult]) -> TopKResult:
+    """Answers of consecutive parts of a batch as one: rows concatenated, offsets shifted."""
+    import torch
+
+    offsets, shift = [0], 0
+    for r in results:
+        offsets += [shift + o for o in r.row_offsets[1:]]
+        shift += r.row_offsets[-1]
+    fields = ("ids", "logprobs", "tail_logmass", "token_logprob", "lse")
+    return TopKResult(*(torch.cat([getattr(r, f) for r in results]) for f in fields), row_offsets=offsets)
 
 
 def _pack(sequences) -> tuple[np.ndarray, np.ndarray]:

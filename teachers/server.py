@@ -61,6 +61,7 @@ class _Job:
     arrived: float
     credit: int = 0                       # full mode: CHUNKs the worker may still send
     cancelled: bool = False
+    released: bool = False                # its tokens no longer count against max_inflight_tokens
     cancel_code: ErrorCode = ErrorCode.CANCELLED   # SHUTTING_DOWN when the server quits first
     started: float = 0.0
     stream: object = None                 # full mode: the backend's chunk iterator
@@ -325,10 +326,15 @@ class TeacherServer:
 
     # ---- the worker thread ---------------------------------------------------------------
 
+    def _release_locked(self, job: _Job) -> None:
+        if not job.released:
+            job.released = True
+            self._inflight_tokens -= job.req.num_tokens
+
     def _finish_locked(self, job: _Job) -> None:
-        if self._jobs.get(job.key) is not job:  # already finished: release its tokens once only
+        if self._jobs.get(job.key) is not job:  # already finished
             return
-        self._inflight_tokens -= job.req.num_tokens
+        self._release_locked(job)
         del self._jobs[job.key]
         if job in self._streams:
             self._streams.remove(job)
@@ -392,8 +398,14 @@ class TeacherServer:
             wake.send(b"")
 
     def _done(self, out, job: _Job, msg, tensors=()) -> None:
-        # Queue before finishing: once the socket thread sees no jobs, every answer is in the outbox.
-        self._post(out, job.peer, encode(msg, tensors))
+        # Its tokens are released before the answer leaves, so that a client which sends its
+        # next request on receiving this answer finds the budget free (a batch split to fit
+        # max_inflight_tokens, opd.teachers.client). The job is finished after queueing: once
+        # the socket thread sees no jobs, every answer is in the outbox.
+        frames = encode(msg, tensors)
+        with self._cv:
+            self._release_locked(job)
+        self._post(out, job.peer, frames)
         with self._cv:
             self._finish_locked(job)
 

@@ -288,3 +288,29 @@ def test_many_requests_in_flight_from_several_threads_all_answer(teacher):
     assert len(results) == 64
     for r in results:
         torch.testing.assert_close(r, want, atol=1e-6, rtol=0)
+
+
+def test_a_batch_over_the_request_limit_is_split_and_joined(teacher):
+    # 10 sequences, 291 tokens, against 64 tokens per request and 128 in flight: the batch
+    # must go as several requests, never more than the budget at once (retries=0, so one BUSY
+    # would fail the call), and come back equal to one request to an unlimited server.
+    seqs = [[(7 * i + j) % 250 + 3 for j in range(20 + (i * 7) % 16)] for i in range(10)]
+    starts = [1 + i % 5 for i in range(10)]
+    small = ServerLimits(max_tokens_per_request=64, max_inflight_tokens=128)
+    with running(teacher, limits=small) as split_srv, running(teacher) as whole_srv:
+        with TeacherClient(split_srv.address, retries=0) as split, TeacherClient(whole_srv.address) as whole:
+            got, want = split.score_topk(seqs, starts, k=8), whole.score_topk(seqs, starts, k=8)
+            assert got.row_offsets == want.row_offsets and got.stats is None
+            assert torch.equal(got.ids, want.ids)
+            for f in ("logprobs", "tail_logmass", "token_logprob", "lse"):
+                torch.testing.assert_close(getattr(got, f), getattr(want, f), rtol=1e-5, atol=1e-5)
+            chunks = list(split.score_full(seqs, starts, chunk_rows=16))
+            full = list(whole.score_full(seqs, starts, chunk_rows=1000))
+            assert [c.row_start for c in chunks] == sorted(c.row_start for c in chunks)
+            assert chunks[0].row_start == 0 and len(full) == 1
+            torch.testing.assert_close(torch.cat([c.logits for c in chunks]), full[0].logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(torch.cat([c.token_logprob for c in chunks]), full[0].token_logprob,
+                                       rtol=1e-5, atol=1e-5)
+            with pytest.raises(ValueError, match="sequence 1 has 70 tokens, more than the teacher's "
+                                                 "max_tokens_per_request \\(64\\)"):
+                split.submit_topk([[5] * 10, [5] * 70], [1, 1], k=4)
