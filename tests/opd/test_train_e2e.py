@@ -190,7 +190,10 @@ def test_fork_mode_starts_and_stops_its_teacher(setup, capsys):
                                                                       "k": 8}],
                                                "cluster": {"mode": "fork", "teachers": [
                                                    {"name": "t", "model": str(setup["root"] / "teacher"),
-                                                    "serve_args": ["--max-k", "16"]}]}})
+                                                    # 4 sequences of ~30 tokens a step: split
+                                                    # into requests of at most 64 tokens
+                                                    "serve_args": ["--max-k", "16", "--max-tokens-per-request",
+                                                                   "64", "--max-inflight-tokens", "64"]}]}})
     trainer = Trainer(cfg)
     trainer.run()
     said = capsys.readouterr().out
