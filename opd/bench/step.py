@@ -81,7 +81,7 @@ class GroupMemory:
 
         self.pids: list[int] = []
         self.peak = 0
-        self.hwm: dict[int, int] = {}   # pid -> its last VmHWM seen (peak RSS), descendants included
+        self.hwm: dict[int, int] = {}   # every pid seen (roots and descendants) -> its peak RSS (VmHWM)
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
