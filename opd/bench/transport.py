@@ -472,9 +472,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ks", nargs="+", type=int, default=[1, 8, 64], help="top-k sizes")
     p.add_argument("--vocabs", nargs="+", type=int, default=[32768, 152064], help="full-mode vocabulary sizes")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
-    p.add_argument("--positions", nargs="+", type=int, default=[4096, 16384],
+    p.add_argument("--positions", nargs="+", type=int, default=[4096, 16384, 32768],
                    help="scored positions per top-k request (each size is a row): 4096 = 8 sequences x 512, "
-                        "16384 = a training batch of 32 x 512")
+                        "16384 = a training batch of 32 x 512, 32768 = the server's default "
+                        "--max-tokens-per-request, the requests a large batch is split into")
     p.add_argument("--chunk-rows", type=int, default=32, help="rows per CHUNK in full mode")
     p.add_argument("--seconds", type=float, default=1.0, help="measuring time per round, case and method")
     p.add_argument("--rounds", type=int, default=3, help="rounds per case; methods take turns, medians are compared")
