@@ -133,8 +133,9 @@ class TrainConfig:
                                                   help="timeouts and retries towards the teacher servers")
     run: RunConfig = field(default_factory=RunConfig, help="steps, evaluation, checkpoints, seed, output")
     cluster: ClusterConfig = field(default_factory=ClusterConfig,
-                                   help="local (default), or ray: teachers of cluster.teachers run as replicas "
-                                        "placed on a Ray cluster (docs/multi_machine.md)")
+                                   help="local (default); fork: opd train starts cluster.teachers itself, on "
+                                        "this machine (docs/train.md); or ray: teachers of cluster.teachers run "
+                                        "as replicas placed on a Ray cluster (docs/multi_machine.md)")
 
     def __post_init__(self):
         names = [t.name for t in self.merge.teachers]
