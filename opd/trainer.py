@@ -24,6 +24,7 @@ its backward); the first step uses 1.
 from __future__ import annotations
 
 import math
+import subprocess
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
@@ -215,8 +216,9 @@ class Trainer:
                 raise TrainError(f"cluster.teachers {t.name!r} did not start: {e}") from None
             self.servers[t.name] = server
             bound[t.name] = server.address
+            forked = not isinstance(server.proc, subprocess.Popen)  # a subprocess's output is in server.output
             print(f"teacher {t.name!r} serving at {server.address} (pid {server.proc.pid}"
-                  f"{f', log {log}' if not server.output else ''})", flush=True)
+                  f"{f', log {log}' if forked else ''})", flush=True)
         teachers = [replace(s, address=bound.get(s.name, s.address)) for s in cfg.merge.teachers]
         return replace(cfg, merge=replace(cfg.merge, teachers=teachers))
 
