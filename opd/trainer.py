@@ -24,10 +24,9 @@ its backward); the first step uses 1.
 from __future__ import annotations
 
 import math
-import subprocess
 import time
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +41,7 @@ from opd.metrics import MetricsLogger, plot_metrics
 from opd.rollout.base import Rollout, SamplingParams
 from opd.train_card import write_train_card
 from opd.train_config import TrainConfig
+from opd.train_launch import RunTeachers
 from opd.train_teachers import Answer, TeacherSet, TrainError
 
 __all__ = ["Batch", "Route", "Trainer", "TrainError"]
@@ -135,9 +135,8 @@ class Trainer:
         a process that may already have run torch (a notebook, a test) needs: a forked child
         hangs in the OpenMP thread pool its parent used."""
         self.cfg = cfg
-        self.fork_teachers = fork_teachers
-        self.servers: dict = {}   # cluster.mode fork: {teacher name: ServerProcess} this run started
         self.out = Path(cfg.run.out_dir)
+        self.launched = RunTeachers(self.out, fork=fork_teachers)   # what cluster.mode starts
         self.base_dir = Path(base_dir)
         self.resume = resume
         self.version = 0          # optimizer steps taken
@@ -157,9 +156,8 @@ class Trainer:
         self.specs = {t.name: t for t in cfg.merge.teachers}
         # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
         self.student_fp = tokenizer_fingerprint(load_tokenizer(cfg.student))
-        self.cluster = self._start_cluster()
-        self.cfg = cfg = self._start_servers(cfg)
-        self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.cluster)
+        self.cfg = cfg = self.launched.start(cfg)
+        self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.launched.cluster)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tok = load_student(cfg.student, cfg.run.seed)
         self.student_model_fp = model_fingerprint(cfg.student.path)
@@ -180,72 +178,6 @@ class Trainer:
         self.engine = self._make_engine()
         self.metrics = MetricsLogger(self.out, tensorboard=cfg.run.tensorboard, resume_step=resume_step)
         self.verify = _verifier()
-
-    def _start_cluster(self):
-        """cluster.mode: ray: join (or start) the Ray cluster and its teacher replicas; None when local."""
-        if self.cfg.cluster.mode != "ray":
-            return None
-        import ray
-
-        from opd.cluster import RayCluster
-
-        self._ray_started = not ray.is_initialized()   # a Ray session this run opened is closed by it
-        try:
-            return RayCluster.start(self.cfg.cluster)
-        except Exception as e:
-            if self._ray_started:
-                ray.shutdown()
-            raise TrainError(f"cluster.mode: ray: could not start the teacher replicas ({type(e).__name__}: {e})") \
-                from None
-
-    def _start_servers(self, cfg: TrainConfig) -> TrainConfig:
-        """cluster.mode: fork: start cluster.teachers here, each bound at its merge address; returns
-        `cfg` with the addresses they bound (a port `*` becomes the one picked)."""
-        if cfg.cluster.mode != "fork":
-            return cfg
-        bound = {}
-        for t in cfg.cluster.teachers:
-            args = t.server_args(cfg.merge.teacher(t.name).address)
-            if "--threads" not in args:
-                args += ["--threads", str(max(1, int(t.num_cpus)))]
-            log = self.out / "teachers" / f"{t.name}.log"
-            try:
-                server = self._start_server(t, args, log)
-            except RuntimeError as e:
-                self._stop_servers()
-                raise TrainError(f"cluster.teachers {t.name!r} did not start: {e}") from None
-            self.servers[t.name] = server
-            bound[t.name] = server.address
-            forked = not isinstance(server.proc, subprocess.Popen)  # a subprocess's output is in server.output
-            print(f"teacher {t.name!r} serving at {server.address} (pid {server.proc.pid}"
-                  f"{f', log {log}' if forked else ''})", flush=True)
-        teachers = [replace(s, address=bound.get(s.name, s.address)) for s in cfg.merge.teachers]
-        return replace(cfg, merge=replace(cfg.merge, teachers=teachers))
-
-    def _start_server(self, t, args: list[str], log: Path):
-        from opd.teachers.launch import ForkUnsafe, fork_server, start_server_process
-
-        try:
-            if not self.fork_teachers:
-                raise ForkUnsafe("Trainer(fork_teachers=False)")
-            _preload(t.model)
-            return fork_server(args, log_path=log, timeout_s=t.startup_timeout_s)
-        except ForkUnsafe as e:
-            print(f"teacher {t.name!r}: not forked ({e}); started as a subprocess, which holds its own copy "
-                  f"of the runtime", flush=True)
-            return start_server_process(args, timeout_s=t.startup_timeout_s, threads=None)
-
-    def _stop_servers(self) -> None:
-        """Close the clients, then stop the servers this run started (SIGTERM: they drain)."""
-        if not self.servers:
-            return
-        if hasattr(self, "teachers"):
-            self.teachers.close()
-        for name, server in self.servers.items():
-            code = server.stop()
-            if code != 0:
-                print(f"teacher {name!r} (pid {server.proc.pid}) exited with {code}", flush=True)
-        self.servers = {}
 
     def _load_data(self) -> None:
         cfg = self.cfg
@@ -580,7 +512,9 @@ class Trainer:
             if (cfg.run.eval_every and self.step % cfg.run.eval_every == 0) or self.step == cfg.run.steps:
                 self._evaluate()
         bar.close()
-        self._stop_servers()  # the teachers are done; the card keeps their WELCOMEs
+        if self.launched.servers:  # the forked teachers are done (their clients first); the card keeps their WELCOMEs
+            self.teachers.close()
+            self.launched.stop_servers()
         # RUN/model: the distilled student as a loadable directory (LoRA merged in), with its tokenizer.
         save_final_model(self.model, self.tok, self.out / "model")
         plot_metrics(self.out, {"loss": ["loss", "sft_loss"], "kl": ["kl", "eval/kl"],
@@ -718,24 +652,7 @@ class Trainer:
             self.metrics.close()
         if hasattr(self, "teachers"):
             self.teachers.close()
-        self._stop_servers()
-        if getattr(self, "cluster", None) is not None:
-            self.cluster.shutdown(disconnect=self._ray_started)
-
-
-def _preload(model_dir: str) -> None:
-    """Import what loading this teacher imports (its architecture's module, the server), so the
-    forked server finds it on pages it shares with the trainer; errors are the server's to report."""
-    import opd.teachers.hf_backend  # noqa: F401
-    import opd.teachers.server  # noqa: F401
-
-    try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
-    except (KeyError, OSError, ValueError):
-        pass
+        self.launched.close()
 
 
 def _verifier():

@@ -202,7 +202,7 @@ def test_fork_mode_starts_and_stops_its_teacher(setup, capsys):
     assert bound.startswith("tcp://127.0.0.1:") and not bound.endswith("*")
     assert f"teacher 't' serving at {bound}" in said
     pid = int(said.split(f"serving at {bound} (pid ", 1)[1].split(")", 1)[0])
-    assert trainer.servers == {} and not os.path.exists(f"/proc/{pid}")   # stopped (and reaped) by the run
+    assert trainer.launched.servers == {} and not os.path.exists(f"/proc/{pid}")   # stopped (and reaped) by the run
     card = json.loads((setup["root"] / "fork_mode" / "card.json").read_text())
     assert bound in json.dumps(card)
 
