@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# .venv-bench: TRL and Liger-Kernel for the side-by-side benchmarks, in a venv layered on
-# .venv (a .pth file adds .venv's packages), so the test environment never carries them
-# and torch is not installed twice.
+# .venv-bench: TRL for the side-by-side step benchmark, in a venv layered on .venv (a .pth
+# file adds .venv's packages), so the test environment never carries TRL's dependencies
+# and torch is not installed twice. Liger-Kernel (pure Python, no deps) is in .venv itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -11,4 +11,4 @@ if [[ ! -x .venv-bench/bin/python ]]; then
   own=$(.venv-bench/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   echo "$base" > "$own/_opd_base.pth"
 fi
-.venv-bench/bin/python -m pip install -q --disable-pip-version-check "trl==1.16.0" "liger-kernel==0.8.5"
+.venv-bench/bin/python -m pip install -q --disable-pip-version-check "trl==1.16.0"

@@ -37,6 +37,9 @@ else
   $VENV/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 $PIP --no-deps -e .
+# Liger-Kernel, the kernels benchmark's side-by-side: pure Python on the torch and triton
+# above (so no deps), here so that tests check it computes our divergence (tests/bench).
+$PIP --no-deps "liger-kernel==0.8.5"
 $VENV/bin/python -c "import torch, transformers, vllm, zmq, msgspec, ray, opd" \
   || { echo "setup_env: the environment does not import; see the errors above" >&2; exit 1; }
 echo "$want" > $STAMP

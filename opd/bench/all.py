@@ -92,7 +92,7 @@ def summary(out: Path, wall: dict, quick: bool) -> str:
         for r in k:
             lines.append(f"| {r.get('impl')} | {r.get('case')} ({r.get('divergence')}) | {r.get('teacher')} | {r.get('N')} | {r.get('V')} | "
                          f"{r.get('H') or '-'} | {r.get('dtype')} | {_mib(r.get('peak_extra_bytes'))} | "
-                         f"{r.get('median_ms') if r.get('median_ms') is None else round(r['median_ms'], 1)} |")
+                         f"{r.get('error') or '-' if r.get('median_ms') is None else round(r['median_ms'], 1)} |")
         lines.append("")
     t = _load(out / "transport.json")
     if t:

@@ -2,7 +2,9 @@
 
 Providers side by side: the naive reference (kernels/reference.py), this project's
 implementation (impl="auto": chunked PyTorch on CPU, Triton on CUDA) and, when
-`liger_kernel` is importable, Liger-Kernel's JSD / fused linear JSD (a benchmark extra).
+`liger_kernel` is importable, Liger-Kernel's JSD / fused linear JSD at the same beta. Liger
+is Triton only: on CPU it runs with --quick alone, in Triton's interpreter (a smoke test of
+the side-by-side, not a timing); otherwise its CPU rows say "not run".
 
 Every (case, provider) runs in its own subprocess so peak memory is honest: on CPU the
 peak RSS is reset after the inputs exist (/proc/self/clear_refs, falling back to
@@ -30,6 +32,7 @@ CASES = {
     "fused_kl_topk": (True, "topk", 0.0, 2048, 152064, 1024),
 }
 QUICK = dict(N=64, V=4096, H=64)
+LIGER_ON_CPU = "not run: Liger's Triton kernels need a GPU (on CPU, --quick runs them in Triton's interpreter)"
 TOPK = 64
 PROVIDERS = ("reference", "opd", "liger")
 
@@ -74,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
                 continue
             spec = dict(_spec(case, args.quick), provider=provider, dtype=args.dtype,
                         repeats=args.repeats, device=device, warmup=args.quick)
-            rows.append(_in_subprocess(spec, args.timeout))
+            if provider == "liger" and device == "cpu" and not args.quick:
+                rows.append(_row(spec, error=LIGER_ON_CPU))
+            else:
+                rows.append(_in_subprocess(spec, args.timeout))
             _print_row(rows[-1], header=len(rows) == 1)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -87,8 +93,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _in_subprocess(spec: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "opd.bench.kernels", "--worker", json.dumps(spec)]
+    env = dict(os.environ)
+    if spec["provider"] == "liger" and spec["device"] == "cpu":
+        env["TRITON_INTERPRET"] = "1"   # Triton has no CPU backend; its interpreter runs tiny shapes
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return _row(spec, error=f"timeout after {timeout:.0f} s")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -194,13 +203,14 @@ def _step_fn(spec: dict, inputs: dict, torch):
 def _liger_step(spec, inputs, leaves, torch):
     if spec["teacher"] != "full":
         raise SystemExit("liger has no top-k teacher loss")
+    # Liger's beta is ours (0 forward KL(T || S), 1 reverse KL, JSD between), both ends exact.
     if spec["fused"]:
-        from liger_kernel.transformers import LigerFusedLinearJSDLoss
-        loss_fn = LigerFusedLinearJSDLoss(jsd_beta=max(spec["beta"], 1e-8) if spec["beta"] < 1 else 1.0)
+        from liger_kernel.transformers import LigerFusedLinearJSD
+        loss_fn = LigerFusedLinearJSD(jsd_beta=spec["beta"])
 
         def step():
-            loss_fn(inputs["hidden"], inputs["weight"], inputs["teacher_hidden"],
-                    inputs["teacher_weight"]).backward()
+            loss_fn(inputs["hidden"], inputs["weight"], inputs["teacher_hidden"], inputs["teacher_weight"],
+                    None).backward()   # shift_labels: none, every row counts
         return step, leaves
     from liger_kernel.transformers import LigerJSD
     loss_fn = LigerJSD(beta=spec["beta"])

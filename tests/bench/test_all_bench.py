@@ -30,3 +30,15 @@ def test_summary_tables_from_json(tmp_path):
     assert "| opd-topk (teacher: fork) | 3948 |" in text
     assert "## Kernels" not in text                      # no kernels.json: no table
     assert "Wall time per benchmark: transport 200 s, step 70 s" in text
+
+
+def test_summary_says_why_a_kernel_row_was_not_run(tmp_path):
+    from opd.bench.kernels import LIGER_ON_CPU
+
+    row = {"case": "kl_full", "impl": "liger", "divergence": "forward_kl", "teacher": "full", "N": 2048,
+           "V": 152064, "H": 0, "dtype": "float32", "peak_extra_bytes": None, "median_ms": None, "error": LIGER_ON_CPU}
+    (tmp_path / "kernels.json").write_text(json.dumps([row, dict(row, impl="opd", median_ms=4697.44, error=None,
+                                                                 peak_extra_bytes=1211 << 20)]))
+    text = summary(tmp_path, {}, quick=False)
+    assert f"| liger | kl_full (forward_kl) | full | 2048 | 152064 | - | float32 | - | {LIGER_ON_CPU} |" in text
+    assert "| opd | kl_full (forward_kl) | full | 2048 | 152064 | - | float32 | 1211 | 4697.4 |" in text

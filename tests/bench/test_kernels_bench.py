@@ -1,6 +1,12 @@
-"""Smoke test of `opd bench kernels`: one tiny case per kind, in process (no timing asserts)."""
+"""Smoke test of `opd bench kernels`: one tiny case per kind, in process (no timing asserts),
+and its Liger side-by-side checked against our reference under Triton's interpreter."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -15,3 +21,22 @@ def test_bench_worker_row(case, provider):
     assert row["impl"] == provider and row["N"] == 64 and row["V"] == 4096
     assert row["divergence"] == ("jsd" if case == "jsd_full" else "forward_kl")
     assert row["median_ms"] > 0 and row["peak_extra_bytes"] >= 0
+
+
+@pytest.fixture(scope="module")
+def liger_results():
+    pytest.importorskip("liger_kernel")   # installed by scripts/setup_env.sh
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "liger_cases.py")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {(r["fused"], r["beta"]): r for r in map(json.loads, proc.stdout.splitlines()) if r}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["jsd", "fused_linear_jsd"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_liger_side_by_side_computes_our_divergence(liger_results, fused, beta):
+    # The bench compares Liger at our beta: same divergence (0 forward KL, 1 reverse KL), same
+    # mean over rows. A wrong class name or a beta mapping off by a convention fails here.
+    r = liger_results[(fused, beta)]
+    assert r["scale"] > 1e-4 and r["max_abs_diff"] < 1e-5 * max(1.0, r["scale"]) + 1e-7, r
