@@ -33,26 +33,29 @@ def test_group_memory_counts_descendants():
     assert max(v for p, v in mem.hwm.items() if p != proc.pid) >= 160 << 20
 
 
-@pytest.mark.parametrize("launch", ["fork", "process"])
-def test_opd_step_row(tmp_path, launch):
+def test_opd_step_rows_and_what_a_forked_teacher_saves(tmp_path):
     student, teacher, data = step.build_models(tmp_path)
-    row = step.run_opd(tmp_path, student, teacher, data, "topk", steps=3, warmup=1, launch=launch)
-    metrics = [json.loads(line) for line in (tmp_path / "opd-topk" / "metrics.jsonl").read_text().splitlines()]
-    measured = [m for m in metrics if "step_s" in m][1:]
-    assert row["steps_measured"] == len(measured) == 2 and row["teacher_launch"] == launch
-    assert abs(row["tokens_per_s"] - sum(m["tokens"] for m in measured) / sum(m["step_s"] for m in measured)) < 1e-6
-    phases = row["phases_s"]
-    assert phases["rollout"] > 0 and phases["teacher_wait"] >= 0 and phases["loss_backward_optim"] > 0
-    trainer, teacher_rss, total = row["peak_rss_trainer"], row["peak_rss_teacher"], row["peak_pss_total"]
-    # Both processes are counted, their shared pages once: above either one's private
-    # half, below the sum of their RSS (which counts libtorch's pages twice).
-    assert max(trainer, teacher_rss) * 0.5 < total < trainer + teacher_rss
-    # What the teacher adds beyond the trainer's RSS: a forked teacher shares the trainer's
-    # runtime (~260 MiB of heap) and adds little (measured: about nothing); one started as
-    # its own interpreter adds about half its RSS (all but the libtorch pages both map).
-    added = total - trainer
-    if launch == "fork":
-        assert added < 0.3 * teacher_rss, (added, teacher_rss)
-    else:
-        assert added > 0.3 * teacher_rss, (added, teacher_rss)
-    assert row["peak_rss_teacher"] > 100 << 20
+    added = {}
+    for launch in ("fork", "process"):
+        out = tmp_path / launch
+        out.mkdir()
+        row = step.run_opd(out, student, teacher, data, "topk", steps=3, warmup=1, launch=launch)
+        metrics = [json.loads(line) for line in (out / "opd-topk" / "metrics.jsonl").read_text().splitlines()]
+        measured = [m for m in metrics if "step_s" in m][1:]
+        assert row["steps_measured"] == len(measured) == 2 and row["teacher_launch"] == launch
+        assert abs(row["tokens_per_s"] - sum(m["tokens"] for m in measured) / sum(m["step_s"] for m in measured)) < 1e-6
+        phases = row["phases_s"]
+        assert phases["rollout"] > 0 and phases["teacher_wait"] >= 0 and phases["loss_backward_optim"] > 0
+        trainer, teacher_rss, total = row["peak_rss_trainer"], row["peak_rss_teacher"], row["peak_pss_total"]
+        # Both processes are counted, their shared pages once: above either one's private
+        # half, below the sum of their RSS (which counts libtorch's pages twice).
+        assert max(trainer, teacher_rss) * 0.5 < total < trainer + teacher_rss
+        assert teacher_rss > 100 << 20
+        added[launch] = (total - trainer) / teacher_rss
+    # What the teacher adds to the trainer's RSS, as a share of its own RSS. Forked, it shares
+    # the trainer's runtime (~260 MiB of heap) and adds nothing (measured -0.19: PSS splits the
+    # pages both map, the trainer's RSS does not); as its own interpreter it adds about half
+    # (0.49). Compared with each other rather than with fixed bounds: other processes that map
+    # libtorch (a Ray session left by an earlier test) lower every PSS, and moved the two to
+    # -0.47 and 0.29.
+    assert added["process"] - added["fork"] > 0.3, added
