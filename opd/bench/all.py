@@ -81,6 +81,8 @@ def _references(r: dict) -> str:
 
 
 def summary(out: Path, wall: dict, quick: bool) -> str:
+    from opd.bench.transport import ratio_spread
+
     lines = [f"# Benchmark summary{' (quick smoke run: not representative)' if quick else ''}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
              f"written {time.strftime('%Y-%m-%d %H:%M')}. Command: `opd bench all --out {out}`"
@@ -97,7 +99,7 @@ def summary(out: Path, wall: dict, quick: bool) -> str:
     t = _load(out / "transport.json")
     if t:
         lines += ["## Transport (model taken out)", "",
-                  "| transport | answer | positions/request | positions/s | bytes/position | % of bare ZeroMQ "
+                  "| transport | answer | positions/request | positions/s | bytes/position | % of bare ZeroMQ (rounds) "
                   "| references, % of bare ZeroMQ: request/response, + message work "
                   "| CPU us/position, opd / bare | x HTTP/JSON | CURVE cost |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
@@ -105,7 +107,7 @@ def summary(out: Path, wall: dict, quick: bool) -> str:
             what = f"top-{r['k']}" if r["mode"] == "topk" else f"full V={r['vocab']} {r['dtype']}"
             lines.append(f"| {r['transport']} | {what} | {r.get('positions_per_request', '-')} | "
                          f"{r['positions_per_s']:.0f} | {r['bytes_per_position']} | "
-                         f"{100 * r['ratio_to_ceiling']:.0f}% | {_references(r)} | "
+                         f"{100 * r['ratio_to_ceiling']:.0f}% ({ratio_spread(r)}) | {_references(r)} | "
                          f"{_cpu(r)} | "
                          f"{'%.0fx' % r['ratio_to_http'] if r.get('ratio_to_http') else '-'} | "
                          f"{'%.0f%%' % (100 * r['curve_cost']) if 'curve_cost' in r else '-'} |")

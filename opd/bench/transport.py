@@ -386,6 +386,8 @@ def run_cases(args) -> list[dict]:
         med = {name: statistics.median(v) for name, v in res.items()}
         row = dict(case, positions_per_s=med["opd"], ceiling_positions_per_s=med["ceiling"],
                    ratio_to_ceiling=med["opd"] / med["ceiling"], rounds=res,
+                   # each round's own ratio: how far one run's figure can be trusted on this box
+                   ratio_to_ceiling_rounds=[a / b for a, b in zip(res["opd"], res["ceiling"])],
                    cpu_us_per_position=statistics.median(cpu["opd"]),
                    ceiling_cpu_us_per_position=statistics.median(cpu["ceiling"]))
         if "curve" in med:
@@ -452,6 +454,12 @@ def run_cases(args) -> list[dict]:
     return rows_out
 
 
+def ratio_spread(r: dict) -> str:
+    """Lowest-highest of the per-round ratios to the ceiling, in %; '-' for rows without them."""
+    v = r.get("ratio_to_ceiling_rounds")
+    return f"{100 * min(v):.0f}-{100 * max(v):.0f}%" if v else "-"
+
+
 def _fmt(r: dict) -> str:
     what = f"top-{r['k']}" if r["mode"] == "topk" else f"full V={r['vocab']} {r['dtype']}"
     http = f"{r['http_json_positions_per_s']:>10.0f}" if r.get("http_json_positions_per_s") else f"{'-':>10}"
@@ -461,7 +469,8 @@ def _fmt(r: dict) -> str:
         curve += (f"  (of the ceiling: reqresp {100 * r['reqresp_ratio_to_ceiling']:.0f}%, "
                   f"+work {100 * r['work_ratio_to_ceiling']:.0f}%)")
     return (f"{r['transport']:<4} {what:<24} {r['positions_per_request']:>6}/req {r['positions_per_s']:>12.0f} pos/s {r['bytes_per_position']:>8} B/pos "
-            f"ceiling {r['ceiling_positions_per_s']:>12.0f} ({100 * r['ratio_to_ceiling']:5.1f}%) "
+            f"ceiling {r['ceiling_positions_per_s']:>12.0f} ({100 * r['ratio_to_ceiling']:5.1f}%, rounds "
+            f"{ratio_spread(r)}) "
             f"cpu {r['cpu_us_per_position']:.3g}/{r['ceiling_cpu_us_per_position']:.3g} us/pos "
             f"http {http} {ratio_http}{curve}")
 

@@ -15,16 +15,17 @@ def test_summary_tables_from_json(tmp_path):
                  "positions_per_request": 16384, "positions_per_s": 4.97e6, "bytes_per_position": 524,
                  "ratio_to_ceiling": 0.59, "ratio_to_http": 1499.0, "curve_cost": 0.72,
                  "cpu_us_per_position": 0.3312, "ceiling_cpu_us_per_position": 0.2204,
-                 "reqresp_ratio_to_ceiling": 0.884, "work_ratio_to_ceiling": 0.706}
+                 "reqresp_ratio_to_ceiling": 0.884, "work_ratio_to_ceiling": 0.706,
+                 "ratio_to_ceiling_rounds": [0.62, 0.59, 1.304]}
     (tmp_path / "step.json").write_text(json.dumps({"rows": [step]}))
     (tmp_path / "step_v152064.json").write_text(json.dumps({"rows": [dict(step, tokens_per_s_vs_trl=1.78,
                                                                           teacher_launch="fork")]}))
-    older = {k: v for k, v in transport.items()                       # written before CPU and the
-             if "cpu" not in k and "reqresp" not in k and "work" not in k}   # references were measured
+    older = {k: v for k, v in transport.items()                    # written before CPU, per-round ratios and the
+             if "cpu" not in k and "reqresp" not in k and "work" not in k and "rounds" not in k}  # references
     (tmp_path / "transport.json").write_text(json.dumps({"rows": [transport, dict(older, k=8)]}))
     text = summary(tmp_path, {"transport": 200.0, "step": 70.0}, quick=False)
-    assert "| tcp | top-64 | 16384 | 4970000 | 524 | 59% | 88% / 71% | 0.331 / 0.22 | 1499x | 72% |" in text
-    assert "| tcp | top-8 | 16384 | 4970000 | 524 | 59% | - | - | 1499x | 72% |" in text
+    assert "| tcp | top-64 | 16384 | 4970000 | 524 | 59% (59-130%) | 88% / 71% | 0.331 / 0.22 | 1499x | 72% |" in text
+    assert "| tcp | top-8 | 16384 | 4970000 | 524 | 59% (-) | - | - | 1499x | 72% |" in text
     assert "| opd-topk | 3948 | 0.059 | 472 | 439 | 715 | 1.51 | rollout 0.035, teacher_wait 0.010, " in text
     assert "## The same step, vocabulary padded to 152,064" in text and "| 1.78 |" in text
     assert "| opd-topk (teacher: fork) | 3948 |" in text

@@ -46,6 +46,7 @@ def test_run_cases_writes_one_row_per_size_and_mode():
     for r in rows:
         assert len(r["rounds"]["opd"]) == len(r["rounds"]["ceiling"]) == 2
         assert r["ratio_to_ceiling"] == r["positions_per_s"] / r["ceiling_positions_per_s"] > 0
+        assert r["ratio_to_ceiling_rounds"] == [a / b for a, b in zip(r["rounds"]["opd"], r["rounds"]["ceiling"])]
         assert r["cpu_us_per_position"] > 0 and r["ceiling_cpu_us_per_position"] > 0
     assert top["http_json_positions_per_s"] > 0 and full["ratio_to_http"] is None
     for name in ("reqresp", "work"):  # the references, top-k only
