@@ -42,7 +42,8 @@ class TeacherReplicas:
     strategy: Strategy = field("SPREAD", help="placement group strategy across the replicas")
     # --- supervision
     startup_timeout_s: float = field(600.0, help="time a replica may take to print its startup line", min=1.0)
-    max_restarts: int = field(10, help="restarts of one replica before its supervisor gives up", min=0)
+    max_restarts: int = field(10, help="restarts of one replica before its supervisor (Ray's, or mode fork's "
+                                       "watchdog) gives up", min=0)
 
     def server_args(self, bind: str) -> list[str]:
         """`opd serve-teacher` arguments of one replica bound at `bind` (torch threads not included)."""

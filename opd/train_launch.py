@@ -10,11 +10,17 @@
 A forked child hangs in the first multi-threaded op if its parent has used OpenMP, so only a
 process that has computed nothing yet may fork (`fork=True`, what `opd train` passes); other
 callers (a notebook, a test) get subprocesses, which hold their own copy of the runtime.
+
+A watchdog thread restarts a server that dies (up to the teacher's `max_restarts`), at the
+address it had and as a subprocess: by then the trainer has computed, so forking is unsafe.
+The clients meanwhile reconnect, check the new server's fingerprints in its WELCOME and
+resend what was outstanding (opd.teachers.client), within `teacher_client.timeout_s`.
 """
 
 from __future__ import annotations
 
 import subprocess
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +36,12 @@ class RunTeachers:
         self.servers: dict = {}       # mode fork: {teacher name: ServerProcess}
         self.cluster = None           # mode ray: the RayCluster
         self._ray_started = False     # a Ray session this run opened is closed by it
+        self.restarts: dict[str, int] = {}   # mode fork: restarts per teacher
+        self.events: list[str] = []          # what the watchdog did, for the training card
+        self._specs: dict = {}               # teacher name -> its cluster.teachers entry
+        self._lock = threading.Lock()        # the watchdog's polls and restarts vs stop_servers
+        self._stopping = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     def start(self, cfg):
         """Start what `cfg.cluster.mode` asks for; returns `cfg` with the addresses the forked
@@ -40,12 +52,10 @@ class RunTeachers:
             return cfg
         bound = {}
         for t in cfg.cluster.teachers:
-            args = t.server_args(cfg.merge.teacher(t.name).address)
-            if "--threads" not in args:
-                args += ["--threads", str(max(1, int(t.num_cpus)))]
+            self._specs[t.name] = t
             log = self.out / "teachers" / f"{t.name}.log"
             try:
-                server = self._start_server(t, args, log)
+                server = self._start_server(t, _args(t, cfg.merge.teacher(t.name).address), log)
             except RuntimeError as e:
                 self.stop_servers()
                 raise TrainError(f"cluster.teachers {t.name!r} did not start: {e}") from None
@@ -55,7 +65,38 @@ class RunTeachers:
             print(f"teacher {t.name!r} serving at {server.address} (pid {server.proc.pid}"
                   f"{f', log {log}' if forked else ''})", flush=True)
         teachers = [replace(s, address=bound.get(s.name, s.address)) for s in cfg.merge.teachers]
+        # Started after the forks: a process with threads running refuses to fork (ForkUnsafe).
+        self._watchdog = threading.Thread(target=self._watch, name="teacher-watchdog", daemon=True)
+        self._watchdog.start()
         return replace(cfg, merge=replace(cfg.merge, teachers=teachers))
+
+    def _watch(self, interval_s: float = 1.0) -> None:
+        while not self._stopping.wait(interval_s):
+            with self._lock:
+                for name, server in list(self.servers.items()):
+                    code = server.proc.poll()
+                    if code is not None and not self._stopping.is_set() \
+                            and self.restarts.get(name, 0) < self._specs[name].max_restarts:
+                        self._restart(name, server, code)
+
+    def _restart(self, name: str, dead, code: int) -> None:
+        from opd.teachers.launch import start_server_process
+
+        t = self._specs[name]
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        what = f"teacher {name!r} (pid {dead.proc.pid}) exited with {code}"
+        try:
+            server = start_server_process(_args(t, dead.address), timeout_s=t.startup_timeout_s, threads=None)
+        except RuntimeError as e:
+            self._event(f"{what}; restart {self.restarts[name]} of {t.max_restarts} failed: {str(e)[-500:]}")
+            return
+        self.servers[name] = server
+        self._event(f"{what}; restarted at {server.address} as pid {server.proc.pid}, a subprocess (restart "
+                    f"{self.restarts[name]} of {t.max_restarts})")
+
+    def _event(self, msg: str) -> None:
+        self.events.append(msg)
+        print(msg, flush=True)
 
     def _start_ray(self, cluster_cfg):
         import ray
@@ -86,17 +127,25 @@ class RunTeachers:
 
     def stop_servers(self) -> None:
         """SIGTERM to the servers this run started (they drain); the caller closes its clients first."""
-        for name, server in self.servers.items():
-            code = server.stop()
-            if code != 0:
-                print(f"teacher {name!r} (pid {server.proc.pid}) exited with {code}", flush=True)
-        self.servers = {}
+        self._stopping.set()
+        with self._lock:   # a restart under way finishes first, and is stopped with the others
+            for name, server in self.servers.items():
+                code = server.stop()
+                if code != 0:
+                    print(f"teacher {name!r} (pid {server.proc.pid}) exited with {code}", flush=True)
+            self.servers = {}
 
     def close(self) -> None:
         self.stop_servers()
         if self.cluster is not None:
             self.cluster.shutdown(disconnect=self._ray_started)
             self.cluster = None
+
+
+def _args(t, bind: str) -> list[str]:
+    """`opd serve-teacher` arguments of teacher `t` (a cluster.teachers entry) bound at `bind`."""
+    args = t.server_args(bind)
+    return args if "--threads" in args else args + ["--threads", str(max(1, int(t.num_cpus)))]
 
 
 def _preload(model_dir: str) -> None:

@@ -526,7 +526,7 @@ class Trainer:
                      "trained_parameters": sum(p.numel() for p in self.model.parameters() if p.requires_grad)},
             teacher_samples=self.teacher_samples, tail_mass=self.tail_mass, staleness=self.staleness,
             prompts={d: len(v) for d, v in self.datasets.items()}, eval_prompts=len(self.eval_samples),
-            evals=self.evals, warnings=self.warnings, steps=self.step,
+            evals=self.evals, warnings=self.warnings + self.launched.events, steps=self.step,
             skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
                            for p, r in self.data_reports.items() if r.skipped})
         return {"step": self.step, "evals": self.evals, "out_dir": str(self.out)}

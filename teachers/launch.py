@@ -107,6 +107,8 @@ def spawn_until_ready(cmd: list[str], env: dict, timeout_s: float) -> ServerProc
             output.append(line.rstrip("\n"))
             if line.startswith(READY):
                 ready.set()
+            if len(output) > 2000:   # a server that runs for days: keep its first and latest lines
+                del output[1:1001]
         ready.set()
 
     threading.Thread(target=read, name="teacher-output", daemon=True).start()

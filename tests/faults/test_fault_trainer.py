@@ -1,5 +1,5 @@
-"""`opd train` under faults: its teacher SIGKILLed and restarted mid-run, its teacher replaced by
-another model, the trainer SIGKILLed while it writes a checkpoint, the disk full at a checkpoint.
+"""`opd train` under faults: its teacher SIGKILLed and restarted mid-run (by hand, or by the
+run's own watchdog in cluster.mode fork), its teacher replaced by another model, the trainer SIGKILLed while it writes a checkpoint, the disk full at a checkpoint.
 
 The yardstick is an uninterrupted run of the same config: runs are deterministic, so a run
 whose every step has the reference's loss trained on exactly the reference's batches, none
@@ -120,6 +120,38 @@ def test_teacher_sigkilled_mid_run_and_restarted(world):
     for step, loss in world["ref_loss"].items():                           # the same batches, once each
         assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
     assert load_state(out)["batches"] == world["ref_batches"]
+
+
+def test_fork_mode_restarts_its_teacher_when_it_dies(world):
+    """cluster.mode fork: the teacher the run started is SIGKILLed right after batch 2 went out
+    to it; the run's watchdog restarts it at the same address (a subprocess: pytest runs
+    threads, so nothing here forks) and the run trains the reference's batches."""
+    events = {}
+
+    class KillOnce(Trainer):
+        def _submit(self, batch):
+            out = super()._submit(batch)
+            if batch.index == 2 and "pid" not in events:
+                server = self.launched.servers["t"]
+                events["pid"], events["address"] = server.proc.pid, server.address
+                server.proc.kill()   # no wait: the watchdog finds it dead and reaps it
+            return out
+
+    out = world["root"] / "fork_killed"
+    d = train_config_dict(world["student"], "tcp://127.0.0.1:*", world["root"], out, steps=STEPS,
+                          timeout_s=15.0, retries=2)   # without a restart: TIMEOUT within ~45 s
+    d["cluster"] = {"mode": "fork", "teachers": [{"name": "t", "model": str(world["teacher"]),
+                                                  "serve_args": ["--max-k", "16", "--log-level", "WARNING"]}]}
+    tr = KillOnce(from_dict(d, TrainConfig))
+    result = tr.run()
+    got = losses(out)
+    assert result["step"] == STEPS and sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in world["ref_loss"].items():                           # the same batches, once each
+        assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
+    assert load_state(out)["batches"] == world["ref_batches"]
+    assert tr.launched.restarts == {"t": 1} and tr.launched.servers == {}  # restarted once; stopped at the end
+    said = f"teacher 't' (pid {events['pid']}) exited with -9; restarted at {events['address']} as pid "
+    assert said in tr.launched.events[0] and said in (out / "card.json").read_text()
 
 
 def test_teacher_replaced_by_another_model_stops_the_run(world, tiny_teacher_dir):
