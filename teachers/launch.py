@@ -100,12 +100,14 @@ def spawn_until_ready(cmd: list[str], env: dict, timeout_s: float) -> ServerProc
     """
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     output: list[str] = []
+    found: list[str] = []            # the ready line, kept apart: `output` is trimmed
     ready = threading.Event()
 
     def read() -> None:
         for line in proc.stdout:
             output.append(line.rstrip("\n"))
-            if line.startswith(READY):
+            if line.startswith(READY) and not found:
+                found.append(output[-1])
                 ready.set()
             if len(output) > 2000:   # a server that runs for days: keep its first and latest lines
                 del output[1:1001]
@@ -117,11 +119,10 @@ def spawn_until_ready(cmd: list[str], env: dict, timeout_s: float) -> ServerProc
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"teacher server not ready after {timeout_s}s:\n" + "\n".join(output[-40:]))
-    line = next((l for l in output if l.startswith(READY)), None)
-    if line is None:
+    if not found:
         proc.wait(timeout=10)
         raise RuntimeError(f"teacher server exited with {proc.returncode}:\n" + "\n".join(output[-40:]))
-    return _from_ready_line(proc, line, output)
+    return _from_ready_line(proc, found[0], output)
 
 
 def _from_ready_line(proc, line: str, output: list[str]) -> ServerProcess:

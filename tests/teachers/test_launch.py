@@ -95,3 +95,22 @@ def test_fork_is_refused_while_other_threads_run(tmp_path):
     finally:
         stop.set()
     assert not (tmp_path / "never.log").exists()
+
+
+def test_a_subprocess_servers_output_is_kept_bounded():
+    # A server that runs for days keeps printing: its first line and the latest ~1000 are kept.
+    from opd.teachers.launch import spawn_until_ready
+    from opd.teachers.serve import READY
+
+    code = (f"import sys, time; print('first'); print({READY!r} + ' address=tcp://x:1 model_fingerprint=m "
+            f"tokenizer_fingerprint=t'); [print(i) for i in range(5000)]; sys.stdout.flush(); time.sleep(30)")
+    server = spawn_until_ready([sys.executable, "-c", code], dict(os.environ), timeout_s=30)
+    try:
+        deadline = time.monotonic() + 20
+        while server.output[-1:] != ["4999"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.output[-1] == "4999" and server.output[0] == "first"
+        assert len(server.output) <= 2000 and server.address == "tcp://x:1"
+    finally:
+        server.proc.kill()
+        server.proc.wait()
