@@ -71,13 +71,17 @@ class RunTeachers:
         return replace(cfg, merge=replace(cfg.merge, teachers=teachers))
 
     def _watch(self, interval_s: float = 1.0) -> None:
+        # The thread lives until stop_servers: the servers it restarts die with it (die_with_parent).
         while not self._stopping.wait(interval_s):
             with self._lock:
                 for name, server in list(self.servers.items()):
-                    code = server.proc.poll()
-                    if code is not None and not self._stopping.is_set() \
-                            and self.restarts.get(name, 0) < self._specs[name].max_restarts:
-                        self._restart(name, server, code)
+                    try:
+                        code = server.proc.poll()
+                        if code is not None and not self._stopping.is_set() \
+                                and self.restarts.get(name, 0) < self._specs[name].max_restarts:
+                            self._restart(name, server, code)
+                    except Exception as e:  # noqa: BLE001 - keep watching the others
+                        self._event(f"teacher {name!r}: watchdog error {type(e).__name__}: {e}")
 
     def _restart(self, name: str, dead, code: int) -> None:
         from opd.teachers.launch import start_server_process
@@ -86,7 +90,8 @@ class RunTeachers:
         self.restarts[name] = self.restarts.get(name, 0) + 1
         what = f"teacher {name!r} (pid {dead.proc.pid}) exited with {code}"
         try:
-            server = start_server_process(_args(t, dead.address), timeout_s=t.startup_timeout_s, threads=None)
+            server = start_server_process(_args(t, dead.address), timeout_s=t.startup_timeout_s, threads=None,
+                                          die_with_parent=True)
         except RuntimeError as e:
             self._event(f"{what}; restart {self.restarts[name]} of {t.max_restarts} failed: {str(e)[-500:]}")
             return
@@ -123,7 +128,7 @@ class RunTeachers:
         except ForkUnsafe as e:
             print(f"teacher {t.name!r}: not forked ({e}); started as a subprocess, which holds its own copy "
                   f"of the runtime", flush=True)
-            return start_server_process(args, timeout_s=t.startup_timeout_s, threads=None)
+            return start_server_process(args, timeout_s=t.startup_timeout_s, threads=None, die_with_parent=True)
 
     def stop_servers(self) -> None:
         """SIGTERM to the servers this run started (they drain); the caller closes its clients first."""

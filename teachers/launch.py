@@ -29,6 +29,8 @@ from pathlib import Path
 
 from opd.teachers.serve import READY
 
+PARENT_ENV = "OPD_TEACHER_PARENT_PID"   # set: `opd serve-teacher` dies with that process (die_with_parent)
+
 
 @dataclass
 class ServerProcess:
@@ -74,17 +76,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_server_process(args: list[str], *, timeout_s: float = 180.0, env: dict | None = None,
-                         threads: int | None = 1) -> ServerProcess:
+                         threads: int | None = 1, die_with_parent: bool = False) -> ServerProcess:
     """Run `python -m opd.cli serve-teacher *args`; return once it printed its ready line.
 
     Without `--bind` in args it binds a free loopback port. `threads` caps torch/OMP threads
-    of the server (None: leave the defaults). Raises RuntimeError with the server's output
-    if it exits or stays silent for `timeout_s`.
+    of the server (None: leave the defaults). `die_with_parent`: the server gets SIGTERM when
+    the thread that started it ends, as a forked one does (what a trainer wants: no orphan
+    teachers after a crash). Raises RuntimeError with the server's output if it exits or
+    stays silent for `timeout_s`.
     """
     args = [str(a) for a in args]
     if "--bind" not in args:
         args += ["--bind", "tcp://127.0.0.1:*"]
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    if die_with_parent:
+        full_env[PARENT_ENV] = str(os.getpid())
     if threads:
         full_env.setdefault("OMP_NUM_THREADS", str(threads))
         args += ["--threads", str(threads)]
@@ -236,7 +242,7 @@ def fork_server(args: list[str], *, log_path: str | Path, timeout_s: float = 180
 def _serve_forked(args: list[str], log_path: Path, write_fd: int, parent: int) -> None:
     code = 1
     try:
-        _die_with_parent(parent)
+        die_with_parent(parent)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -258,8 +264,10 @@ def _serve_forked(args: list[str], log_path: Path, write_fd: int, parent: int) -
         os._exit(code)  # not the parent's atexit handlers, not its interpreter teardown
 
 
-def _die_with_parent(parent: int) -> None:
-    """Ask Linux for SIGTERM when the parent dies, so a killed trainer leaves no teacher behind."""
+def die_with_parent(parent: int) -> None:
+    """Ask Linux for SIGTERM when the parent dies, so a killed trainer leaves no teacher behind.
+    (Linux's "parent" is the thread that made this process: a trainer starts its teachers from
+    threads that live as long as the teachers should.)"""
     try:
         import ctypes
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
@@ -79,6 +80,11 @@ def load_backend(args):
 def run(args, on_ready=None) -> int:
     """Serve until SIGTERM/SIGINT. `on_ready(line)` also gets the startup line (a forked server
     hands it to its parent through a pipe, opd.teachers.launch.fork_server)."""
+    from opd.teachers.launch import PARENT_ENV, die_with_parent
+
+    parent = os.environ.pop(PARENT_ENV, None)   # popped: the backend's own workers must not inherit it
+    if parent:
+        die_with_parent(int(parent))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = check_bind(args.bind, args.curve_secret_key is not None, args.insecure)
     if problem:

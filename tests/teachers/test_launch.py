@@ -114,3 +114,20 @@ def test_a_subprocess_servers_output_is_kept_bounded():
     finally:
         server.proc.kill()
         server.proc.wait()
+
+
+def test_a_subprocess_server_started_to_die_with_its_parent_does(tiny_model_dir, tmp_path):
+    # What a trainer's subprocess teachers (the fallback of fork mode, and its restarts) get.
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal
+        from opd.teachers.launch import start_server_process
+        s = start_server_process(["--model", {str(tiny_model_dir)!r}], die_with_parent=True)
+        print(s.proc.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)   # a crash: no stop(), no atexit
+    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    child = int(proc.stdout.readline())
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child)
