@@ -67,12 +67,16 @@ def test_forked_server_serves_reports_failures_and_stops(tiny_model_dir, tmp_pat
     assert "opd-teacher ready address=" + out["address"] in log and "opd-teacher stopped" in log
 
 
-def test_forked_server_dies_with_its_parent(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("launch", ["fork", "process"])
+def test_a_trainers_server_dies_with_it(tiny_model_dir, tmp_path, launch):
+    # Forked, or a subprocess started with die_with_parent (fork mode's fallback and restarts).
+    args = ["--model", str(tiny_model_dir), "--bind", "tcp://127.0.0.1:*"]
+    start = (f"fork_server({args + ['--threads', '1']!r}, log_path={str(tmp_path / 't.log')!r})" if launch == "fork"
+             else f"start_server_process({args!r}, die_with_parent=True)")
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import os, signal, sys
-        from opd.teachers.launch import fork_server
-        s = fork_server(["--model", {str(tiny_model_dir)!r}, "--bind", "tcp://127.0.0.1:*", "--threads", "1"],
-                        log_path={str(tmp_path / "t.log")!r})
+        import os, signal
+        from opd.teachers.launch import fork_server, start_server_process
+        s = {start}
         print(s.proc.pid, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)   # a crash: no stop(), no atexit
     """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -82,7 +86,8 @@ def test_forked_server_dies_with_its_parent(tiny_model_dir, tmp_path):
     while not _gone(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(child)
-    assert "opd-teacher stopped" in (tmp_path / "t.log").read_text()   # SIGTERM: it drained and exited
+    if launch == "fork":
+        assert "opd-teacher stopped" in (tmp_path / "t.log").read_text()   # SIGTERM: it drained and exited
 
 
 def test_fork_is_refused_while_other_threads_run(tmp_path):
@@ -115,19 +120,3 @@ def test_a_subprocess_servers_output_is_kept_bounded():
         server.proc.kill()
         server.proc.wait()
 
-
-def test_a_subprocess_server_started_to_die_with_its_parent_does(tiny_model_dir, tmp_path):
-    # What a trainer's subprocess teachers (the fallback of fork mode, and its restarts) get.
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import os, signal
-        from opd.teachers.launch import start_server_process
-        s = start_server_process(["--model", {str(tiny_model_dir)!r}], die_with_parent=True)
-        print(s.proc.pid, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)   # a crash: no stop(), no atexit
-    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    child = int(proc.stdout.readline())
-    assert proc.wait(timeout=120) == -signal.SIGKILL
-    deadline = time.monotonic() + 30
-    while not _gone(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _gone(child)
