@@ -116,6 +116,49 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=N
     return out
 
 
+def full_logits_bytes(cfg, vocab_size: int) -> int:
+    """Most bytes of full-mode teacher logits the trainer holds at once: a batch's [rows, V],
+    every response at max_new_tokens, in loss.full_dtype; two batches with run.pipeline (the
+    next one is scored while the current one trains)."""
+    r = cfg.rollout
+    rows = r.prompts_per_step * r.samples_per_prompt * r.max_new_tokens
+    item = 4 if cfg.loss.full_dtype == "float32" else 2
+    return rows * vocab_size * item * (2 if cfg.run.pipeline else 1)
+
+
+def check_full_memory(cfg, vocab_size: int, available: int | None) -> str | None:
+    """Refuse a full-mode run whose teacher logits cannot fit in `available` bytes (None:
+    unknown); a note when they may take over half of it."""
+    need = full_logits_bytes(cfg, vocab_size)
+    if available is None or need <= available // 2:
+        return None
+    r = cfg.rollout
+    what = (f"mode full holds up to {_size(need)} of teacher logits: prompts_per_step "
+            f"{r.prompts_per_step} x samples_per_prompt {r.samples_per_prompt} x max_new_tokens {r.max_new_tokens} "
+            f"rows x V={vocab_size} x {cfg.loss.full_dtype}{' x 2 batches (run.pipeline)' if cfg.run.pipeline else ''}")
+    if need > available:
+        raise TrainError(f"{what}, and this machine has {_size(available)} available; use mode: topk, "
+                         f"loss.full_dtype: bfloat16, run.pipeline: false, or fewer rollout.prompts_per_step or "
+                         f"max_new_tokens")
+    return f"{what}: over half of the {_size(available)} available"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class TeacherSet:
     """The run's teachers: specs, checked clients and their WELCOMEs."""
 
@@ -124,6 +167,15 @@ class TeacherSet:
         self.specs = {t.name: t for t in cfg.merge.teachers}
         self.clients = connect_teachers(cfg, student_fingerprint, student_path, cluster)
         self.pool = ThreadPoolExecutor(max_workers=2 * len(self.specs), thread_name_prefix="teacher-full")
+        full = [name for name, spec in self.specs.items() if spec.mode == "full"]
+        self.memory_note = None   # a full-mode run that may take over half the memory: said, and in the card
+        if full:
+            try:
+                self.memory_note = check_full_memory(cfg, max(self.welcome(n).vocab_size for n in full),
+                                                     _mem_available())
+            except TrainError:
+                self.close()
+                raise
 
     def welcome(self, name: str):
         return self.clients[name][1]

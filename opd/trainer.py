@@ -158,6 +158,9 @@ class Trainer:
         self.student_fp = tokenizer_fingerprint(load_tokenizer(cfg.student))
         self.cfg = cfg = self.launched.start(cfg)
         self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.launched.cluster)
+        if self.teachers.memory_note:
+            print(f"warning: {self.teachers.memory_note}", flush=True)
+            self.warnings.append(self.teachers.memory_note)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tok = load_student(cfg.student, cfg.run.seed)
         self.student_model_fp = model_fingerprint(cfg.student.path)

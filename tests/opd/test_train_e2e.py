@@ -263,3 +263,14 @@ def test_cli_runs_a_yaml_config_with_relative_paths_and_resumes(setup, tmp_path,
     capsys.readouterr()
     assert main(["train", str(tmp_path / "dead.yaml")]) == 1
     assert "unreachable" in capsys.readouterr().err
+
+
+def test_full_mode_that_cannot_fit_is_refused_before_training(setup, monkeypatch):
+    # 4 prompts x 12 tokens x V=260 x 4 B x 2 batches = 99,840 B of teacher logits; say 64 KiB are free.
+    import opd.train_teachers
+
+    monkeypatch.setattr(opd.train_teachers, "_mem_available", lambda: 64 << 10)
+    trainer = Trainer(_cfg(setup, "full_too_big", mode="full", steps=2))
+    with pytest.raises(TrainError, match=r"mode full holds up to 0\.1 MiB .* x V=260 x float32 x 2 batches"):
+        trainer.run()
+    assert not hasattr(trainer, "model") and not (setup["root"] / "full_too_big" / "metrics.jsonl").exists()
