@@ -4,15 +4,17 @@
 tokenizer than the student, or cannot answer the configured mode and k; with `cluster.mode: ray`
 a teacher of `cluster.teachers` is a ReplicaPool over its Ray-placed replicas (opd/cluster.py). `TeacherSet.request`
 sends one teacher the sequences routed to it and returns a Future of an `Answer`, so the
-next batch can be scored while the current one trains; full-vocabulary streams are drained
-by a worker thread.
+next batch can be scored while the current one trains. A full-vocabulary answer is a
+`RowStream`: the loss reads its rows micro-batch by micro-batch as the chunks arrive, so the
+trainer never holds a batch's [rows, V] logits.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -23,14 +25,132 @@ class TrainError(RuntimeError):
     """A run that cannot start or continue; the message says what to change."""
 
 
+FULL_WINDOW = 4   # full mode: chunks a teacher may send ahead of the loss reading them (per request)
+
+
 @dataclass
 class Answer:
     """One teacher's rows for the sequences it scored, in request order."""
     topk: object | None            # kernels.TopKTeacher [R, k] (topk / sampled modes)
-    logits: torch.Tensor | None    # [R, V] raw logits (full mode)
-    token_logprob: torch.Tensor    # [R]
+    logits: "RowStream | None"     # [R, V] raw logits, read in row order (full mode)
+    token_logprob: torch.Tensor    # [R] (full mode: filled as the rows arrive)
     row_offsets: list[int]         # [B_t + 1]
-    latency_s: float
+    latency_s: float               # request to last row (full mode: set by RowStream.finish)
+
+
+class RowStream:
+    """A full-vocabulary answer of R rows, read in order while it streams in.
+
+    `stream[index]` (index: ascending row numbers, never below an earlier call's lowest) pulls
+    chunks until its last row has arrived and returns those rows; chunks wholly below its lowest
+    row are dropped. So the trainer holds one micro-batch's rows and the chunks in flight (the
+    client's window), not [R, V]. `finish()` drains what nobody asked for (rows of zero-weight
+    sequences) and checks the count. Errors come out as TrainError via `on_error`.
+    """
+
+    def __init__(self, chunks: Iterator, rows: int, on_error, t0: float):
+        self._chunks, self.rows, self._on_error, self._t0 = chunks, rows, on_error, t0
+        self._held: list[tuple[int, torch.Tensor]] = []   # (first row, logits [n, V]) in row order
+        self._end = 0                                     # rows received so far
+        self._low = 0                                     # rows below this were dropped
+        self.vocab: int | None = None
+        self.token_logprob = torch.zeros(rows)
+        self.waited_s = 0.0                               # blocked in next(chunks)
+        self.peak_rows = 0                                # most rows held at once
+        self.latency_s: float | None = None
+
+    def __len__(self) -> int:
+        return self.rows
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        if self.vocab is None and self.rows:
+            self._pull(1)
+        return (self.rows, self.vocab or 0)
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+        index = torch.as_tensor(index).reshape(-1)
+        if len(index) == 0:
+            return torch.zeros(0, self.shape[1])
+        lo, hi = int(index.min()), int(index.max()) + 1
+        if lo < self._low or hi > self.rows:
+            raise IndexError(f"rows {lo}..{hi} of a stream of {self.rows} whose rows below {self._low} are gone")
+        self._low = lo
+        block = self._gather(lo, hi)
+        return block if len(index) == hi - lo and bool((index == torch.arange(lo, hi)).all()) else block[index - lo]
+
+    def _gather(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo..hi as one tensor: a view where one held piece has them all; otherwise one
+        block that the pieces are copied into as they arrive, each dropped once copied (so the
+        rows are held once, not twice), and kept for the next read of the same rows."""
+        self._held = [(a, x) for a, x in self._held if a + len(x) > lo]
+        self._pull(lo + 1)
+        a, x = self._held[0]
+        if hi <= a + len(x):
+            return x[lo - a:hi - a]
+        block = torch.empty(hi - lo, x.shape[1], dtype=x.dtype)
+        rest: list[tuple[int, torch.Tensor]] = []
+
+        def put(a: int, x: torch.Tensor) -> None:
+            s, e = max(a, lo), min(a + len(x), hi)
+            if s < e:
+                block[s - lo:e - lo] = x[s - a:e - a]
+            if a + len(x) > hi:   # rows of the next reads: kept (the tail copied, so the head is freed)
+                rest.append((hi, x[hi - a:].clone()) if a < hi else (a, x))
+
+        for a, x in self._held:
+            put(a, x)
+        self._held = []
+        while self._end < hi:
+            put(*self._receive())
+        self._held = [(lo, block), *rest]
+        self.peak_rows = max(self.peak_rows, sum(len(x) for _, x in self._held))
+        return block
+
+    def _pull(self, until: int) -> None:
+        """Receive chunks until row `until` - 1 has arrived, holding them."""
+        while self._end < until:
+            self._held.append(self._receive())
+            self.peak_rows = max(self.peak_rows, sum(len(x) for _, x in self._held))
+
+    def _receive(self) -> tuple[int, torch.Tensor]:
+        """The next chunk as (first row, logits), checked to follow the rows before it."""
+        c = self._next()
+        if c is None:
+            raise TrainError(f"teacher stream ended after {self._end} of {self.rows} rows")
+        n = c.logits.shape[0]
+        if c.row_start != self._end or self._end + n > self.rows:
+            raise TrainError(f"teacher sent rows {c.row_start}..{c.row_start + n} after {self._end} of {self.rows}")
+        self.vocab = c.logits.shape[1]
+        self.token_logprob[self._end:self._end + n] = c.token_logprob
+        self._end += n
+        if self._end == self.rows and self.latency_s is None:
+            self.latency_s = time.perf_counter() - self._t0
+        return c.row_start, c.logits
+
+    def _next(self):
+        """The next chunk, or None at the end of the stream (the server's DONE)."""
+        from opd.teachers.client import TeacherError
+
+        t0 = time.perf_counter()
+        try:
+            return next(self._chunks)
+        except StopIteration:
+            return None
+        except TeacherError as e:
+            raise self._on_error(e) from None
+        finally:
+            self.waited_s += time.perf_counter() - t0
+
+    def finish(self) -> float:
+        """Receive the rows nobody read (dropping each chunk), check that no more come; the
+        request's latency in seconds."""
+        self._low, self._held = self.rows, []
+        while self._end < self.rows:
+            self._receive()
+        if self._next() is not None:
+            raise TrainError(f"teacher sent more than the {self.rows} rows asked for")
+        return self.latency_s if self.latency_s is not None else time.perf_counter() - self._t0
 
 
 def teacher_curve(cfg, i: int, spec):
@@ -116,30 +236,33 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=N
     return out
 
 
-def full_logits_bytes(cfg, vocab_size: int) -> int:
-    """Most bytes of full-mode teacher logits the trainer holds at once: a batch's [rows, V],
-    every response at max_new_tokens, in loss.full_dtype; two batches with run.pipeline (the
-    next one is scored while the current one trains)."""
-    r = cfg.rollout
-    rows = r.prompts_per_step * r.samples_per_prompt * r.max_new_tokens
-    item = 4 if cfg.loss.full_dtype == "float32" else 2
-    return rows * vocab_size * item * (2 if cfg.run.pipeline else 1)
+def full_logits_bytes(cfg, vocab_size: int, teachers: int = 1) -> int:
+    """About the most bytes of full-mode teacher logits the trainer holds at once (an upper
+    bound): one micro-batch's rows, every response at max_new_tokens, held as received, gathered
+    and cast to fp32 for the loss; plus, per full-mode teacher and stream alive (the current
+    batch's, and the next one's with run.pipeline), the chunks in flight (FULL_WINDOW + 1)."""
+    from opd.teachers.protocol import default_chunk_rows
+
+    r, dtype = cfg.rollout, cfg.loss.full_dtype
+    item = 4 if dtype == "float32" else 2
+    rows = min(cfg.optim.micro_batch_size, r.prompts_per_step * r.samples_per_prompt) * r.max_new_tokens
+    chunk = default_chunk_rows(vocab_size, dtype) * vocab_size * item
+    streams = teachers * (2 if cfg.run.pipeline else 1)
+    return rows * vocab_size * (2 * item + 4) + streams * (FULL_WINDOW + 1) * chunk
 
 
-def check_full_memory(cfg, vocab_size: int, available: int | None) -> str | None:
+def check_full_memory(cfg, vocab_size: int, available: int | None, teachers: int = 1) -> str | None:
     """Refuse a full-mode run whose teacher logits cannot fit in `available` bytes (None:
     unknown); a note when they may take over half of it."""
-    need = full_logits_bytes(cfg, vocab_size)
+    need = full_logits_bytes(cfg, vocab_size, teachers)
     if available is None or need <= available // 2:
         return None
-    r = cfg.rollout
-    what = (f"mode full holds up to {_size(need)} of teacher logits: prompts_per_step "
-            f"{r.prompts_per_step} x samples_per_prompt {r.samples_per_prompt} x max_new_tokens {r.max_new_tokens} "
-            f"rows x V={vocab_size} x {cfg.loss.full_dtype}{' x 2 batches (run.pipeline)' if cfg.run.pipeline else ''}")
+    what = (f"mode full holds up to {_size(need)} of teacher logits (optim.micro_batch_size "
+            f"{cfg.optim.micro_batch_size} x rollout.max_new_tokens {cfg.rollout.max_new_tokens} rows x "
+            f"V={vocab_size} in {cfg.loss.full_dtype}, and the chunks in flight)")
     if need > available:
-        raise TrainError(f"{what}, and this machine has {_size(available)} available; use mode: topk, "
-                         f"loss.full_dtype: bfloat16, run.pipeline: false, or fewer rollout.prompts_per_step or "
-                         f"max_new_tokens")
+        raise TrainError(f"{what}, and this machine has {_size(available)} available; use mode: topk, a smaller "
+                         f"optim.micro_batch_size or rollout.max_new_tokens, or loss.full_dtype: bfloat16")
     return f"{what}: over half of the {_size(available)} available"
 
 
@@ -166,13 +289,12 @@ class TeacherSet:
         self.cfg = cfg
         self.specs = {t.name: t for t in cfg.merge.teachers}
         self.clients = connect_teachers(cfg, student_fingerprint, student_path, cluster)
-        self.pool = ThreadPoolExecutor(max_workers=2 * len(self.specs), thread_name_prefix="teacher-full")
         full = [name for name, spec in self.specs.items() if spec.mode == "full"]
         self.memory_note = None   # a full-mode run that may take over half the memory: said, and in the card
         if full:
             try:
                 self.memory_note = check_full_memory(cfg, max(self.welcome(n).vocab_size for n in full),
-                                                     _mem_available())
+                                                     _mem_available(), teachers=len(full))
             except TrainError:
                 self.close()
                 raise
@@ -182,35 +304,25 @@ class TeacherSet:
 
     def request(self, teacher: str, sequences: list[list[int]], starts: list[int]) -> Future:
         """Future of `teacher`'s Answer for these sequences (prompt + response, response from starts)."""
+        from opd.teachers.client import TeacherError
+
         spec, client = self.specs[teacher], self.clients[teacher][0]
         t0 = time.perf_counter()
         if spec.mode == "full":
-            def collect() -> Answer:
-                offsets = [0]
-                for s, st in zip(sequences, starts):
-                    offsets.append(offsets[-1] + len(s) - st)
-                rows, logits, token_lp, got = offsets[-1], None, torch.zeros(offsets[-1]), 0
-                # Each chunk is copied into one [rows, V] buffer as it arrives and then dropped:
-                # holding the chunks and concatenating them needed twice the answer's memory.
-                for c in client.score_full(sequences, starts, temperature=spec.temperature,
-                                           dtype=self.cfg.loss.full_dtype):
-                    if logits is None:
-                        logits = torch.empty(rows, c.logits.shape[1], dtype=c.logits.dtype)
-                    n = c.logits.shape[0]
-                    if c.row_start + n > rows:
-                        raise TrainError(f"teacher {teacher!r} sent rows past the {rows} requested")
-                    logits[c.row_start:c.row_start + n] = c.logits
-                    token_lp[c.row_start:c.row_start + n] = c.token_logprob
-                    got += n
-                if got != rows:
-                    raise TrainError(f"teacher {teacher!r} returned {got} rows, expected {rows}")
-                if logits is None:
-                    logits = torch.zeros(0, 0)
-                return Answer(None, logits, token_lp, offsets, time.perf_counter() - t0)
-            return self.pool.submit(collect)
+            offsets = [0]
+            for s, st in zip(sequences, starts):
+                offsets.append(offsets[-1] + len(s) - st)
+            fut: Future = Future()
+            try:   # the request goes out now; its rows are read as the loss needs them
+                chunks = client.score_full(sequences, starts, temperature=spec.temperature,
+                                           dtype=self.cfg.loss.full_dtype, window=FULL_WINDOW)
+                stream = RowStream(iter(chunks), offsets[-1], lambda e: self._error(teacher, e), t0)
+                fut.set_result(Answer(None, stream, stream.token_logprob, offsets, 0.0))
+            except TeacherError as e:
+                fut.set_exception(e)
+            return fut
 
         from opd.kernels import TopKTeacher
-        from opd.teachers.client import TeacherError
 
         outer: Future = Future()
         try:
@@ -238,11 +350,25 @@ class TeacherSet:
             try:
                 out[t] = fut.result()
             except TeacherError as e:
-                if e.code == "FINGERPRINT_CHANGED":
-                    raise TrainError(f"teacher {t!r} restarted with a different model; stopping rather than "
-                                     f"mixing two teachers: {e.message}") from None
-                raise TrainError(f"teacher {t!r} at {self.specs[t].address} failed: {e}") from None
+                raise self._error(t, e) from None
         return out
+
+    def _error(self, t: str, e) -> TrainError:
+        if e.code == "FINGERPRINT_CHANGED":
+            return TrainError(f"teacher {t!r} restarted with a different model; stopping rather than "
+                              f"mixing two teachers: {e.message}")
+        return TrainError(f"teacher {t!r} at {self.specs[t].address} failed: {e}")
+
+    @staticmethod
+    def finish(answers: dict[str, Answer]) -> float:
+        """Complete the full-mode streams of a batch (the rows nobody read, the latency); the
+        seconds the trainer waited for their rows."""
+        waited = 0.0
+        for a in answers.values():
+            if isinstance(a.logits, RowStream):
+                a.latency_s = a.logits.finish()
+                waited += a.logits.waited_s
+        return waited
 
     def topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor:
         if answer.topk is not None:
@@ -250,6 +376,5 @@ class TeacherSet:
         return take_rows(answer.logits, idx).float().topk(min(spec.k, answer.logits.shape[1]), -1).indices
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
         for client, _ in self.clients.values():
             client.close()

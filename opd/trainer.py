@@ -418,6 +418,7 @@ class Trainer:
             total += float(loss.detach())
         if answers is None:  # every response trimmed to nothing: still collect the answers
             answers = self._wait_answers(batch, sums)
+        sums["wait_s"] += self.teachers.finish(answers)   # full mode: time blocked on streamed rows
         return {"loss": total, "domain_loss": domain_loss, "answers": answers}
 
     def _sft_step(self, scale: float) -> float | None:
@@ -616,6 +617,7 @@ class Trainer:
                 tally.add_rows(d, "kl", kl)
                 tally.add_rows(d, "topk_overlap", topk_overlap(logits, self.teachers.topk_ids(spec, ans, idx)))
         self.model.train(was)
+        self.teachers.finish(answers)
         diag = tally.metrics(self.stop_ids, self.cfg.run.ngram, prefix="eval")
         row = {k: v for k, v in diag.items() if not k.endswith("loss_share")}
         kl = tally.row_mean("kl")

@@ -266,11 +266,13 @@ def test_cli_runs_a_yaml_config_with_relative_paths_and_resumes(setup, tmp_path,
 
 
 def test_full_mode_that_cannot_fit_is_refused_before_training(setup, monkeypatch):
-    # 4 prompts x 12 tokens x V=260 x 4 B x 2 batches = 99,840 B of teacher logits; say 64 KiB are free.
+    # 4 sequences x 12 rows x V=260 x (4 + 4 + 4) B, and 2 streams x 5 chunks of 1 MiB in flight:
+    # 10.3 MiB of teacher logits at most; say 64 KiB are free.
     import opd.train_teachers
 
     monkeypatch.setattr(opd.train_teachers, "_mem_available", lambda: 64 << 10)
     trainer = Trainer(_cfg(setup, "full_too_big", mode="full", steps=2))
-    with pytest.raises(TrainError, match=r"mode full holds up to 0\.1 MiB .* x V=260 x float32 x 2 batches"):
+    with pytest.raises(TrainError, match=r"mode full holds up to 10\.3 MiB of teacher logits \(optim.micro_batch_size 4 x "
+                                         r"rollout.max_new_tokens 12 rows x V=260 in float32"):
         trainer.run()
     assert not hasattr(trainer, "model") and not (setup["root"] / "full_too_big" / "metrics.jsonl").exists()

@@ -1,37 +1,107 @@
-"""opd/train_teachers.py: what a full-mode run's teacher logits can take, refused before any compute."""
+"""opd/train_teachers.py: full-mode answers read as they stream in, and what they can take in
+memory, refused before any compute when it cannot fit."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from opd.config import from_dict
+from opd.teachers.client import FullChunk, TeacherError
+from opd.teachers.protocol import default_chunk_rows
 from opd.train_config import TrainConfig
-from opd.train_teachers import TrainError, check_full_memory, full_logits_bytes
+from opd.train_teachers import FULL_WINDOW, RowStream, TrainError, check_full_memory, full_logits_bytes
 
 
-def _cfg(**rollout) -> TrainConfig:
-    return from_dict({"student": {"path": "s"}, "merge": {"teachers": [{"name": "t", "address": "tcp://h:1",
-                                                                         "mode": "full"}],
-                                                        "datasets": [{"domain": "d", "path": "x.jsonl"}]},
-                      "rollout": {"prompts_per_step": 8, "samples_per_prompt": 2, "max_new_tokens": 64, **rollout},
-                      "loss": {"full_dtype": "bfloat16"}}, TrainConfig)
+def _chunks(logits: torch.Tensor, rows_per_chunk: int, seen: list, *, skip: int = 0, extra: bool = False):
+    """A teacher's stream: CHUNKs of consecutive rows; `seen` records each one sent."""
+    for a in range(skip, len(logits), rows_per_chunk):
+        seen.append(a)
+        part = logits[a:a + rows_per_chunk]
+        yield FullChunk(a, part, torch.zeros(len(part)), part[:, 0].clone())
+    if extra:
+        yield FullChunk(len(logits), logits[:1], torch.zeros(1), torch.zeros(1))
 
 
-def test_full_logits_bytes_counts_rows_vocab_dtype_and_the_pipelined_batch():
-    cfg = _cfg()
-    assert cfg.run.pipeline                                       # the default: two batches alive
-    assert full_logits_bytes(cfg, 152064) == 8 * 2 * 64 * 152064 * 2 * 2
-    from dataclasses import replace
+def _stream(logits, rows_per_chunk=3, **kw):
+    seen = []
+    fail = lambda e: TrainError(f"wrapped {e.code}")   # noqa: E731
+    return RowStream(_chunks(logits, rows_per_chunk, seen, **kw), len(logits), fail, 0.0), seen
+
+
+def test_rows_come_in_order_and_only_a_micro_batch_is_held():
+    logits = torch.randn(20, 7)
+    s, seen = _stream(logits)
+    assert s.shape == (20, 7) and seen == [0]               # the vocabulary from the first chunk
+    for a in range(0, 20, 5):                                # micro-batches of 5 rows, two reads each
+        idx = torch.tensor([a, a + 1, a + 3])
+        assert torch.equal(s[idx], logits[idx]) and torch.equal(s[idx], logits[idx])
+        block = s[torch.arange(a, a + 5)]
+        assert torch.equal(block, logits[a:a + 5])
+        assert s[torch.arange(a, a + 5)].data_ptr() == block.data_ptr()   # read again: not gathered again
+    assert s.peak_rows <= 5 + 3                              # never the 20 rows: a micro-batch and a chunk
+    assert torch.equal(s.token_logprob, logits[:, 0])
+    with pytest.raises(IndexError, match="below 15 are gone"):
+        s[torch.tensor([3])]
+    assert s.finish() >= 0 and seen == list(range(0, 20, 3))
+
+
+def test_finish_drains_rows_nobody_read_and_checks_the_count():
+    logits = torch.randn(10, 4)
+    s, seen = _stream(logits)
+    s[torch.tensor([1])]
+    s.finish()
+    assert seen == [0, 3, 6, 9] and torch.equal(s.token_logprob, logits[:, 0])
+    with pytest.raises(TrainError, match="ended after 7 of 10 rows"):
+        RowStream(iter([FullChunk(0, logits[:7], torch.zeros(7), torch.zeros(7))]), 10, None, 0.0).finish()
+    with pytest.raises(TrainError, match="more than the 10 rows"):
+        _stream(logits, extra=True)[0].finish()
+    with pytest.raises(TrainError, match=r"rows 3\.\.6 after 0 of 10"):
+        _stream(logits, skip=3)[0][torch.tensor([0])]
+
+
+def test_a_teacher_error_comes_out_as_the_trainers_error():
+    def failing():
+        yield FullChunk(0, torch.zeros(2, 3), torch.zeros(2), torch.zeros(2))
+        raise TeacherError("TIMEOUT", "no answer")
+    s = RowStream(failing(), 4, lambda e: TrainError(f"teacher 't' failed: {e}"), 0.0)
+    assert s[torch.tensor([0, 1])].shape == (2, 3)
+    with pytest.raises(TrainError, match="teacher 't' failed: TIMEOUT: no answer"):
+        s[torch.tensor([3])]
+
+
+def _cfg(**over) -> TrainConfig:
+    d = {"student": {"path": "s"}, "merge": {"teachers": [{"name": "t", "address": "tcp://h:1", "mode": "full"}],
+                                             "datasets": [{"domain": "d", "path": "x.jsonl"}]},
+         "rollout": {"prompts_per_step": 64, "samples_per_prompt": 4, "max_new_tokens": 1500},
+         "optim": {"micro_batch_size": 8}, "loss": {"full_dtype": "bfloat16"}}
+    for k, v in over.items():
+        d[k].update(v)
+    return from_dict(d, TrainConfig)
+
+
+def test_full_logits_bytes_is_a_micro_batch_and_the_chunks_in_flight():
+    cfg, v = _cfg(), 152064
+    chunk = default_chunk_rows(v, "bfloat16") * v * 2                        # ~64 MiB
+    assert cfg.run.pipeline                                                   # two streams per teacher
+    assert full_logits_bytes(cfg, v) == 8 * 1500 * v * (2 + 2 + 4) + 2 * (FULL_WINDOW + 1) * chunk
     one = replace(cfg, run=replace(cfg.run, pipeline=False), loss=replace(cfg.loss, full_dtype="float32"))
-    assert full_logits_bytes(one, 152064) == 8 * 2 * 64 * 152064 * 4
+    chunk32 = default_chunk_rows(v, "float32") * v * 4
+    assert full_logits_bytes(one, v, teachers=3) == 8 * 1500 * v * (4 + 4 + 4) + 3 * (FULL_WINDOW + 1) * chunk32
+    small = _cfg(rollout={"prompts_per_step": 2, "samples_per_prompt": 1})  # fewer sequences than a micro-batch
+    assert full_logits_bytes(small, v) == 2 * 1500 * v * 8 + 2 * (FULL_WINDOW + 1) * chunk
 
 
 def test_check_full_memory_refuses_what_cannot_fit_and_notes_what_is_close():
-    cfg = _cfg(max_new_tokens=1500, prompts_per_step=64, samples_per_prompt=4)   # a real batch
-    need = full_logits_bytes(cfg, 152064)                                         # 217.5 GiB
-    assert check_full_memory(cfg, 152064, None) is None                           # unknown: no check
+    cfg = _cfg()
+    need = full_logits_bytes(cfg, 152064)                                     # 14.2 GiB
+    assert check_full_memory(cfg, 152064, None) is None                       # unknown: no check
     assert check_full_memory(cfg, 152064, 2 * need) is None
     note = check_full_memory(cfg, 152064, need + 1)
-    assert "217.5 GiB of teacher logits" in note and "over half" in note
-    with pytest.raises(TrainError, match=r"217\.5 GiB .* 24\.0 GiB available; use mode: topk"):
-        check_full_memory(cfg, 152064, 24 << 30)
+    assert "up to 14.2 GiB of teacher logits (optim.micro_batch_size 8 x rollout.max_new_tokens 1500" in note
+    assert "over half" in note
+    with pytest.raises(TrainError, match=r"14\.2 GiB .* 8\.0 GiB available; use mode: topk, a smaller "
+                                         r"optim.micro_batch_size"):
+        check_full_memory(cfg, 152064, 8 << 30)
