@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -48,8 +47,12 @@ class RowStream:
     sequences) and checks the count. Errors come out as TrainError via `on_error`.
     """
 
-    def __init__(self, chunks: Iterator, rows: int, on_error, t0: float):
-        self._chunks, self.rows, self._on_error, self._t0 = chunks, rows, on_error, t0
+    def __init__(self, chunks, rows: int, on_error, t0: float, on_done=None):
+        """chunks: an iterator of FullChunks, or a function that sends the request and returns one
+        (called at the first read, or by `open()`); on_done(): called once when the stream ends."""
+        self._chunks = chunks if not callable(chunks) else None
+        self._open_request = chunks if callable(chunks) else None
+        self.rows, self._on_error, self._t0, self._on_done = rows, on_error, t0, on_done
         self._held: list[tuple[int, torch.Tensor]] = []   # (first row, logits [n, V]) in row order
         self._end = 0                                     # rows received so far
         self._low = 0                                     # rows below this were dropped
@@ -128,14 +131,28 @@ class RowStream:
             self.latency_s = time.perf_counter() - self._t0
         return c.row_start, c.logits
 
+    def open(self) -> None:
+        """Send the request now (it is sent at the first read otherwise)."""
+        from opd.teachers.client import TeacherError
+
+        if self._chunks is None:
+            try:
+                self._chunks = iter(self._open_request())
+            except TeacherError as e:
+                raise self._on_error(e) from None
+
     def _next(self):
         """The next chunk, or None at the end of the stream (the server's DONE)."""
         from opd.teachers.client import TeacherError
 
         t0 = time.perf_counter()
         try:
+            self.open()
             return next(self._chunks)
         except StopIteration:
+            if self._on_done is not None:
+                self._on_done()
+                self._on_done = None
             return None
         except TeacherError as e:
             raise self._on_error(e) from None
@@ -289,6 +306,7 @@ class TeacherSet:
         self.cfg = cfg
         self.specs = {t.name: t for t in cfg.merge.teachers}
         self.clients = connect_teachers(cfg, student_fingerprint, student_path, cluster)
+        self._open_tokens = {name: 0 for name in self.specs}   # full mode: tokens of streams not yet ended
         full = [name for name, spec in self.specs.items() if spec.mode == "full"]
         self.memory_note = None   # a full-mode run that may take over half the memory: said, and in the card
         if full:
@@ -312,13 +330,28 @@ class TeacherSet:
             offsets = [0]
             for s, st in zip(sequences, starts):
                 offsets.append(offsets[-1] + len(s) - st)
+            # A stream holds its tokens in the server's in-flight budget until its last row is
+            # read. The request goes out now, so the teacher computes while the student does,
+            # unless this client's open streams would then exceed that budget (BUSY, retried only
+            # briefly): then it goes out at its first read, after the earlier streams ended.
+            welcome = self.welcome(teacher)
+            tokens = min(sum(len(s) for s in sequences), welcome.max_tokens_per_request)
+
+            def done() -> None:
+                self._open_tokens[teacher] -= tokens
+
+            def send():
+                self._open_tokens[teacher] += tokens
+                return client.score_full(sequences, starts, temperature=spec.temperature,
+                                         dtype=self.cfg.loss.full_dtype, window=FULL_WINDOW)
+
+            stream = RowStream(send, offsets[-1], lambda e: self._error(teacher, e), t0, on_done=done)
             fut: Future = Future()
-            try:   # the request goes out now; its rows are read as the loss needs them
-                chunks = client.score_full(sequences, starts, temperature=spec.temperature,
-                                           dtype=self.cfg.loss.full_dtype, window=FULL_WINDOW)
-                stream = RowStream(iter(chunks), offsets[-1], lambda e: self._error(teacher, e), t0)
+            try:
+                if self._open_tokens[teacher] + tokens <= welcome.max_inflight_tokens:
+                    stream.open()
                 fut.set_result(Answer(None, stream, stream.token_logprob, offsets, 0.0))
-            except TeacherError as e:
+            except TrainError as e:
                 fut.set_exception(e)
             return fut
 

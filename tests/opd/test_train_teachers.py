@@ -105,3 +105,39 @@ def test_check_full_memory_refuses_what_cannot_fit_and_notes_what_is_close():
     with pytest.raises(TrainError, match=r"14\.2 GiB .* 8\.0 GiB available; use mode: topk, a smaller "
                                          r"optim.micro_batch_size"):
         check_full_memory(cfg, 152064, 8 << 30)
+
+
+class _FakeClient:
+    """score_full records when each request went out and streams rows of a known tensor."""
+
+    def __init__(self):
+        self.sent: list[int] = []          # number of sequences of each request, in sending order
+
+    def score_full(self, sequences, starts, **kw):
+        self.sent.append(len(sequences))
+        rows = sum(len(s) - st for s, st in zip(sequences, starts))
+        return _chunks(torch.arange(rows * 2.0).reshape(rows, 2), 3, [])
+
+
+def test_a_stream_that_would_overflow_the_teachers_budget_waits_for_the_open_ones():
+    from types import SimpleNamespace
+
+    from opd.train_teachers import TeacherSet
+
+    ts = object.__new__(TeacherSet)                 # the request logic alone, no connections
+    client = _FakeClient()
+    welcome = SimpleNamespace(max_tokens_per_request=100, max_inflight_tokens=30)
+    ts.cfg = _cfg()
+    ts.specs = {"t": SimpleNamespace(mode="full", temperature=1.0)}
+    ts.clients = {"t": (client, welcome)}
+    ts._open_tokens = {"t": 0}
+    first = ts.request("t", [[1] * 10, [1] * 10], [5, 5]).result()     # 20 tokens: sent at once
+    second = ts.request("t", [[1] * 12], [2]).result()                 # 20 + 12 > 30: waits
+    assert client.sent == [2]
+    assert torch.equal(first.logits[torch.arange(0, 10)], torch.arange(20.0).reshape(10, 2))
+    assert client.sent == [2] and ts._open_tokens["t"] == 20
+    TeacherSet.finish({"t": first})                                    # ended: its 20 tokens are free
+    assert ts._open_tokens["t"] == 0
+    assert second.logits[torch.tensor([9])].tolist() == [[18.0, 19.0]] and client.sent == [2, 1]
+    TeacherSet.finish({"t": second})
+    assert ts._open_tokens["t"] == 0 and second.latency_s >= 0
