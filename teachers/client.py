@@ -13,7 +13,11 @@ Reliability, all inside the I/O thread:
   everything with FINGERPRINT_CHANGED rather than mixing two teachers. A lost connection
   (seen by the socket monitor, e.g. a killed server) re-sends every outstanding request
   after the next WELCOME; a timeout replaces the DEALER (a new connection) likewise;
-- retryable ERRORs (BUSY, SHUTTING_DOWN, INTERNAL) are retried after an exponential
+- BUSY (the server's in-flight budget is full) is retried after an exponential back-off
+  (up to `max_backoff_s`) for as long as `timeout_s` from the first BUSY: the budget frees as
+  other requests end, which with full-vocabulary streams read by a training step, or other
+  runs sharing the server, can take much longer than a few short back-offs;
+- the other retryable ERRORs (SHUTTING_DOWN, INTERNAL) are retried after an exponential
   back-off, at most `retries` times; anything else raises `TeacherError(code, message)`;
 - full-vocabulary streams grant one CREDIT per chunk the caller has consumed, and resume
   after a reconnect by skipping rows they already delivered.
@@ -84,6 +88,8 @@ class _Call:
     attempts: int = 0
     deadline: float = 0.0
     retry_at: float | None = None      # waiting out a back-off
+    busy_since: float | None = None    # first BUSY answer of this call
+    busy: int = 0                      # BUSY answers so far
     delivered_rows: int = 0            # full mode: rows handed to the caller
     server_credit: int = 0             # full mode: chunks the server may still send
     sent: bool = False                 # on the wire on the current, verified connection
@@ -416,7 +422,12 @@ class TeacherClient:
             call.chunks.put(_END)
             call.future.set_result(msg)
         elif isinstance(msg, Error):
-            if msg.code in RETRYABLE and call.attempts < self.retries:
+            if msg.code == ErrorCode.BUSY and now - (call.busy_since or now) < self.timeout_s:
+                call.busy_since = call.busy_since or now
+                call.busy += 1
+                delay = min(self.backoff_s * 2 ** min(call.busy - 1, 30), self.max_backoff_s)
+                call.retry_at = now + delay * (0.5 + random.random())
+            elif msg.code in RETRYABLE and call.attempts < self.retries:
                 call.attempts += 1
                 delay = min(self.backoff_s * 2 ** (call.attempts - 1), self.max_backoff_s)
                 call.retry_at = now + delay * (0.5 + random.random())  # jitter: retries do not arrive in step

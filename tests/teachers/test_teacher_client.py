@@ -72,6 +72,31 @@ def test_busy_past_inflight_budget_then_client_retries(teacher):
                 torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-6, rtol=0)
 
 
+def test_busy_is_waited_out_for_timeout_s_not_retries(teacher):
+    # An open full-vocabulary stream holds the whole budget (a training step reading it); a
+    # top-k request meanwhile gets BUSY. With retries=0 it still succeeds once the stream ends
+    # 1.5 s later: BUSY is retried within timeout_s, however many times.
+    seq = [(3 * j) % 200 + 3 for j in range(60)]
+    with running(teacher, limits=ServerLimits(max_tokens_per_request=64, max_inflight_tokens=64)) as server:
+        with TeacherClient(server.address) as a, TeacherClient(server.address, retries=0, timeout_s=20,
+                                                              backoff_s=0.05, max_backoff_s=0.2) as b:
+            stream = a.score_full([seq], [1], chunk_rows=8, window=1)
+            first = next(stream)                      # the stream is open and holds its 60 tokens
+            later = b.submit_topk([seq[:30]], [1], k=4)
+            time.sleep(1.5)
+            assert not later.done() and server.stats["busy"] >= 2
+            rows = first.logits.shape[0] + sum(c.logits.shape[0] for c in stream)
+            assert rows == 59 and later.result(timeout=20).ids.shape == (29, 4)
+        with TeacherClient(server.address) as a, TeacherClient(server.address, timeout_s=0.5, backoff_s=0.05) as b:
+            stream = a.score_full([seq], [1], chunk_rows=8, window=1)
+            next(stream)
+            t0 = time.monotonic()
+            with pytest.raises(TeacherError, match="BUSY"):   # still full after timeout_s: it fails
+                b.score_topk([seq[:30]], [1], k=4)
+            assert 0.4 < time.monotonic() - t0 < 3
+            stream.close()
+
+
 def test_timeout_when_nobody_answers():
     address = f"tcp://127.0.0.1:{free_port()}"
     with TeacherClient(address, timeout_s=0.3, retries=1, heartbeat_s=0.1) as client:
@@ -292,8 +317,8 @@ def test_many_requests_in_flight_from_several_threads_all_answer(teacher):
 
 def test_a_batch_over_the_request_limit_is_split_and_joined(teacher):
     # 10 sequences, 291 tokens, against 64 tokens per request and 128 in flight: the batch
-    # must go as several requests, never more than the budget at once (retries=0, so one BUSY
-    # would fail the call), and come back equal to one request to an unlimited server.
+    # must go as several requests, never more than the budget at once (no BUSY answer), and
+    # come back equal to one request to an unlimited server.
     seqs = [[(7 * i + j) % 250 + 3 for j in range(20 + (i * 7) % 16)] for i in range(10)]
     starts = [1 + i % 5 for i in range(10)]
     small = ServerLimits(max_tokens_per_request=64, max_inflight_tokens=128)
@@ -311,6 +336,7 @@ def test_a_batch_over_the_request_limit_is_split_and_joined(teacher):
             torch.testing.assert_close(torch.cat([c.logits for c in chunks]), full[0].logits, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(torch.cat([c.token_logprob for c in chunks]), full[0].token_logprob,
                                        rtol=1e-5, atol=1e-5)
+            assert split_srv.stats["busy"] == 0
             with pytest.raises(ValueError, match="sequence 1 has 70 tokens, more than the teacher's "
                                                  "max_tokens_per_request \\(64\\)"):
                 split.submit_topk([[5] * 10, [5] * 70], [1, 1], k=4)
