@@ -62,8 +62,9 @@ class ReplicaPool:
                  recheck_s: float = 2.0, wait_for_replica_s: float | None = None, max_attempts: int = 4,
                  name: str = "opd"):
         self._resolve_fn = addresses if callable(addresses) else (lambda a=tuple(addresses): a)
+        # busy_timeout_s=0: a BUSY replica hands the request to another one at once (ELSEWHERE_CODES).
         self._client_kwargs = dict(timeout_s=timeout_s, heartbeat_s=heartbeat_s, retries=retries,
-                                   backoff_s=backoff_s, curve=curve, name=name)
+                                   backoff_s=backoff_s, curve=curve, name=name, busy_timeout_s=0.0)
         self.recheck_s = recheck_s
         self.max_attempts = max_attempts  # sends of one request to replicas before its error is raised
         self.wait_for_replica_s = timeout_s if wait_for_replica_s is None else wait_for_replica_s

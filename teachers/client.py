@@ -14,7 +14,8 @@ Reliability, all inside the I/O thread:
   (seen by the socket monitor, e.g. a killed server) re-sends every outstanding request
   after the next WELCOME; a timeout replaces the DEALER (a new connection) likewise;
 - BUSY (the server's in-flight budget is full) is retried after an exponential back-off
-  (up to `max_backoff_s`) for as long as `timeout_s` from the first BUSY: the budget frees as
+  (up to `max_backoff_s`) for as long as `busy_timeout_s` (default `timeout_s`) from the first
+  BUSY: the budget frees as
   other requests end, which with full-vocabulary streams read by a training step, or other
   runs sharing the server, can take much longer than a few short back-offs;
 - the other retryable ERRORs (SHUTTING_DOWN, INTERNAL) are retried after an exponential
@@ -113,13 +114,17 @@ def _as_curve(curve) -> tuple[bytes, bytes, bytes] | None:
 class TeacherClient:
     def __init__(self, address: str, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.2,
                  max_backoff_s: float = 5.0, curve=None, heartbeat_s: float = 1.0, name: str = "opd",
-                 protocol_version: tuple[int, int] = PROTOCOL_VERSION):
+                 protocol_version: tuple[int, int] = PROTOCOL_VERSION, busy_timeout_s: float | None = None):
+        """busy_timeout_s: how long BUSY answers are retried from the first one (None: timeout_s;
+        0: like the other retryable errors, at most `retries` times, e.g. for a replica pool
+        that would rather send the request to another replica)."""
         self.address = address
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.heartbeat_s = heartbeat_s
+        self.busy_timeout_s = timeout_s if busy_timeout_s is None else busy_timeout_s
         self.name = name
         self.protocol_version = tuple(protocol_version)
         self._curve = _as_curve(curve)
@@ -422,7 +427,7 @@ class TeacherClient:
             call.chunks.put(_END)
             call.future.set_result(msg)
         elif isinstance(msg, Error):
-            if msg.code == ErrorCode.BUSY and now - (call.busy_since or now) < self.timeout_s:
+            if msg.code == ErrorCode.BUSY and now - (call.busy_since or now) < self.busy_timeout_s:
                 call.busy_since = call.busy_since or now
                 call.busy += 1
                 delay = min(self.backoff_s * 2 ** min(call.busy - 1, 30), self.max_backoff_s)

@@ -94,6 +94,11 @@ def test_busy_is_waited_out_for_timeout_s_not_retries(teacher):
             with pytest.raises(TeacherError, match="BUSY"):   # still full after timeout_s: it fails
                 b.score_topk([seq[:30]], [1], k=4)
             assert 0.4 < time.monotonic() - t0 < 3
+            with TeacherClient(server.address, retries=0, busy_timeout_s=0) as c:   # a replica pool's
+                t0 = time.monotonic()
+                with pytest.raises(TeacherError, match="BUSY"):
+                    c.score_topk([seq[:30]], [1], k=4)
+                assert time.monotonic() - t0 < 0.4
             stream.close()
 
 
