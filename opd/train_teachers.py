@@ -47,11 +47,10 @@ class RowStream:
     sequences) and checks the count. Errors come out as TrainError via `on_error`.
     """
 
-    def __init__(self, chunks, rows: int, on_error, t0: float, on_done=None):
-        """chunks: an iterator of FullChunks, or a function that sends the request and returns one
-        (called at the first read, or by `open()`); on_done(): called once when the stream ends."""
-        self._chunks = chunks if not callable(chunks) else None
-        self._open_request = chunks if callable(chunks) else None
+    def __init__(self, send, rows: int, on_error, t0: float, on_done=None):
+        """send(): sends the request and returns its iterator of FullChunks (called by `open()`,
+        or at the first read); on_done(): called once, when the stream has ended."""
+        self._send, self._chunks = send, None
         self.rows, self._on_error, self._t0, self._on_done = rows, on_error, t0, on_done
         self._held: list[tuple[int, torch.Tensor]] = []   # (first row, logits [n, V]) in row order
         self._end = 0                                     # rows received so far
@@ -137,7 +136,7 @@ class RowStream:
 
         if self._chunks is None:
             try:
-                self._chunks = iter(self._open_request())
+                self._chunks = iter(self._send())
             except TeacherError as e:
                 raise self._on_error(e) from None
 
@@ -332,8 +331,8 @@ class TeacherSet:
                 offsets.append(offsets[-1] + len(s) - st)
             # A stream holds its tokens in the server's in-flight budget until its last row is
             # read. The request goes out now, so the teacher computes while the student does,
-            # unless this client's open streams would then exceed that budget (BUSY, retried only
-            # briefly): then it goes out at its first read, after the earlier streams ended.
+            # unless this client's open streams would then exceed that budget (BUSY until they
+            # end): then it goes out at its first read, after the earlier streams ended.
             welcome = self.welcome(teacher)
             tokens = min(sum(len(s) for s in sequences), welcome.max_tokens_per_request)
 

@@ -15,9 +15,8 @@ Reliability, all inside the I/O thread:
   after the next WELCOME; a timeout replaces the DEALER (a new connection) likewise;
 - BUSY (the server's in-flight budget is full) is retried after an exponential back-off
   (up to `max_backoff_s`) for as long as `busy_timeout_s` (default `timeout_s`) from the first
-  BUSY: the budget frees as
-  other requests end, which with full-vocabulary streams read by a training step, or other
-  runs sharing the server, can take much longer than a few short back-offs;
+  BUSY: the budget frees as other requests end, which with full-vocabulary streams read by a
+  training step, or other runs sharing the server, can take much longer than a few back-offs;
 - the other retryable ERRORs (SHUTTING_DOWN, INTERNAL) are retried after an exponential
   back-off, at most `retries` times; anything else raises `TeacherError(code, message)`;
 - full-vocabulary streams grant one CREDIT per chunk the caller has consumed, and resume
@@ -427,14 +426,14 @@ class TeacherClient:
             call.chunks.put(_END)
             call.future.set_result(msg)
         elif isinstance(msg, Error):
-            if msg.code == ErrorCode.BUSY and now - (call.busy_since or now) < self.busy_timeout_s:
-                call.busy_since = call.busy_since or now
-                call.busy += 1
-                delay = min(self.backoff_s * 2 ** min(call.busy - 1, 30), self.max_backoff_s)
-                call.retry_at = now + delay * (0.5 + random.random())
-            elif msg.code in RETRYABLE and call.attempts < self.retries:
-                call.attempts += 1
-                delay = min(self.backoff_s * 2 ** (call.attempts - 1), self.max_backoff_s)
+            busy = msg.code == ErrorCode.BUSY and now - (call.busy_since or now) < self.busy_timeout_s
+            if busy or (msg.code in RETRYABLE and call.attempts < self.retries):
+                if busy:   # waited out for busy_timeout_s, not counted against retries
+                    call.busy_since, call.busy = call.busy_since or now, call.busy + 1
+                else:
+                    call.attempts += 1
+                delay = min(self.backoff_s * 2 ** min((call.busy if busy else call.attempts) - 1, 30),
+                            self.max_backoff_s)
                 call.retry_at = now + delay * (0.5 + random.random())  # jitter: retries do not arrive in step
             else:
                 self._fail(call, TeacherError(msg.code, msg.message))

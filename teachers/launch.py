@@ -9,8 +9,8 @@ or forked from this process (`opd train` with cluster.mode: fork).
 `start_server_process(args)` and `fork_server(args, log_path=...)` return a `ServerProcess`:
 `.proc` (a Popen, or for a forked server a `ForkedProcess` with the same pid/poll/wait/
 send_signal/kill), `.address`, `.model_fingerprint`, `.tokenizer_fingerprint`, `.output`
-(every line a subprocess printed, collected by a reader thread; a forked server writes its
-log file instead), `.stop()`, `.kill()`. It also unpacks as `proc, address = ...`.
+(a subprocess's first line and latest ~1000, collected by a reader thread; a forked server
+writes its log file instead), `.stop()`, `.kill()`. It also unpacks as `proc, address = ...`.
 """
 
 from __future__ import annotations

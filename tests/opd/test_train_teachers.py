@@ -28,7 +28,7 @@ def _chunks(logits: torch.Tensor, rows_per_chunk: int, seen: list, *, skip: int 
 def _stream(logits, rows_per_chunk=3, **kw):
     seen = []
     fail = lambda e: TrainError(f"wrapped {e.code}")   # noqa: E731
-    return RowStream(_chunks(logits, rows_per_chunk, seen, **kw), len(logits), fail, 0.0), seen
+    return RowStream(lambda: _chunks(logits, rows_per_chunk, seen, **kw), len(logits), fail, 0.0), seen
 
 
 def test_rows_come_in_order_and_only_a_micro_batch_is_held():
@@ -55,7 +55,7 @@ def test_finish_drains_rows_nobody_read_and_checks_the_count():
     s.finish()
     assert seen == [0, 3, 6, 9] and torch.equal(s.token_logprob, logits[:, 0])
     with pytest.raises(TrainError, match="ended after 7 of 10 rows"):
-        RowStream(iter([FullChunk(0, logits[:7], torch.zeros(7), torch.zeros(7))]), 10, None, 0.0).finish()
+        RowStream(lambda: [FullChunk(0, logits[:7], torch.zeros(7), torch.zeros(7))], 10, None, 0.0).finish()
     with pytest.raises(TrainError, match="more than the 10 rows"):
         _stream(logits, extra=True)[0].finish()
     with pytest.raises(TrainError, match=r"rows 3\.\.6 after 0 of 10"):
@@ -66,7 +66,7 @@ def test_a_teacher_error_comes_out_as_the_trainers_error():
     def failing():
         yield FullChunk(0, torch.zeros(2, 3), torch.zeros(2), torch.zeros(2))
         raise TeacherError("TIMEOUT", "no answer")
-    s = RowStream(failing(), 4, lambda e: TrainError(f"teacher 't' failed: {e}"), 0.0)
+    s = RowStream(failing, 4, lambda e: TrainError(f"teacher 't' failed: {e}"), 0.0)
     assert s[torch.tensor([0, 1])].shape == (2, 3)
     with pytest.raises(TrainError, match="teacher 't' failed: TIMEOUT: no answer"):
         s[torch.tensor([3])]
