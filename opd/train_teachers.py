@@ -405,7 +405,9 @@ class TeacherSet:
     def topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor:
         if answer.topk is not None:
             return take_rows(answer.topk.ids, idx)
-        return take_rows(answer.logits, idx).float().topk(min(spec.k, answer.logits.shape[1]), -1).indices
+        # topk in the wire dtype: a bf16 answer's values are exact in fp32, so the order is the
+        # same, without an fp32 copy of the micro-batch's [rows, V] for a diagnostic.
+        return take_rows(answer.logits, idx).topk(min(spec.k, answer.logits.shape[1]), -1).indices
 
     def close(self) -> None:
         for client, _ in self.clients.values():

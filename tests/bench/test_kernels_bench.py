@@ -30,7 +30,8 @@ def liger_results():
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "liger_cases.py")],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {(r["fused"], r["beta"]): r for r in map(json.loads, proc.stdout.splitlines()) if r}
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {(r["fused"], r["beta"]): r for r in rows}
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["jsd", "fused_linear_jsd"])
