@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -103,12 +104,31 @@ class ReplicaPool:
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
                    chunk_rows: int | None = None, window: int = 4) -> Iterator[FullChunk]:
-        """Full-vocabulary rows, streamed; a replica dying mid-stream is replaced from the next unseen row."""
-        tokens, delivered, tried = _tokens(sequences), 0, set()
+        """Full-vocabulary rows, streamed. The request goes to the least-loaded live replica now,
+        so the teacher computes while the caller does; a replica dying mid-stream is replaced
+        from the next unseen row."""
+        args = (sequences, response_starts, temperature, dtype, chunk_rows, window)
+        tokens = _tokens(sequences)
+        rep = self._acquire(tokens, set())
+        try:
+            chunks = rep.client.score_full(*args)
+        except TeacherError as e:   # its HELLO failed: the replica died just now; the stream fails over
+            chunks = e
+        unread = [True]
+        stream = self._stream_full(rep, chunks, args, tokens, unread)
+        # Dropped before its first read, a generator runs no `finally`: the replica gets its
+        # tokens back here (and the client's stream, dropped with it, is cancelled).
+        weakref.finalize(stream, lambda: unread[0] and self._release(rep, tokens, ok=False)).atexit = False
+        return stream
+
+    def _stream_full(self, rep: _Replica, chunks, args: tuple, tokens: int, unread: list) -> Iterator[FullChunk]:
+        unread[0] = False   # from here on this generator releases its replicas itself
+        delivered, tried = 0, set()
         while True:
-            rep = self._acquire(tokens, tried)
             try:
-                for chunk in rep.client.score_full(sequences, response_starts, temperature, dtype, chunk_rows, window):
+                if isinstance(chunks, TeacherError):
+                    raise chunks
+                for chunk in chunks:
                     end = chunk.row_start + chunk.logits.shape[0]
                     if end <= delivered:
                         continue
@@ -127,6 +147,11 @@ class ReplicaPool:
             except BaseException:
                 self._release(rep, tokens, ok=True)
                 raise
+            rep = self._acquire(tokens, tried)
+            try:
+                chunks = rep.client.score_full(*args)
+            except TeacherError as e:
+                chunks = e
 
     def close(self) -> None:
         self._closed.set()

@@ -31,6 +31,7 @@ import random
 import socket
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
@@ -182,14 +183,19 @@ class TeacherClient:
         if chunk_rows is None:
             chunk_rows = default_chunk_rows(welcome.vocab_size, dtype)
         parts = _split([len(s) for s in sequences], welcome.max_tokens_per_request)
+        args = (temperature, dtype, chunk_rows, window)
+        # The (first) request goes out now, so the teacher computes while the caller does.
+        first = self._score_full(sequences[:parts[0][1]], response_starts[:parts[0][1]], *args)
         if len(parts) == 1:
-            return self._score_full(sequences, response_starts, temperature, dtype, chunk_rows, window)
-        return self._score_full_parts(sequences, response_starts, parts, temperature, dtype, chunk_rows, window)
+            return first
+        return self._score_full_parts(first, sequences, response_starts, parts, args)
 
-    def _score_full_parts(self, sequences, response_starts, parts, *args) -> Iterator[FullChunk]:
+    def _score_full_parts(self, first, sequences, response_starts, parts, args) -> Iterator[FullChunk]:
+        """The parts' streams one after the other (each next request sent when the previous ended)."""
         shift = 0
-        for a, b in parts:
-            for chunk in self._score_full(sequences[a:b], response_starts[a:b], *args):
+        for i, (a, b) in enumerate(parts):
+            stream = first if i == 0 else self._score_full(sequences[a:b], response_starts[a:b], *args)
+            for chunk in stream:
                 yield chunk._replace(row_start=chunk.row_start + shift)
             shift += sum(len(s) - int(st) for s, st in zip(sequences[a:b], response_starts[a:b]))
 
@@ -200,7 +206,12 @@ class TeacherClient:
                       temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window))
         call = _Call("full", score, (ids, offsets), chunks=queue.Queue())
         self._command("submit", call)
-        return self._iterate(call)
+        stream = self._iterate(call)
+        # A generator dropped before its first read runs no `finally`: cancel it then, or the
+        # server would hold the request's tokens in its in-flight budget for as long as this
+        # client lives (its pings keep the peer alive). Cancelling an ended call does nothing.
+        weakref.finalize(stream, self._command, "cancel", call).atexit = False
+        return stream
 
     def _iterate(self, call: _Call) -> Iterator[FullChunk]:
         finished = False

@@ -16,7 +16,8 @@ from opd.trainer import Trainer
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_opd_train_on_ray_uses_both_teacher_replicas(tmp_path, tiny_model_dir, tiny_teacher_dir, monkeypatch):
+@pytest.mark.parametrize("mode", ["topk", "full"])   # full: streams opened before the loss reads them
+def test_opd_train_on_ray_uses_both_teacher_replicas(tmp_path, tiny_model_dir, tiny_teacher_dir, monkeypatch, mode):
     ray = pytest.importorskip("ray")
     if ray.is_initialized():
         ray.shutdown()
@@ -25,7 +26,7 @@ def test_opd_train_on_ray_uses_both_teacher_replicas(tmp_path, tiny_model_dir, t
     config = {
         "student": {"path": str(tiny_model_dir)},
         # In ray mode the address of a teacher in cluster.teachers is not used.
-        "merge": {"teachers": [{"name": "t", "address": "tcp://127.0.0.1:1", "mode": "topk", "k": 8}],
+        "merge": {"teachers": [{"name": "t", "address": "tcp://127.0.0.1:1", "mode": mode, "k": 8}],
                   "datasets": [{"domain": "gen", "path": "train.jsonl", "eval_path": "eval.jsonl"}]},
         "rollout": {"prompts_per_step": 4, "max_new_tokens": 6},
         "optim": {"lr": 3e-3, "micro_batch_size": 4},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -127,6 +128,27 @@ def test_restart_same_teacher_is_transparent_other_teacher_is_refused(teacher, o
                 client.score_topk(SEQS, STARTS, k=4)
     assert e.value.code == "FINGERPRINT_CHANGED"
     assert teacher.model_fingerprint in e.value.message and other_teacher.model_fingerprint in e.value.message
+
+
+def test_a_stream_is_sent_at_once_and_one_dropped_unread_frees_the_budget(teacher, monkeypatch):
+    # score_full sends its request before the first read, so the teacher computes while the
+    # caller does. A stream dropped unread is cancelled: its 60 tokens leave the server's
+    # budget of 64, and a top-k request of 30 goes through (with the stream left open, it
+    # gets BUSY until busy_timeout_s).
+    seq = [(3 * j) % 200 + 3 for j in range(60)]
+    asked = threading.Event()
+    score_full = teacher.score_full
+    monkeypatch.setattr(teacher, "score_full", lambda req: (asked.set(), score_full(req))[1])
+    with running(teacher, limits=ServerLimits(max_tokens_per_request=64, max_inflight_tokens=64)) as server:
+        with TeacherClient(server.address, retries=0, busy_timeout_s=3, backoff_s=0.05) as client:
+            stream = client.score_full([seq], [1], chunk_rows=8, window=1)
+            assert asked.wait(10), "the request did not go out before the first read"
+            del stream
+            assert client.score_topk([seq[:30]], [1], k=4).ids.shape == (29, 4)
+            kept = client.score_full([seq], [1], chunk_rows=8, window=1)
+            with pytest.raises(TeacherError, match="BUSY"):
+                client.score_topk([seq[:30]], [1], k=4)
+            assert sum(c.logits.shape[0] for c in kept) == 59
 
 
 def test_server_dies_mid_stream_client_resumes_on_restart(teacher):
