@@ -255,8 +255,9 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=N
 def full_logits_bytes(cfg, vocab_size: int, teachers: int = 1) -> int:
     """About the most bytes of full-mode teacher logits the trainer holds at once (an upper
     bound): one micro-batch's rows, every response at max_new_tokens, held as received, gathered
-    and cast to fp32 for the loss; plus, per full-mode teacher and stream alive (the current
-    batch's, and the next one's with run.pipeline), the chunks in flight (FULL_WINDOW + 1)."""
+    and cast to fp32 for the loss (a copy only for bf16/fp16 rows); plus, per full-mode teacher
+    and stream alive (the current batch's, and the next one's with run.pipeline), the chunks in
+    flight (FULL_WINDOW + 1)."""
     from opd.teachers.protocol import default_chunk_rows
 
     r, dtype = cfg.rollout, cfg.loss.full_dtype
@@ -264,7 +265,8 @@ def full_logits_bytes(cfg, vocab_size: int, teachers: int = 1) -> int:
     rows = min(cfg.optim.micro_batch_size, r.prompts_per_step * r.samples_per_prompt) * r.max_new_tokens
     chunk = default_chunk_rows(vocab_size, dtype) * vocab_size * item
     streams = teachers * (2 if cfg.run.pipeline else 1)
-    return rows * vocab_size * (2 * item + 4) + streams * (FULL_WINDOW + 1) * chunk
+    per_row = 2 * item + (4 if item < 4 else 0)
+    return rows * vocab_size * per_row + streams * (FULL_WINDOW + 1) * chunk
 
 
 def check_full_memory(cfg, vocab_size: int, available: int | None, teachers: int = 1) -> str | None:

@@ -89,7 +89,7 @@ def test_full_logits_bytes_is_a_micro_batch_and_the_chunks_in_flight():
     assert full_logits_bytes(cfg, v) == 8 * 1500 * v * (2 + 2 + 4) + 2 * (FULL_WINDOW + 1) * chunk
     one = replace(cfg, run=replace(cfg.run, pipeline=False), loss=replace(cfg.loss, full_dtype="float32"))
     chunk32 = default_chunk_rows(v, "float32") * v * 4
-    assert full_logits_bytes(one, v, teachers=3) == 8 * 1500 * v * (4 + 4 + 4) + 3 * (FULL_WINDOW + 1) * chunk32
+    assert full_logits_bytes(one, v, teachers=3) == 8 * 1500 * v * (4 + 4) + 3 * (FULL_WINDOW + 1) * chunk32  # no cast
     small = _cfg(rollout={"prompts_per_step": 2, "samples_per_prompt": 1})  # fewer sequences than a micro-batch
     assert full_logits_bytes(small, v) == 2 * 1500 * v * 8 + 2 * (FULL_WINDOW + 1) * chunk
 
