@@ -39,6 +39,10 @@ class TeacherReplicas:
     replicas: int = field(1, help="number of server processes of this teacher", min=1)
     num_cpus: float = field(1.0, help="CPUs reserved per replica", min=0.0)
     num_gpus: float = field(0.0, help="GPUs reserved per replica (the server sees only these)", min=0.0)
+    gpus: list[int] = field(default_factory=list,
+                            help="mode fork: the GPUs of this machine the server sees (its CUDA_VISIBLE_DEVICES), "
+                                 "e.g. [1] to keep it off the student's GPU 0; implies --device cuda. Empty: "
+                                 "all of them (mode ray assigns GPUs from num_gpus)")
     strategy: Strategy = field("SPREAD", help="placement group strategy across the replicas")
     # --- supervision
     startup_timeout_s: float = field(600.0, help="time a replica may take to print its startup line", min=1.0)
@@ -48,9 +52,13 @@ class TeacherReplicas:
     def server_args(self, bind: str) -> list[str]:
         """`opd serve-teacher` arguments of one replica bound at `bind` (torch threads not included)."""
         args = ["--model", self.model, "--backend", self.backend, "--name", self.name, "--bind", bind]
-        if self.num_gpus > 0 and "--device" not in self.serve_args:
+        if (self.num_gpus > 0 or self.gpus) and "--device" not in self.serve_args:
             args += ["--device", "cuda"]
         return args + list(self.serve_args)
+
+    def server_env(self) -> dict[str, str]:
+        """Environment of a server this machine starts (mode fork): the GPUs it may see."""
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.gpus))} if self.gpus else {}
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,13 @@ class ClusterConfig:
         names = [t.name for t in self.teachers]
         if len(set(names)) != len(names):
             raise ValueError(f"teacher names must be unique, got {names}")
+        pinned = [t.name for t in self.teachers if t.gpus]
+        if pinned and self.mode != "fork":
+            raise ValueError(f"cluster.teachers gpus is for mode fork (a server started on this machine); with mode "
+                             f"{self.mode} set num_gpus instead (Ray assigns the GPUs): {pinned}")
+        bad = [(t.name, g) for t in self.teachers for g in t.gpus if g < 0]
+        if bad:
+            raise ValueError(f"cluster.teachers gpus are CUDA device indices (0, 1, ...), got {bad}")
         if self.mode == "fork":
             many = [t.name for t in self.teachers if t.replicas != 1]
             if many:

@@ -183,7 +183,8 @@ def describe(cls: type, indent: str = "") -> str:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         default = ("required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                   else f"default {f.default!r}" if f.default is not dataclasses.MISSING else "")
+                   else f"default {f.default!r}" if f.default is not dataclasses.MISSING
+                   else f"default {f.default_factory()!r}")
         inner = [a for a in (get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
         if dataclasses.is_dataclass(tp) or inner:
             lines.append(f"{indent}{f.name}:  {f.metadata.get('help', '')}")

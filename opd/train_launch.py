@@ -3,7 +3,8 @@
   local  nothing: the teachers at the merge config's addresses are already serving;
   ray    join (or start) a Ray cluster and its teacher replicas (opd.cluster);
   fork   fork each of `cluster.teachers` from the trainer right after its imports, bound at
-         its merge address (`tcp://127.0.0.1:*` picks a port). The child shares the trainer's
+         its merge address (`tcp://127.0.0.1:*` picks a port), seeing only its `gpus` when
+         they are given (CUDA_VISIBLE_DEVICES). The child shares the trainer's
          imported runtime copy-on-write instead of loading its own (~260 MiB less per teacher,
          README), and gets SIGTERM if the trainer dies (opd.teachers.launch).
 
@@ -63,7 +64,7 @@ class RunTeachers:
             bound[t.name] = server.address
             forked = not isinstance(server.proc, subprocess.Popen)  # a subprocess's output is in server.output
             print(f"teacher {t.name!r} serving at {server.address} (pid {server.proc.pid}"
-                  f"{f', log {log}' if forked else ''})", flush=True)
+                  f"{f', GPUs {t.gpus}' if t.gpus else ''}{f', log {log}' if forked else ''})", flush=True)
         teachers = [replace(s, address=bound.get(s.name, s.address)) for s in cfg.merge.teachers]
         # Started after the forks: a process with threads running refuses to fork (ForkUnsafe).
         self._watchdog = threading.Thread(target=self._watch, name="teacher-watchdog", daemon=True)
@@ -91,7 +92,7 @@ class RunTeachers:
         what = f"teacher {name!r} (pid {dead.proc.pid}) exited with {code}"
         try:
             server = start_server_process(_args(t, dead.address), timeout_s=t.startup_timeout_s, threads=None,
-                                          die_with_parent=True)
+                                          die_with_parent=True, env=t.server_env())
         except RuntimeError as e:
             self._event(f"{what}; restart {self.restarts[name]} of {t.max_restarts} failed: {str(e)[-500:]}")
             return
@@ -124,11 +125,12 @@ class RunTeachers:
             if not self.fork:
                 raise ForkUnsafe("Trainer(fork_teachers=False)")
             _preload(t.model)
-            return fork_server(args, log_path=log, timeout_s=t.startup_timeout_s)
+            return fork_server(args, log_path=log, timeout_s=t.startup_timeout_s, env=t.server_env())
         except ForkUnsafe as e:
             print(f"teacher {t.name!r}: not forked ({e}); started as a subprocess, which holds its own copy "
                   f"of the runtime", flush=True)
-            return start_server_process(args, timeout_s=t.startup_timeout_s, threads=None, die_with_parent=True)
+            return start_server_process(args, timeout_s=t.startup_timeout_s, threads=None, die_with_parent=True,
+                                        env=t.server_env())
 
     def stop_servers(self) -> None:
         """SIGTERM to the servers this run started (they drain); the caller closes its clients first."""

@@ -182,7 +182,8 @@ class ForkedProcess:
             gc.unfreeze()  # nothing shares our pages any more; let the collector see them again
 
 
-def fork_server(args: list[str], *, log_path: str | Path, timeout_s: float = 180.0) -> ServerProcess:
+def fork_server(args: list[str], *, log_path: str | Path, timeout_s: float = 180.0,
+                env: dict[str, str] | None = None) -> ServerProcess:
     """Fork this process into `opd serve-teacher *args`; return once it serves.
 
     Why fork rather than start a fresh interpreter: the child begins with every module this
@@ -197,8 +198,10 @@ def fork_server(args: list[str], *, log_path: str | Path, timeout_s: float = 180
     region, and CUDA cannot be used in a child forked after it was initialized. This raises
     ForkUnsafe when other Python threads run (a lock one holds would stay held in the child
     forever) or CUDA is initialized. The server's output goes to `log_path`; its startup line
-    comes back through a pipe. It gets SIGTERM when this process dies (Linux). Raises
-    RuntimeError with the log's tail if it exits or stays silent for `timeout_s`.
+    comes back through a pipe. It gets SIGTERM when this process dies (Linux). `env` is set in
+    the child before it loads anything (e.g. CUDA_VISIBLE_DEVICES: CUDA reads it at its first
+    use, which in the child comes after). Raises RuntimeError with the log's tail if it exits
+    or stays silent for `timeout_s`.
     """
     if threading.active_count() > 1:
         raise ForkUnsafe(f"{threading.active_count()} Python threads run in this process "
@@ -222,6 +225,7 @@ def fork_server(args: list[str], *, log_path: str | Path, timeout_s: float = 180
         raise
     if pid == 0:  # the teacher server; it never returns into the caller's code
         os.close(read_fd)
+        os.environ.update(env or {})
         _serve_forked(args, log_path, write_fd, parent)
     os.close(write_fd)
     _live_forks.add(pid)

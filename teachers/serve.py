@@ -3,6 +3,7 @@
 Prints one startup line (flushed) that scripts and `opd.teachers.launch` wait for:
 
     opd-teacher ready address=tcp://127.0.0.1:5555 backend=hf name=math model_fingerprint=... tokenizer_fingerprint=...
+        curve=off device=cuda cuda_visible_devices=1      (on the same line; the last only when set)
 
 Binding anything but loopback needs CURVE keys (`opd keys generate`) or `--insecure`.
 """
@@ -114,7 +115,8 @@ def run(args, on_ready=None) -> int:
     def ready(server) -> None:
         line = (f"{READY} address={server.address} backend={backend.name} name={server.name} "
                 f"model_fingerprint={backend.model_fingerprint} tokenizer_fingerprint={backend.tokenizer_fingerprint} "
-                f"curve={'on' if curve else 'off'}")
+                f"curve={'on' if curve else 'off'} device={args.device}"
+                + (f" cuda_visible_devices={gpus}" if (gpus := os.environ.get("CUDA_VISIBLE_DEVICES")) else ""))
         print(line, flush=True)
         if on_ready is not None:
             on_ready(line)

@@ -23,8 +23,8 @@ def test_example_config_loads():
 def test_bad_cluster_configs_are_refused():
     with pytest.raises(ConfigError, match="student.num_workers"):
         from_dict({"mode": "ray", "student": {"num_workers": 0}}, ClusterConfig)
-    with pytest.raises(ConfigError, match="unknown key 'teachers\\[0\\].gpus'"):
-        from_dict({"teachers": [{"name": "a", "model": "m", "gpus": 1}]}, ClusterConfig)
+    with pytest.raises(ConfigError, match="unknown key 'teachers\\[0\\].gpu'"):
+        from_dict({"teachers": [{"name": "a", "model": "m", "gpu": 1}]}, ClusterConfig)
     with pytest.raises(ConfigError, match="unique"):
         from_dict({"teachers": [{"name": "a", "model": "m"}, {"name": "a", "model": "n"}]}, ClusterConfig)
     with pytest.raises(ValueError, match="mode: ray"):
@@ -41,3 +41,16 @@ def test_fork_mode_starts_one_server_per_teacher_and_only_for_opd_train():
     from opd.rl.config import RLConfig
     with pytest.raises(ConfigError, match="opd rl has none"):
         from_dict({"model": {"path": "m"}, "data": {"train": "d"}, "cluster": {"mode": "fork"}}, RLConfig)
+
+
+def test_fork_mode_gives_a_teacher_its_own_gpus():
+    cfg = from_dict({"mode": "fork", "teachers": [{"name": "a", "model": "m", "gpus": [1, 2]},
+                                                  {"name": "b", "model": "n"}]}, ClusterConfig)
+    a, b = cfg.teacher("a"), cfg.teacher("b")
+    assert a.server_env() == {"CUDA_VISIBLE_DEVICES": "1,2"} and b.server_env() == {}
+    assert a.server_args("tcp://127.0.0.1:*")[-2:] == ["--device", "cuda"]
+    assert "--device" not in b.server_args("tcp://127.0.0.1:*")
+    with pytest.raises(ConfigError, match="gpus is for mode fork.*set num_gpus instead.*\\['a'\\]"):
+        from_dict({"mode": "ray", "teachers": [{"name": "a", "model": "m", "gpus": [1]}]}, ClusterConfig)
+    with pytest.raises(ConfigError, match="CUDA device indices.*\\('a', -1\\)"):
+        from_dict({"mode": "fork", "teachers": [{"name": "a", "model": "m", "gpus": [-1]}]}, ClusterConfig)

@@ -200,7 +200,9 @@ def test_unreachable_teacher_is_refused_before_compute(setup, free_tcp_address):
     assert not (setup["root"] / "unreachable" / "metrics.jsonl").exists()
 
 
-def test_fork_mode_starts_and_stops_its_teacher(setup, capsys):
+def test_fork_mode_starts_and_stops_its_teacher(setup, capsys, monkeypatch):
+    from opd.teachers import launch
+
     # In this process (pytest runs threads) the teacher is started as a subprocess, the path a
     # notebook takes; `opd train` forks it (tests/bench/test_step_bench.py runs that path).
     cfg = _cfg(setup, "fork_mode", steps=2, **{"merge.teachers": [{"name": "t", "address": "tcp://127.0.0.1:*",
@@ -210,15 +212,22 @@ def test_fork_mode_starts_and_stops_its_teacher(setup, capsys):
                                                     # 4 sequences of ~30 tokens a step: split
                                                     # into requests of at most 64 tokens
                                                     "serve_args": ["--max-k", "16", "--max-tokens-per-request",
-                                                                   "64", "--max-inflight-tokens", "64"]}]}})
+                                                                   "64", "--max-inflight-tokens", "64",
+                                                                   "--device", "cpu"],
+                                                    "gpus": [3]}]}})   # its own GPUs (here seen, not used)
+    started = []
+    start = launch.start_server_process
+    monkeypatch.setattr(launch, "start_server_process", lambda *a, **kw: started.append(start(*a, **kw)) or started[-1])
     trainer = Trainer(cfg)
     trainer.run()
     said = capsys.readouterr().out
+    [ready] = [line for line in started[0].output if line.startswith("opd-teacher ready")]
+    assert ready.endswith("device=cpu cuda_visible_devices=3") and "GPUs [3]" in said
     assert "teacher 't': not forked (Trainer(fork_teachers=False))" in said
     bound = trainer.cfg.merge.teachers[0].address      # the port the server picked
     assert bound.startswith("tcp://127.0.0.1:") and not bound.endswith("*")
     assert f"teacher 't' serving at {bound}" in said
-    pid = int(said.split(f"serving at {bound} (pid ", 1)[1].split(")", 1)[0])
+    pid = int(said.split(f"serving at {bound} (pid ", 1)[1].split(",", 1)[0])
     assert trainer.launched.servers == {} and not os.path.exists(f"/proc/{pid}")   # stopped (and reaped) by the run
     card = json.loads((setup["root"] / "fork_mode" / "card.json").read_text())
     assert bound in json.dumps(card)

@@ -48,7 +48,9 @@ def test_forked_server_serves_reports_failures_and_stops(tiny_model_dir, tmp_pat
         except RuntimeError as e:
             out["bad"] = str(e)
         s = fork_server(["--model", {str(tiny_model_dir)!r}, "--bind", "tcp://127.0.0.1:*", "--max-k", "8",
-                         "--threads", "1"], log_path={str(tmp_path / "good.log")!r})
+                         "--threads", "1"], log_path={str(tmp_path / "good.log")!r},
+                        env={{"CUDA_VISIBLE_DEVICES": "3"}})
+        out["parent_gpus"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         client = TeacherClient(s.address)
         w = client.info()
         client.close()
@@ -65,6 +67,8 @@ def test_forked_server_serves_reports_failures_and_stops(tiny_model_dir, tmp_pat
     assert out["code"] == 0 and _gone(out["pid"])
     log = (tmp_path / "good.log").read_text()
     assert "opd-teacher ready address=" + out["address"] in log and "opd-teacher stopped" in log
+    # the child alone sees the GPUs it was given (cluster.teachers gpus)
+    assert "device=cpu cuda_visible_devices=3" in log and out["parent_gpus"] is None
 
 
 @pytest.mark.parametrize("launch", ["fork", "process"])
