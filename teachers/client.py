@@ -510,7 +510,8 @@ def _split(lengths: list[int], limit: int) -> list[tuple[int, int]]:
 class _SplitBatch:
     """One top-k batch sent as several requests: parts go out while the tokens in flight stay
     within `budget` (the server's max_inflight_tokens, past which it answers BUSY), the next
-    one as each answer arrives; `future` gets the answers joined in order."""
+    one as each answer arrives; `future` gets the answers joined in order, or the first
+    error, after which no part goes out."""
 
     def __init__(self, submit, parts: list[tuple[int, int, int]], budget: int):
         """submit(a, b) -> Future of the TopKResult of sequences a..b; parts: (a, b, tokens)."""
@@ -525,7 +526,7 @@ class _SplitBatch:
     def _send_more(self) -> None:
         with self.lock:
             ready = []
-            while self.next < len(self.parts) and (
+            while not self.future.done() and self.next < len(self.parts) and (
                     self.inflight == 0 or self.inflight + self.parts[self.next][2] <= self.budget):
                 ready.append(self.next)
                 self.inflight += self.parts[self.next][2]

@@ -367,3 +367,21 @@ def test_a_batch_over_the_request_limit_is_split_and_joined(teacher):
             with pytest.raises(ValueError, match="sequence 1 has 70 tokens, more than the teacher's "
                                                  "max_tokens_per_request \\(64\\)"):
                 split.submit_topk([[5] * 10, [5] * 70], [1, 1], k=4)
+
+
+def test_a_split_batch_stops_sending_after_a_part_fails(teacher, monkeypatch):
+    # 6 parts of one sequence each, 2 in flight; part 1 holds a token outside the vocabulary.
+    # The batch fails with BAD_TOKEN, and the parts after it are not computed for nothing: at
+    # most part 0 and the one sent when part 0 came back reach the model.
+    seqs = [[5 + i] * 40 for i in range(6)]
+    seqs[1][3] = teacher.vocab_size
+    computed = []
+    score_topk = teacher.score_topk
+    monkeypatch.setattr(teacher, "score_topk", lambda reqs: (computed.extend(reqs), score_topk(reqs))[1])
+    with running(teacher, limits=ServerLimits(max_tokens_per_request=40, max_inflight_tokens=80)) as server:
+        with TeacherClient(server.address, retries=0) as client:
+            with pytest.raises(TeacherError, match="BAD_TOKEN"):
+                client.score_topk(seqs, [1] * 6, k=4)
+            time.sleep(0.5)   # answers to parts still in flight come back: nothing more goes out
+            n = len(computed)   # 5 before: every part but the bad one
+            assert server.stats["BAD_TOKEN"] == 1 and n <= 2, n
