@@ -49,6 +49,13 @@ class MixtureSampler:
         by_fraction = sorted(self.domains, key=lambda d: (-(owed[d] - counts[d]), self.domains.index(d)))
         for d in by_fraction[:max(0, left)]:
             counts[d] += 1
+        # A domain served ahead (negative carry) is owed less than nothing but gets 0, not a
+        # negative count; so the floors may give out more than the batch. Take the excess back
+        # from the domains most ahead after this batch, one sample each time.
+        for _ in range(-left):
+            d = min((d for d in self.domains if counts[d] > 0),
+                    key=lambda d: (owed[d] - counts[d], -self.domains.index(d)))
+            counts[d] -= 1
         for d in self.domains:
             self.carry[d] = owed[d] - counts[d]
         return counts
