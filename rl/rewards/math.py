@@ -14,7 +14,8 @@ import re
 from fractions import Fraction
 
 _MARKED = re.compile(r"(?:####|final answer(?: is)?\s*[:=]?|answer(?: is)?\s*[:=])\s*([^\n]+)", re.IGNORECASE)
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+# Commas only as thousands groups: "Answer: 12, since ..." is 12, not "12," (no number).
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 
 
 def _last_boxed(text: str) -> str | None:

@@ -19,6 +19,10 @@ from opd.rl.rewards.shaping import format_reward, length_penalty
     ("Answer: x+1", "x+1"),
     ("no digits here", None),
     ("unclosed \\boxed{12", "12"),   # falls back to the last number
+    ("Answer: 12, since 3*4=12.", "12"),             # a comma after a number is not part of it
+    ("So the total is 12, which is even", "12"),
+    ("the sum is 1,234,567 in all", "1,234,567"),
+    ("pick from 3,4,5", "5"),
 ])
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
