@@ -22,6 +22,8 @@ from typing import Literal
 
 import torch
 
+from opd.lm_head import FUSED_REFUSED, head_form, parts
+
 
 # ---- trimming ---------------------------------------------------------------------------
 
@@ -124,36 +126,29 @@ def row_weights(row_offsets: list[int], groups: list[str], group_weight: dict[st
 
 # ---- the student side -------------------------------------------------------------------
 
-def _parts(model):
-    """(decoder body, LM head) of a causal LM, through a peft wrapper when there is one."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder(), base.get_output_embeddings()
-
-
-def _head_is_plain(model) -> bool:
-    """True when logits are exactly lm_head(hidden): no soft-capping or scaling after the head
-    (Gemma 2's final_logit_softcapping, Cohere's logit_scale), which body + head would skip."""
-    cfg = model.config
-    return getattr(cfg, "final_logit_softcapping", None) is None and getattr(cfg, "logit_scale", None) in (None, 1.0)
-
-
 def student_rows(model, packed: Packed, *, fused: bool):
     """The student's response rows: logits [N, V], or (hidden [N, H], lm_head weight [V, H]) when fused.
 
     Both run the decoder body, gather the N response rows of [B, L, H], and (not fused) apply
     the LM head to those rows only: [B, L, V] logits, prompt and padding positions included,
     are never built (in the step bench, 336 positions for 256 response rows: 1.3x the rows'
-    logits, 200 MB at V = 152,064, plus the copy the gather made). A model whose head is
-    followed by a soft-cap or scale goes through its own forward instead.
+    logits, 200 MB at V = 152,064, plus the copy the gather made). What the model applies after
+    its head (a soft-cap, a scale) is applied to those rows too; a model whose logits are not of
+    that form goes through its own forward (`head_form`). One whose logits are not
+    hidden @ lm_head.weight.T cannot be fused: ValueError (`opd train` refuses the config first).
     """
     device = next(model.parameters()).device
     ids, attn = packed.input_ids_B_L.to(device), packed.attention_B_L.to(device)
     b, pos = packed.row_b_N.to(device), packed.row_pos_N.to(device)
-    if not fused and not _head_is_plain(model):
+    form = head_form(model)
+    if fused and not form.fusable:
+        raise ValueError(FUSED_REFUSED)
+    if not fused and form.post is None:
         return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[b, pos]
-    body, head = _parts(model)
-    hidden_N_H = body(input_ids=ids, attention_mask=attn).last_hidden_state[b, pos]
-    return (hidden_N_H, head.weight) if fused else head(hidden_N_H)
+    body, head = parts(model)
+    hidden_N_H = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[b, pos]
+    return (hidden_N_H, head.weight) if fused else form.post(head(hidden_N_H))
+
 
 
 def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:

@@ -61,7 +61,8 @@ class LossConfig:
                     "the first occurrence of answer_end_marker (and after EOS); none: keep all")
     answer_end_marker: str | None = field(None, help="text that ends an answer (trim: marker), e.g. '</answer>'")
     fused_linear: bool = field(False, help="compute the loss from hidden states and the LM head weight in "
-                                           "chunks, so the student's [tokens x vocab] logits never exist")
+                                           "chunks, so the student's [tokens x vocab] logits never exist "
+                                           "(refused for a head with a bias, LoRA adapter, soft-cap or scale)")
     impl: Literal["auto", "torch", "triton"] = field("auto", help="kernel implementation passed to opd.kernels")
     full_dtype: Literal["float32", "bfloat16", "float16"] = field(
         "float32", help="full mode: dtype of teacher logits on the wire and in memory")

@@ -36,6 +36,7 @@ from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, 
 from opd.config import to_dict
 from opd.data import Cycler, Sample, encode_prompt, load_jsonl
 from opd.diagnostics import DomainTally, topk_overlap
+from opd.lm_head import FUSED_REFUSED, head_form
 from opd.lora import add_lora
 from opd.metrics import MetricsLogger, plot_metrics
 from opd.rollout.base import Rollout, SamplingParams
@@ -163,6 +164,8 @@ class Trainer:
             self.warnings.append(self.teachers.memory_note)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tok = load_student(cfg.student, cfg.run.seed)
+        if cfg.loss.fused_linear and not head_form(self.model).fusable:
+            raise TrainError(f"loss.fused_linear: student {cfg.student.path}: {FUSED_REFUSED}")
         self.student_model_fp = model_fingerprint(cfg.student.path)
         self._load_data()
         self._make_router()

@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint_of_dir
+from opd.lm_head import head_form
 from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,6 +45,13 @@ class HFBackend(TeacherBackend):
         self.model.to(self.device).eval().requires_grad_(False)
         self.body = self.model.get_decoder()          # hidden states without the LM head
         self.lm_head = self.model.get_output_embeddings()
+        # What the model applies after its head (Gemma 2's soft-cap, Cohere's and Granite's
+        # scales): logits = post_head(lm_head(hidden)), checked against the model's forward.
+        self.post_head = head_form(self.model).post
+        if self.post_head is None:
+            raise ValueError(f"{model_dir}: this model's logits are not its LM head's output, or a soft-cap or "
+                             f"scale of it (checked against its own forward): the hf backend would serve "
+                             f"another distribution")
         self.vocab_size = int(self.lm_head.weight.shape[0])
         cfg_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.max_positions = min(max_positions or cfg_positions, cfg_positions)
@@ -71,7 +79,10 @@ class HFBackend(TeacherBackend):
             for j, i in enumerate(batch):
                 ids[j, :len(seqs[i])] = seqs[i]
                 mask[j, :len(seqs[i])] = 1
-            hidden = self.body(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+            # use_cache=False: a KV cache would keep every layer's keys and values of the
+            # micro-batch alive until the pass ends (GBs at 8192 tokens of a 7B model).
+            hidden = self.body(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                               use_cache=False).last_hidden_state
             for j, i in enumerate(batch):
                 n, s = len(seqs[i]), starts[i]
                 out[i] = hidden[j, s - 1:n - 1]
@@ -109,7 +120,7 @@ class HFBackend(TeacherBackend):
         return answers
 
     def _topk_chunk(self, hidden, targets, k: int, temperature: float):
-        z = self.lm_head(hidden).float() / temperature          # [rows, V]
+        z = self.post_head(self.lm_head(hidden)).float() / temperature          # [rows, V]
         lse = torch.logsumexp(z, dim=-1)
         top_z, top_ids = z.topk(k, dim=-1)
         token_lp = z.gather(1, targets[:, None]).squeeze(1) - lse
@@ -122,7 +133,7 @@ class HFBackend(TeacherBackend):
         hidden, targets = self._request_rows([req])[0]
         out_dtype = TORCH_DTYPES[req.dtype]
         for a in range(0, len(hidden), req.chunk_rows):
-            logits = self.lm_head(hidden[a:a + req.chunk_rows]).float()
+            logits = self.post_head(self.lm_head(hidden[a:a + req.chunk_rows])).float()
             z = logits / req.temperature
             lse = torch.logsumexp(z, dim=-1)
             token_lp = z.gather(1, targets[a:a + req.chunk_rows, None]).squeeze(1) - lse

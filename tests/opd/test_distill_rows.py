@@ -1,5 +1,6 @@
 """Trimming, masks, packing and per-row weights, against hand-computed values."""
 
+import pytest
 import torch
 
 from opd.distill import pack, response_mask, row_weights, trim_length
@@ -89,8 +90,58 @@ def test_student_rows_equal_the_models_own_logits_at_the_response_rows(tiny_mode
     torch.testing.assert_close(hidden @ weight.T, want, atol=1e-5, rtol=0)
     assert select_rows(rows, torch.arange(5)) is rows              # all rows in order: no copy
     torch.testing.assert_close(select_rows(rows, torch.tensor([4, 0])), want[[4, 0]])
-    model.config.final_logit_softcapping = 30.0                    # a head followed by a soft-cap:
-    torch.testing.assert_close(student_rows(model, packed, fused=False), want)  # the model's own forward
+
+
+def _tiny(family: str):
+    """A 1-layer model of `family` with a large LM head, so that what comes after it shows."""
+    import transformers as tf
+
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1)
+    cfg = {"llama": lambda: tf.LlamaConfig(**common),
+           "gemma2": lambda: tf.Gemma2Config(**common, head_dim=16, final_logit_softcapping=2.0,
+                                             attn_logit_softcapping=None),
+           "cohere": lambda: tf.CohereConfig(**common, logit_scale=0.25),
+           "granite": lambda: tf.GraniteConfig(**common, logits_scaling=8.0),
+           "phi": lambda: tf.PhiConfig(**{**common, "num_key_value_heads": 2})}[family]()
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)
+        if getattr(model.get_output_embeddings(), "bias", None) is not None:
+            model.get_output_embeddings().bias.normal_(0, 3)
+    return model
+
+
+@pytest.mark.parametrize("family,fusable", [("llama", True), ("gemma2", False), ("cohere", False),
+                                            ("granite", False), ("phi", False), ("llama-lora-head", False)])
+def test_student_rows_follow_what_comes_after_the_lm_head(family, fusable):
+    # Soft-cap (Gemma 2), scales (Cohere, Granite), a bias (Phi) or a LoRA adapter on the head:
+    # the rows equal the model's own logits; only a plain head may go through the fused loss,
+    # which sees hidden @ lm_head.weight.T alone.
+    from opd.distill import student_rows
+    from opd.lm_head import head_form
+
+    model = _tiny(family.split("-")[0])
+    if family == "llama-lora-head":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"],
+                                                 init_lora_weights=False))
+    packed = pack([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], pad_id=0)
+    with torch.no_grad():
+        want = model(input_ids=packed.input_ids_B_L, attention_mask=packed.attention_B_L).logits[
+            packed.row_b_N, packed.row_pos_N]
+        form = head_form(model)
+        assert form.post is not None and form.fusable is fusable
+        torch.testing.assert_close(student_rows(model, packed, fused=False), want, atol=1e-4, rtol=1e-5)
+        if fusable:
+            hidden, weight = student_rows(model, packed, fused=True)
+            torch.testing.assert_close(hidden @ weight.T, want, atol=1e-4, rtol=1e-5)
+        else:
+            with pytest.raises(ValueError, match="not hidden @ lm_head.weight.T"):
+                student_rows(model, packed, fused=True)
+    assert model.training                                          # the check left it in train mode
 
 
 def test_take_rows_copies_only_a_real_selection():

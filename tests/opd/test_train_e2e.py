@@ -138,6 +138,14 @@ def test_fused_and_micro_batches_give_the_same_loss(setup):
         assert other == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
 
 
+def test_fused_loss_with_a_lora_adapter_on_the_lm_head_is_refused(setup):
+    # The fused loss sees hidden @ lm_head.weight.T: the adapter would get no gradient at all.
+    cfg = _cfg(setup, "fused_lora_head", lora=True, steps=1, **{"loss.fused_linear": True})
+    with pytest.raises(TrainError, match="loss.fused_linear: student .* a LoRA adapter on it"):
+        Trainer(cfg).run()
+    assert not (setup["root"] / "fused_lora_head" / "metrics.jsonl").exists()
+
+
 def test_full_mode_in_bfloat16_scores_like_float32(setup):
     """loss.full_dtype bfloat16 (half the bytes on the wire and in memory): the first step's
     loss (same rollouts: same seed, no update yet) within bf16's rounding of the fp32 run's,
