@@ -496,6 +496,7 @@ class Trainer:
             params = [p for p in self.model.parameters() if p.requires_grad]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
                                                        else float("inf"))
+            sums["lr"] = self.optimizer.param_groups[0]["lr"]   # the rate this step used, not the next one
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -540,7 +541,7 @@ class Trainer:
 
     def _step_metrics(self, sums, tally: DomainTally, latencies, stale, grad_norm, elapsed, sft_losses) -> dict:
         cfg = self.cfg
-        row = {"loss": sums["loss"], "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+        row = {"loss": sums["loss"], "lr": sums["lr"], "grad_norm": float(grad_norm),
                "tokens": sums["tokens"], "tokens_per_s": sums["tokens"] / max(elapsed, 1e-9),
                "step_s": elapsed, "rollout_s": sums["rollout_s"], "teacher_wait_s": sums["wait_s"],
                "teacher_latency_s": sum(latencies) / max(len(latencies), 1),

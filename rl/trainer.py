@@ -210,7 +210,7 @@ class GRPOTrainer:
                 # 6. metrics, warnings, eval, checkpoint
                 metrics = self.step_metrics(rewards_P_G, parts, rollouts_B, upd)
                 metrics.update({"time/rollout": t_rollout, "time/reward": t_reward,
-                                "time/step": time.time() - t0, "lr": self.scheduler.get_last_lr()[0]})
+                                "time/step": time.time() - t0})
                 self.warn_if_flat(step, metrics)
                 done = step + 1
                 if self.eval_samples and cfg.run.eval_every and done % cfg.run.eval_every == 0 \
@@ -339,12 +339,13 @@ class GRPOTrainer:
                 sums["grad_norm"] += float(norm)
                 self.optimizer.step()
                 n_steps += 1
+        lr = self.optimizer.param_groups[0]["lr"]   # the rate these updates used, not the next step's
         self.scheduler.step()
         per_tok = max(n_tok_total, 1.0)
         return {"loss": sums["loss"] / n_steps, "loss/pg": sums["pg_loss"] / n_steps,
                 "kl": sums["kl"] / per_tok, "clip_fraction": sums["clip_fraction"] / per_tok,
                 "entropy": sums["entropy"] / per_tok, "ratio/mean": sums["ratio"] / per_tok,
-                "grad_norm": sums["grad_norm"] / n_steps}
+                "grad_norm": sums["grad_norm"] / n_steps, "lr": lr}
 
     def step_metrics(self, rewards_P_G: torch.Tensor, parts: dict, rollouts_B, upd: dict) -> dict:
         flat_P = grpo.equal_groups(rewards_P_G)

@@ -166,11 +166,12 @@ def test_full_mode_in_bfloat16_scores_like_float32(setup):
 def test_sampled_mode_sft_mix_and_accumulation_run(setup):
     cfg = _cfg(setup, "sampled", mode="sampled", steps=2, **{
         "merge.sft": {"path": str(setup["root"] / "sft.jsonl"), "lambda_sft": 0.5, "batch_size": 2},
-        "optim.grad_accum": 2, "optim.schedule": "cosine", "optim.warmup_steps": 1,
+        "optim.grad_accum": 2, "optim.schedule": "cosine", "optim.warmup_steps": 2,
         "loss.length_norm": "sequence", "run.pipeline": False})
     Trainer(cfg).run()
     rows = [r for r in read_metrics(setup["root"] / "sampled" / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 2 and all("sft_loss" in r and r["sft_loss"] > 0 for r in rows)
+    assert [r["lr"] for r in rows] == pytest.approx([1.5e-3, 3e-3])   # the rates the steps used (warm-up)
     assert all(r["staleness"] == 0 for r in rows)      # not pipelined: always the current weights
     card = json.loads((setup["root"] / "sampled" / "card.json").read_text())
     assert "lambda_sft=0.5" in card["objective"]["sft_mix"]

@@ -151,14 +151,16 @@ def test_every_reward_kind_runs_in_the_loop_with_eval(tmp_path, tiny_model_dir, 
     cfg = make_config(tmp_path, tiny_model_dir,
                       data={"train": str(tmp_path / "mixed.jsonl"), "eval": str(tmp_path / "mixed.jsonl"),
                             "prompts_per_step": 2},
-                      rollout={"group_size": 2},
+                      rollout={"group_size": 2}, optim={"warmup_steps": 2},
                       run={"steps": 2, "ckpt_every": 0})
     cfg = from_dict({**to_dict(cfg), "rewards": [
         {"name": "math"}, {"name": "code", "options": {"timeout_s": 2.0, "workers": 2}},
         {"name": "format", "weight": 0.1}, {"name": "length", "weight": 0.1, "options": {"soft_max": 2, "hard_max": 4}},
         {"name": "python", "path": str(tmp_path / "digits.py") + ":digits"}]}, RLConfig)
     GRPOTrainer(cfg).train()
-    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in logged] == pytest.approx([0.005, 0.01])   # the rates the steps used (warm-up)
+    last = logged[-1]
     for key in ("reward/math", "reward/code", "reward/format", "reward/length", "reward/python:digits",
                 "eval/reward", "eval/accuracy"):
         assert key in last, key
