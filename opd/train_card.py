@@ -16,6 +16,7 @@ def divergence_words(beta: float) -> str:
 
 
 def _teacher_facts(cfg, t, welcome, tail: list[float], share: float) -> dict:
+    """tail: [sum of the teacher's tail mass over the rows trained on, rows]."""
     return {
         "address": t.address, "model": welcome.model_id, "model_fingerprint": welcome.model_fingerprint,
         "tokenizer_fingerprint": welcome.tokenizer_fingerprint, "domains": t.domains,
@@ -23,7 +24,7 @@ def _teacher_facts(cfg, t, welcome, tail: list[float], share: float) -> dict:
                     f"top-k, k={t.k}" if t.mode == "topk" else
                     f"sampled token (reverse-KL advantage), top-{t.k} for diagnostics"),
         "mean_teacher_tail_mass": ("0 (full vocabulary)" if t.mode == "full" else
-                                   sum(tail) / len(tail) if tail else "not measured"),
+                                   tail[0] / tail[1] if tail[1] else "not measured"),
         "temperature": t.temperature, "divergence": divergence_words(t.beta), "beta": t.beta,
         "t2_scaling": t.scale_by_t2, "loss_weight": t.weight, "sample_share": share,
     }
@@ -44,7 +45,7 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
             "training": (f"LoRA r={lora.rank} alpha={lora.alpha} on {', '.join(lora.target_modules)} "
                          f"dropout={lora.dropout} (checkpoints hold the adapter alone)") if lora
             else "full fine-tuning"},
-        **{f"teacher {t.name}": _teacher_facts(cfg, t, welcomes[t.name], tail_mass.get(t.name) or [],
+        **{f"teacher {t.name}": _teacher_facts(cfg, t, welcomes[t.name], tail_mass.get(t.name) or [0.0, 0],
                                                teacher_samples.get(t.name, 0.0) / total)
            for t in cfg.merge.teachers},
         "trajectories": {

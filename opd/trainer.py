@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from opd import distill
-from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
+from opd.checkpoint import (latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, save_final_model,
+                            set_rng_state)
 from opd.config import to_dict
 from opd.data import Cycler, Sample, encode_prompt, load_jsonl
 from opd.diagnostics import DomainTally, topk_overlap
@@ -145,7 +146,7 @@ class Trainer:
         self.batches = 0          # batches drawn
         self.staleness: list[int] = []
         self.teacher_samples: dict[str, float] = {t.name: 0.0 for t in cfg.merge.teachers}
-        self.tail_mass: dict[str, list[float]] = {t.name: [] for t in cfg.merge.teachers}
+        self.tail_mass: dict[str, list[float]] = {t.name: [0.0, 0] for t in cfg.merge.teachers}  # [sum, rows]
         self.warnings: list[str] = []
         self.evals: list[dict] = []
 
@@ -266,7 +267,11 @@ class Trainer:
         self.multipliers = state["multipliers"]
         self.staleness = state["staleness"]
         self.teacher_samples = state["teacher_samples"]
-        self.tail_mass = {k: [v] if v is not None else [] for k, v in state["tail_mass"].items()}
+        self.tail_mass = {k: list(v) for k, v in state["tail_mass"].items()}
+        # The card's history: evaluations (its first held-out KL is the one before training)
+        # and warnings from before the resume, then this session's not already there.
+        self.evals = state["evals"]
+        self.warnings = state["warnings"] + [w for w in self.warnings if w not in state["warnings"]]
         if state.get("pending"):
             self.pending = Batch.from_state(state["pending"])
         print(f"resumed from {ckpt} at step {self.step}", flush=True)
@@ -407,7 +412,8 @@ class Trainer:
                                        self.teachers.topk_ids(spec, answers[t], remote_i))
                 tail = answers[t].topk.tail_logmass[remote_i].exp() if answers[t].topk is not None else None
                 if tail is not None:
-                    self.tail_mass[t].append(float(tail.mean()))
+                    self.tail_mass[t][0] += float(tail.sum())
+                    self.tail_mass[t][1] += len(tail)
                 for d in sorted(set(row_domain)):
                     m = torch.tensor([x == d for x in row_domain])
                     tally.add_rows(d, "kl", kl_cpu[m])
@@ -515,10 +521,12 @@ class Trainer:
             bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row.get('kl', float('nan')):.4f}",
                             tok_s=f"{row['tokens_per_s']:.0f}", teacher_s=f"{row['teacher_latency_s']:.3f}",
                             **(per_domain if len(per_domain) > 1 else {}))
-            if (cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0) or self.step == cfg.run.steps:
-                self._checkpoint()
+            # Evaluation first, so that a checkpoint holds it (the card's history after a resume);
+            # it leaves the random state as it found it, so training does not depend on it.
             if (cfg.run.eval_every and self.step % cfg.run.eval_every == 0) or self.step == cfg.run.steps:
                 self._evaluate()
+            if (cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0) or self.step == cfg.run.steps:
+                self._checkpoint()
         bar.close()
         if self.launched.servers:  # the forked teachers are done (their clients first); the card keeps their WELCOMEs
             self.teachers.close()
@@ -577,9 +585,17 @@ class Trainer:
     # -- evaluation -------------------------------------------------------------------------
     @torch.no_grad()
     def _evaluate(self) -> dict | None:
-        """Held-out KL to each sample's teacher (the training divergence, no T^2) and accuracy."""
+        """Held-out KL to each sample's teacher (the training divergence, no T^2) and accuracy;
+        the random number generators are left as they were."""
         if not self.eval_samples:
             return None
+        state = rng_state()
+        try:
+            return self._evaluate_rows()
+        finally:
+            set_rng_state(state)
+
+    def _evaluate_rows(self) -> dict:
         from opd.kernels import distill_loss
 
         r = self.cfg.rollout
@@ -648,7 +664,7 @@ class Trainer:
                  "sft": self.sft.state() if self.sft is not None else None,
                  "normalizer": self.normalizer.state(), "multipliers": self.multipliers,
                  "staleness": self.staleness, "teacher_samples": self.teacher_samples,
-                 "tail_mass": {t: (sum(v) / len(v) if v else None) for t, v in self.tail_mass.items()},
+                 "tail_mass": self.tail_mass, "evals": self.evals, "warnings": self.warnings,
                  "pending": self.pending.to_state() if self.pending is not None else None,
                  "config": to_dict(self.cfg)}
         return save_checkpoint(self.out / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,

@@ -115,15 +115,23 @@ def test_heldout_kl_halves(setup, lora, mode, lr, steps, prompts):
 def test_resume_continues_exactly(setup):
     root = setup["root"]
     full = _cfg(setup, "resume_full", steps=4, **{"run.checkpoint_every": 2})
-    Trainer(full).run()
+    whole = Trainer(full).run()
     part = _cfg(setup, "resume_part", steps=2)
     Trainer(part).run()
-    Trainer(replace(part, run=replace(part.run, steps=4)), resume=True).run()
+    resumed = Trainer(replace(part, run=replace(part.run, steps=4)), resume=True).run()
     a = {r["step"]: r["loss"] for r in read_metrics(root / "resume_full" / "metrics.jsonl") if "loss" in r}
     b = {r["step"]: r["loss"] for r in read_metrics(root / "resume_part" / "metrics.jsonl") if "loss" in r}
     assert sorted(b) == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         assert abs(a[step] - b[step]) <= 1e-6, (step, a[step], b[step])
+    # The card keeps the history from before the resume: the held-out KL before training, and
+    # the teacher's tail mass over all rows trained on (each run read the same rows).
+    assert [e["step"] for e in resumed["evals"]] == [0, 2, 4]
+    assert resumed["evals"][0]["eval/kl"] == pytest.approx(whole["evals"][0]["eval/kl"], abs=1e-6)
+    cards = [json.loads((root / name / "card.json").read_text()) for name in ("resume_full", "resume_part")]
+    assert cards[1]["run"]["eval_kl_first"] == pytest.approx(cards[0]["run"]["eval_kl_first"], abs=1e-6)
+    tails = [c["teacher t"]["mean_teacher_tail_mass"] for c in cards]
+    assert 0 < tails[0] < 1 and tails[1] == pytest.approx(tails[0], rel=1e-5)
 
 
 def test_fused_and_micro_batches_give_the_same_loss(setup):
