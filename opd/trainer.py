@@ -467,7 +467,7 @@ class Trainer:
             tally = DomainTally()
             sums = {"loss": 0.0, "tokens": 0, "wait_s": 0.0, "rollout_s": 0.0, "response_tokens": 0, "responses": 0}
             latencies, stale, domain_loss, sft_losses, routed = [], [], {}, [], {}
-            for _ in range(accum):
+            for i in range(accum):
                 # 1-2. this batch: sampled before (pipelined) or now, from the current weights.
                 t0 = time.perf_counter()
                 batch = self.pending if self.pending is not None else self._submit(self._sample_batch())
@@ -477,7 +477,10 @@ class Trainer:
                 # extended with --resume continues exactly as if it had never stopped.
                 if cfg.run.pipeline:
                     self.pending = self._sample_batch()
-                    if self.batches <= last_batch:
+                    # Before an evaluation the look-ahead is sent after it: a full-vocabulary
+                    # stream holds its tokens in the teacher's budget until the next step reads
+                    # it, and the evaluation's request could meet BUSY for as long.
+                    if self.batches <= last_batch and not (i == accum - 1 and self._eval_due(self.step + 1)):
                         self._submit(self.pending)
                 sums["rollout_s"] += time.perf_counter() - t0
                 stale.append(self.version - batch.policy_version)
@@ -523,8 +526,10 @@ class Trainer:
                             **(per_domain if len(per_domain) > 1 else {}))
             # Evaluation first, so that a checkpoint holds it (the card's history after a resume);
             # it leaves the random state as it found it, so training does not depend on it.
-            if (cfg.run.eval_every and self.step % cfg.run.eval_every == 0) or self.step == cfg.run.steps:
+            if self._eval_due(self.step):
                 self._evaluate()
+                if self.pending is not None and not self.pending.futures and self.batches <= last_batch:
+                    self._submit(self.pending)
             if (cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0) or self.step == cfg.run.steps:
                 self._checkpoint()
         bar.close()
@@ -583,6 +588,10 @@ class Trainer:
             print("warning:", msg, flush=True)
 
     # -- evaluation -------------------------------------------------------------------------
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.run.eval_every
+        return bool(every and step % every == 0) or step == self.cfg.run.steps
+
     @torch.no_grad()
     def _evaluate(self) -> dict | None:
         """Held-out KL to each sample's teacher (the training divergence, no T^2) and accuracy;

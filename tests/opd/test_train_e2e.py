@@ -154,6 +154,28 @@ def test_fused_loss_with_a_lora_adapter_on_the_lm_head_is_refused(setup):
     assert not (setup["root"] / "fused_lora_head" / "metrics.jsonl").exists()
 
 
+def test_full_mode_evaluates_mid_run_against_a_tight_teacher_budget(setup, monkeypatch):
+    # With pipelining, the look-ahead's full-vocabulary stream stays open (holding its tokens
+    # in the server's budget) until the next step reads it. An evaluation in between needs the
+    # budget too: before, its request met BUSY until teacher_client.timeout_s and the run died.
+    from opd.teachers import client as client_module
+    from opd.teachers.launch import start_server_process
+
+    monkeypatch.setattr(client_module, "default_chunk_rows", lambda vocab, dtype: 2)   # as at V = 152k
+    server = start_server_process(["--model", str(setup["root"] / "teacher"), "--max-k", "16", "--name", "t",
+                                   "--max-tokens-per-request", "64", "--max-inflight-tokens", "64"])
+    try:
+        cfg = _cfg(setup, "full_tight", mode="full", steps=3, **{
+            "merge.teachers": [{"name": "t", "address": server.address, "mode": "full"}],
+            "run.eval_every": 1, "run.eval_prompts": 2, "teacher_client.timeout_s": 3.0})
+        result = Trainer(cfg).run()
+    finally:
+        server.stop()
+    assert [e["step"] for e in result["evals"]] == [0, 1, 2, 3]
+    rows = [r for r in read_metrics(setup["root"] / "full_tight" / "metrics.jsonl") if "loss" in r]
+    assert [r["staleness"] for r in rows] == [0, 1, 1]                # still pipelined
+
+
 def test_full_mode_in_bfloat16_scores_like_float32(setup):
     """loss.full_dtype bfloat16 (half the bytes on the wire and in memory): the first step's
     loss (same rollouts: same seed, no update yet) within bf16's rounding of the fp32 run's,
