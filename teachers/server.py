@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import math
 import signal
@@ -42,6 +43,8 @@ from opd.teachers.validate import score_request
 log = logging.getLogger("opd.teachers.server")
 
 _PIPE = "inproc://opd-teacher-worker-{}"
+_PIPE_IDS = itertools.count()   # not id(self): zmq frees an inproc name after close(), asynchronously
+MAX_FRAME_BYTES = 1 << 26       # 64 MiB: a larger frame drops the connection (zmq.MAXMSGSIZE)
 
 
 @dataclass(frozen=True)
@@ -86,29 +89,39 @@ class TeacherServer:
         self.backend = backend
         self.limits = limits
         self.name = name or getattr(backend, "teacher", None) or backend.model_id
-        self.ctx = context or zmq.Context.instance()
+        # A CURVE server gets a context of its own: ZeroMQ has one authentication handler per
+        # context (inproc://zeromq.zap.01), so a second CURVE server on a shared one cannot start.
+        self._own_ctx = context is None and curve_secret_key is not None
+        self.ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
         self._auth = None
-        if curve_secret_key is not None:
-            from zmq.auth.thread import ThreadAuthenticator
+        self.router = self.pipe = None
+        try:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.router.setsockopt(zmq.LINGER, 0)
+            # Frames past this size drop the connection; requests far below it but over
+            # max_tokens_per_request get TOO_LONG (teachers/validate.py).
+            self.router.setsockopt(zmq.MAXMSGSIZE, max(MAX_FRAME_BYTES, 8 * limits.max_tokens_per_request + 4096))
+            self.router.setsockopt(zmq.HEARTBEAT_IVL, int(limits.heartbeat_s * 1000))
+            self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(limits.peer_timeout_s * 1000))
+            if curve_secret_key is not None:
+                self.router.curve_server = True
+                self.router.curve_secretkey = curve_secret_key
+                self.router.curve_publickey = curve_public_key
+            self._bind(bind)
+            if curve_secret_key is not None:   # after the bind: a failed one leaves no handler behind
+                from zmq.auth.thread import ThreadAuthenticator
 
-            self._auth = ThreadAuthenticator(self.ctx)
-            self._auth.start()
-            self._auth.configure_curve_callback("*", _AllowList(curve_allow or set()))
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, max(1 << 20, 8 * limits.max_tokens_per_request + 4096))
-        self.router.setsockopt(zmq.HEARTBEAT_IVL, int(limits.heartbeat_s * 1000))
-        self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(limits.peer_timeout_s * 1000))
-        if curve_secret_key is not None:
-            self.router.curve_server = True
-            self.router.curve_secretkey = curve_secret_key
-            self.router.curve_publickey = curve_public_key
-        self._bind(bind)
-        self.address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        pipe = _PIPE.format(id(self))
-        self.pipe = self.ctx.socket(zmq.PAIR)
-        self.pipe.bind(pipe)
+                self._auth = ThreadAuthenticator(self.ctx)
+                self._auth.start()
+                self._auth.configure_curve_callback("*", _AllowList(curve_allow or set()))
+            self.address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+            pipe = _PIPE.format(next(_PIPE_IDS))
+            self.pipe = self.ctx.socket(zmq.PAIR)
+            self.pipe.bind(pipe)
+        except BaseException:
+            self._close_sockets()
+            raise
         self._cv = threading.Condition()
         self._outbox: collections.deque = collections.deque()   # (peer, frames) from the worker
         self._wake_pending = False                              # a wake byte is on the pipe
@@ -318,11 +331,19 @@ class TeacherServer:
             self._cv.notify()
         self._worker.join(timeout=30)
         self._forward()
-        self.router.close(linger=2000)  # let the last answers reach their peers
-        self.pipe.close(linger=0)
+        self._close_sockets(linger_ms=2000)  # let the last answers reach their peers
+
+    def _close_sockets(self, linger_ms: int = 0) -> None:
+        if self.router is not None:
+            self.router.close(linger=linger_ms)
+        if self.pipe is not None:
+            self.pipe.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        worker = getattr(self, "_worker", None)
+        if self._own_ctx and (worker is None or not worker.is_alive()):
+            self.ctx.term()   # waits for the router's linger (a worker still computing keeps its socket)
 
     # ---- the worker thread ---------------------------------------------------------------
 
