@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -49,8 +50,9 @@ class ServerProcess:
     def __exit__(self, *exc):
         self.stop()
 
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM (drain), then SIGKILL if it has not exited after `timeout_s`. Returns the exit code."""
+    def stop(self, timeout_s: float = 90.0) -> int:
+        """SIGTERM (drain), then SIGKILL if it has not exited after `timeout_s` (longer than the
+        server's own drain_timeout_s, 60 s, so that it can answer SHUTTING_DOWN). Returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -86,14 +88,15 @@ def start_server_process(args: list[str], *, timeout_s: float = 180.0, env: dict
     stays silent for `timeout_s`.
     """
     args = [str(a) for a in args]
-    if "--bind" not in args:
+    if not _has_option(args, "--bind"):
         args += ["--bind", "tcp://127.0.0.1:*"]
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     if die_with_parent:
         full_env[PARENT_ENV] = str(os.getpid())
     if threads:
         full_env.setdefault("OMP_NUM_THREADS", str(threads))
-        args += ["--threads", str(threads)]
+        if not _has_option(args, "--threads"):   # the caller's own --threads wins
+            args += ["--threads", str(threads)]
     return spawn_until_ready([sys.executable, "-m", "opd.cli", "serve-teacher", *args], full_env, timeout_s)
 
 
@@ -131,9 +134,21 @@ def spawn_until_ready(cmd: list[str], env: dict, timeout_s: float) -> ServerProc
     return _from_ready_line(proc, found[0], output)
 
 
+def _has_option(args: list[str], name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in args)
+
+
 def _from_ready_line(proc, line: str, output: list[str]) -> ServerProcess:
-    fields = dict(kv.split("=", 1) for kv in line[len(READY):].split())
-    return ServerProcess(proc, fields["address"], fields["model_fingerprint"], fields["tokenizer_fingerprint"], output)
+    """The server's handle from its ready line (values shell-quoted: a name may hold spaces).
+    A line that does not parse kills the server rather than leaving it running unowned."""
+    try:
+        fields = dict(kv.split("=", 1) for kv in shlex.split(line[len(READY):]))
+        return ServerProcess(proc, fields["address"], fields["model_fingerprint"], fields["tokenizer_fingerprint"],
+                             output)
+    except (ValueError, KeyError) as e:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"cannot read the teacher server's ready line ({e!r}): {line!r}") from None
 
 
 # ---- forked servers ---------------------------------------------------------------------

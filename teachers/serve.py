@@ -5,6 +5,8 @@ Prints one startup line (flushed) that scripts and `opd.teachers.launch` wait fo
     opd-teacher ready address=tcp://127.0.0.1:5555 backend=hf name=math model_fingerprint=... tokenizer_fingerprint=...
         curve=off device=cuda cuda_visible_devices=1      (on the same line; the last only when set)
 
+Values are shell-quoted (`name='Qwen2.5 Math 7B'`); read it with `shlex.split`.
+
 Binding anything but loopback needs CURVE keys (`opd keys generate`) or `--insecure`.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
@@ -113,15 +116,19 @@ def run(args, on_ready=None) -> int:
                           heartbeat_s=args.heartbeat_s, peer_timeout_s=args.peer_timeout_s)
 
     def ready(server) -> None:
-        line = (f"{READY} address={server.address} backend={backend.name} name={server.name} "
-                f"model_fingerprint={backend.model_fingerprint} tokenizer_fingerprint={backend.tokenizer_fingerprint} "
-                f"curve={'on' if curve else 'off'} device={args.device}"
-                + (f" cuda_visible_devices={gpus}" if (gpus := os.environ.get("CUDA_VISIBLE_DEVICES")) else ""))
+        fields = dict(address=server.address, backend=backend.name, name=server.name,
+                      model_fingerprint=backend.model_fingerprint, tokenizer_fingerprint=backend.tokenizer_fingerprint,
+                      curve="on" if curve else "off", device=args.device)
+        if os.environ.get("CUDA_VISIBLE_DEVICES"):
+            fields["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
+        line = " ".join([READY, *(f"{k}={shlex.quote(str(v))}" for k, v in fields.items())])
         print(line, flush=True)
         if on_ready is not None:
             on_ready(line)
 
-    code = serve(backend, args.bind, ready=ready, signals=True, limits=limits, name=args.name, **curve)
-    backend.close()
+    try:
+        code = serve(backend, args.bind, ready=ready, signals=True, limits=limits, name=args.name, **curve)
+    finally:
+        backend.close()
     print("opd-teacher stopped", flush=True)
     return code

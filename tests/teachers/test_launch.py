@@ -124,3 +124,22 @@ def test_a_subprocess_servers_output_is_kept_bounded():
         server.proc.kill()
         server.proc.wait()
 
+
+
+def test_a_subprocess_server_keeps_the_callers_options_and_a_name_with_spaces(tiny_model_dir):
+    from opd.teachers.launch import free_port, start_server_process
+
+    port = free_port()
+    server = start_server_process(["--model", str(tiny_model_dir), "--name", "math teacher",
+                                   f"--bind=tcp://127.0.0.1:{port}", "--threads", "2"])
+    try:
+        assert server.address == f"tcp://127.0.0.1:{port}"      # --bind=ADDR is the caller's bind
+        argv = Path(f"/proc/{server.proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert argv.count(b"--threads") == 1 and argv.count(b"--bind") == 0
+        from opd.teachers.client import TeacherClient
+
+        with TeacherClient(server.address) as client:
+            assert client.info().teacher == "math teacher"
+        assert any("name='math teacher'" in line for line in server.output)
+    finally:
+        assert server.stop() == 0
