@@ -462,6 +462,8 @@ class TeacherClient:
                                f"{msg.tokenizer_fingerprint}")
         else:
             self._welcome = msg
+            if msg.heartbeat_s > 0:   # the server drops peers it has not heard from: ping as often as it asks
+                self.heartbeat_s = min(self.heartbeat_s, msg.heartbeat_s)
             for call in self._hellos:
                 call.future.set_result(msg)
             self._hellos.clear()

@@ -188,6 +188,42 @@ def test_curve_admits_allowed_keys_only(teacher, tmp_path):
     ctx.term()
 
 
+def test_curve_servers_share_a_process_and_a_failed_bind_leaves_nothing_running(teacher):
+    # ZeroMQ has one authentication handler per context: CURVE servers get their own context,
+    # which `opd serve-teacher` relies on (it passes none); a bind that fails stops the handler.
+    from opd.teachers.server import TeacherServer
+
+    pub, sec = zmq.curve_keypair()
+    cpub, csec = zmq.curve_keypair()
+    keys = dict(curve_secret_key=sec, curve_public_key=pub, curve_allow={cpub})
+    with running(teacher, **keys) as a:
+        threads = threading.active_count()
+        with pytest.raises(zmq.ZMQError, match="in use"):
+            TeacherServer(teacher, a.address, **keys)                    # the port is taken
+        assert threading.active_count() == threads
+        with running(teacher, **keys) as b:
+            for server in (a, b):
+                with TeacherClient(server.address, timeout_s=5, curve=(cpub, csec, pub)) as client:
+                    assert client.score_topk(SEQS, STARTS, k=4).ids.shape == (6, 4)
+
+
+def test_a_request_far_over_the_limit_gets_too_long_not_a_dropped_connection(teacher):
+    # Frames up to 64 MiB are read and validated; before, a frame over 8 bytes per allowed token
+    # made ZeroMQ drop the connection, and the sender waited for its timeout.
+    with running(teacher, limits=ServerLimits(max_tokens_per_request=64)) as server:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(server.address)
+        for n in (1000, 300_000):
+            ids = np.full(n, 5, dtype="<i4")
+            sock.send_multipart(encode(Score(request_id=n, mode="topk", response_starts=[1], k=2),
+                                       (ids, np.array([0, n], dtype="<i4"))))
+            assert sock.poll(10_000), n
+            msg, _ = decode(sock.recv_multipart())
+            assert isinstance(msg, Error) and msg.code == ErrorCode.TOO_LONG and msg.request_id == n
+        sock.close()
+
+
 def test_non_loopback_bind_needs_curve_or_insecure(tiny_teacher_dir, capsys):
     from opd.cli import main
     from opd.teachers.serve import check_bind
@@ -243,6 +279,19 @@ def test_silent_peer_loses_its_stream(teacher):
         msg, _ = decode(sock.recv_multipart())     # it was told, in case it was only slow
         assert isinstance(msg, Error) and msg.code == ErrorCode.CANCELLED
         sock.close()
+
+
+def test_the_client_pings_as_often_as_the_server_asks(teacher):
+    # A client set to ping every 5 s, a server that drops peers silent for 0.6 s: the client
+    # takes the WELCOME's heartbeat_s, so a stream it reads slowly (a long training step
+    # between reads) is not cancelled under it.
+    with running(teacher, limits=ServerLimits(heartbeat_s=0.1, peer_timeout_s=0.6)) as server:
+        with TeacherClient(server.address, heartbeat_s=5.0, timeout_s=20) as client:
+            stream = client.score_full([list(range(1, 41))], [1], chunk_rows=4, window=1)
+            first = next(stream)
+            time.sleep(2.0)
+            assert first.logits.shape[0] + sum(c.logits.shape[0] for c in stream) == 39
+            assert client.heartbeat_s == 0.1
 
 
 def test_backend_failure_is_internal_and_server_keeps_serving(teacher):
