@@ -157,6 +157,9 @@ def full_forward(src, t, opts: DistillOptions):
         log_s, log_t = s.sub_(ls_c[r0:r1, j, None]), tt.sub_(lt_c[r0:r1, j, None])
         p = log_t.exp()
         local[r0:r1, j] = torch.where(p > 0, p * (log_t - log_s), zero).sum(-1)
+    # A chunk where the student has no mass at all (every logit -inf) made log_s NaN; the term
+    # -log v_c = +inf says all there is (the loss is +inf where the teacher has mass there).
+    local = torch.where(torch.isneginf(ls_c), zero, local)
     lse_s, lse_t = ls_c.logsumexp(-1), lt_c.logsumexp(-1)
     log_v, log_w = ls_c - lse_s[:, None], lt_c - lse_t[:, None]
     mass = log_w.exp()

@@ -15,19 +15,28 @@ import torch
 from .loss import DistillOptions, TopKTeacher
 
 
+def _kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """sum of p (log p - log q) over p > 0, per row. The logs are zeroed where p = 0 before the
+    product too: 0 * (-inf) in the branch torch.where drops still sends NaN into the gradient."""
+    p = log_p.exp()
+    live = p > 0
+    zero = torch.zeros_like(p)
+    return torch.where(live, p * (torch.where(live, log_p, zero) - torch.where(live, log_q, zero)), zero).sum(-1)
+
+
 def divergence(log_student: torch.Tensor, log_teacher: torch.Tensor, beta: float) -> torch.Tensor:
     """TRL's generalized JSD over the last dim (log-probabilities), one value per row."""
-    S, T = log_student.exp(), log_teacher.exp()
-    zero = torch.zeros_like(S)
     if beta == 0.0:   # forward_kl: KL(teacher || student)
-        return torch.where(T > 0, T * (log_teacher - log_student), zero).sum(-1)
+        return _kl_terms(log_teacher, log_student)
     if beta == 1.0:   # reverse_kl: KL(student || teacher)
-        return torch.where(S > 0, S * (log_student - log_teacher), zero).sum(-1)
-    log_m = torch.logsumexp(torch.stack([log_teacher + math.log(beta),
-                                         log_student + math.log(1 - beta)]), dim=0)
-    kl_teacher = torch.where(T > 0, T * (log_teacher - log_m), zero).sum(-1)
-    kl_student = torch.where(S > 0, S * (log_student - log_m), zero).sum(-1)
-    return beta * kl_teacher + (1 - beta) * kl_student
+        return _kl_terms(log_student, log_teacher)
+    # log M = log(beta T + (1 - beta) S); where both are 0, logsumexp's gradient would be NaN.
+    dead = torch.isneginf(log_teacher) & torch.isneginf(log_student)
+    zero = torch.zeros_like(log_teacher)
+    log_m = torch.logsumexp(torch.stack([torch.where(dead, zero, log_teacher) + math.log(beta),
+                                         torch.where(dead, zero, log_student) + math.log(1 - beta)]), dim=0)
+    log_m = torch.where(dead, torch.full_like(log_m, float("-inf")), log_m)
+    return beta * _kl_terms(log_teacher, log_m) + (1 - beta) * _kl_terms(log_student, log_m)
 
 
 def log_probs(student_logits: torch.Tensor, teacher, opts: DistillOptions):

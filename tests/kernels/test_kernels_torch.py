@@ -121,3 +121,30 @@ def test_bad_arguments():
         distill_loss(x, x, vocab_size=6)
     with pytest.raises(ValueError):
         distill_loss(x, x, impl="cuda")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.25, 1.0])
+def test_minus_inf_student_logits(beta):
+    # A banned token (-inf logit) has no mass. Row 0: one such column, the teacher's -inf too:
+    # finite loss, and finite gradients in the reference as in the chunked path (the reference
+    # used to send 0 * -inf = NaN through the branch torch.where drops). Row 1: a whole
+    # vocabulary chunk of the student -inf where the teacher has mass: forward KL is +inf,
+    # which the chunked path's one pass made NaN.
+    g = torch.Generator().manual_seed(1)
+    s, t = (torch.randn(2, 101, dtype=torch.float64, generator=g) * 3 for _ in range(2))
+    s[0, 3] = t[0, 3] = float("-inf")
+    s[1, :32] = float("-inf")
+    out = {}
+    for impl, dtype in (("reference", torch.float64), ("torch", torch.float32)):
+        x = s.detach().to(dtype).clone().requires_grad_(True)
+        rows = distill_loss(x, t.to(dtype), beta=beta, reduction="none", impl=impl)
+        rows[0].backward()
+        out[impl] = rows.detach().double(), x.grad.double()
+    (ref, ref_g), (got, got_g) = out["reference"], out["torch"]
+    assert torch.isfinite(ref[0]) and torch.isfinite(ref_g).all()
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_g, ref_g, rtol=1e-4, atol=1e-6)
+    if beta == 0.0:
+        assert ref[1] == float("inf") and got[1] == float("inf")
+    else:
+        assert torch.isfinite(ref[1]) and got[1] == pytest.approx(float(ref[1]), rel=1e-5)
