@@ -128,7 +128,9 @@ class Router:
 
     def _to_domain(self, domain: str, rule: str, reason: str) -> Route:
         weights = self.domain_weights(domain)
-        best = max(weights, key=lambda n: (weights[n], -self.names.index(n)))
+        # An unmeasured teacher is given the mean of the measured rates: on a tie, the measured one wins.
+        measured = self.pass_rates.get(domain, {})
+        best = max(weights, key=lambda n: (weights[n], n in measured, -self.names.index(n)))
         if self.cfg.weighting == "single" or len(weights) == 1:
             how = f" (best of {sorted(weights)} by pass rate)" if len(weights) > 1 else ""
             return Route(best, {best: 1.0}, rule, f"{reason} -> teacher {best}{how}", domain)

@@ -132,6 +132,10 @@ def test_single_weighting_picks_best_pass_rate():
     got = r.route(Sample(prompt="1+1", domain="math"))
     assert (got.teacher, got.weights) == ("b", {"b": 1.0})
     assert "best of ['a', 'b']" in got.reason
+    # Only b measured: a is given the mean of the measured rates (b's), a tie that a, first in
+    # the config, used to win; the teacher with a known pass rate wins it.
+    r = router(RuleSpec(kind="domain_field"), teachers=SHARED, pass_rates={"math": {"b": 0.9}})
+    assert r.route(Sample(prompt="1+1", domain="math")).teacher == "b"
 
 
 def test_stats_count_rules_teachers_and_domains():
