@@ -109,9 +109,9 @@ class ReplicaPool:
         from the next unseen row."""
         args = (sequences, response_starts, temperature, dtype, chunk_rows, window)
         tokens = _tokens(sequences)
-        rep = self._acquire(tokens, set())
+        rep, client = self._acquire(tokens, set())
         try:
-            chunks = rep.client.score_full(*args)
+            chunks = client.score_full(*args)
         except TeacherError as e:   # its HELLO failed: the replica died just now; the stream fails over
             chunks = e
         unread = [True]
@@ -123,7 +123,7 @@ class ReplicaPool:
 
     def _stream_full(self, rep: _Replica, chunks, args: tuple, tokens: int, unread: list) -> Iterator[FullChunk]:
         unread[0] = False   # from here on this generator releases its replicas itself
-        delivered, tried = 0, set()
+        delivered, tried, attempt = 0, set(), 0
         while True:
             try:
                 if isinstance(chunks, TeacherError):
@@ -141,15 +141,16 @@ class ReplicaPool:
                 return
             except TeacherError as e:
                 self._release(rep, tokens, ok=False, error=e)
-                if not self._may_retry(e, len(tried)):
-                    raise
+                if not self._may_retry(e, attempt):   # sends, not replicas: with every replica
+                    raise                             # tried, `tried` stops growing
                 tried.add(rep.address)
+                attempt += 1
             except BaseException:
                 self._release(rep, tokens, ok=True)
                 raise
-            rep = self._acquire(tokens, tried)
+            rep, client = self._acquire(tokens, tried)
             try:
-                chunks = rep.client.score_full(*args)
+                chunks = client.score_full(*args)
             except TeacherError as e:
                 chunks = e
 
@@ -185,12 +186,12 @@ class ReplicaPool:
     def _dispatch_topk(self, out: Future, args: tuple, tokens: int, tried: set, attempt: int = 0) -> None:
         while True:
             try:
-                rep = self._acquire(tokens, tried)
+                rep, client = self._acquire(tokens, tried)
             except BaseException as e:  # no replica at all, or the pool refuses to work
                 out.set_exception(e)
                 return
             try:
-                fut = rep.client.submit_topk(*args)
+                fut = client.submit_topk(*args)
                 break
             except TeacherError as e:  # its HELLO failed: the replica died just now
                 self._release(rep, tokens, ok=False, error=e)
@@ -220,20 +221,21 @@ class ReplicaPool:
         return (isinstance(err, TeacherError) and err.code in DEAD_CODES | ELSEWHERE_CODES
                 and attempt < self.max_attempts and not self._closed.is_set())
 
-    def _acquire(self, tokens: int, tried: set) -> _Replica:
-        """The live replica with the fewest tokens in flight (preferring ones not tried for this request)."""
+    def _acquire(self, tokens: int, tried: set) -> tuple[_Replica, TeacherClient]:
+        """The live replica with the fewest tokens in flight (preferring ones not tried for this
+        request), and its client as of now: a probe may replace `rep.client` meanwhile."""
         deadline = time.monotonic() + self.wait_for_replica_s
         with self._lock:
             while True:
                 self._check_fatal()
                 if self._closed.is_set():
                     raise TeacherError("CLOSED", "replica pool is closed")
-                live = [r for r in self._replicas.values() if r.alive]
+                live = [r for r in self._replicas.values() if r.alive and r.client is not None]
                 fresh = [r for r in live if r.address not in tried] or live
                 if fresh:
                     rep = min(fresh, key=lambda r: (r.inflight_tokens, r.requests))
                     rep.inflight_tokens += tokens
-                    return rep
+                    return rep, rep.client
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TeacherError("NO_REPLICA", f"no live replica among {list(self._replicas)} for "
@@ -286,7 +288,8 @@ class ReplicaPool:
             t.join()
 
     def _probe(self, rep: _Replica) -> None:
-        old, rep.client = rep.client, None
+        with self._lock:
+            old, rep.client = rep.client, None
         if old is not None:
             old.close()
         client = TeacherClient(rep.address, **{**self._client_kwargs, "retries": 0})

@@ -53,3 +53,24 @@ def test_a_full_stream_is_sent_at_once_and_one_dropped_unread_is_released(teache
 def test_a_pool_with_no_live_replica_refuses_to_start():
     with pytest.raises(TeacherError, match="NO_REPLICA: none of the replicas"):
         ReplicaPool(["tcp://127.0.0.1:1"], timeout_s=0.3, heartbeat_s=0.1, retries=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_stream_that_fails_everywhere_gives_up_after_max_attempts(teacher, monkeypatch):
+    # Two replicas that answer every full request with INTERNAL: the stream goes elsewhere at
+    # most max_attempts times, then raises (it counted replicas tried, and once both were,
+    # re-sent forever).
+    calls = []
+
+    def broken(req):
+        calls.append(req)
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(teacher, "score_full", broken)
+    with serving_in_thread(teacher) as a, serving_in_thread(teacher) as b, \
+            ReplicaPool([a.address, b.address], timeout_s=20, heartbeat_s=0.2, retries=0, backoff_s=0.01,
+                        max_attempts=3) as pool:
+        with pytest.raises(TeacherError, match="INTERNAL"):
+            list(pool.score_full([[5] * 20], [1], chunk_rows=8))
+        assert len(calls) == 4                      # the first send and 3 more
+        assert all(s["alive"] and s["inflight_tokens"] == 0 for s in pool.replica_stats())
