@@ -40,7 +40,7 @@ from opd.diagnostics import DomainTally, topk_overlap
 from opd.lm_head import FUSED_REFUSED, head_form
 from opd.lora import add_lora
 from opd.metrics import MetricsLogger, plot_metrics
-from opd.rollout.base import Rollout, SamplingParams
+from opd.rollout.base import Rollout, SamplingParams, eos_ids
 from opd.train_card import write_train_card
 from opd.train_config import TrainConfig
 from opd.train_launch import RunTeachers
@@ -170,7 +170,7 @@ class Trainer:
         self.student_model_fp = model_fingerprint(cfg.student.path)
         self._load_data()
         self._make_router()
-        self.stop_ids = {self.tok.eos_token_id} - {None}
+        self.stop_ids = eos_ids(self.tok, getattr(self.model, "generation_config", None))
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,

@@ -16,13 +16,23 @@ from typing import Literal
 FinishReason = Literal["eos", "length"]
 
 
+def eos_ids(tokenizer, generation_config=None) -> set[int]:
+    """Every token that ends a response: the tokenizer's EOS and those of the model's generation
+    config (an int or a list: Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>, Llama 3
+    three ids). vLLM stops on all of them; so must the HF engine, and trimming must cut there."""
+    ids = {tokenizer.eos_token_id}
+    extra = getattr(generation_config, "eos_token_id", None)
+    ids.update(extra if isinstance(extra, (list, tuple)) else [extra])
+    return {int(i) for i in ids if i is not None}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
     n: int = 1                              # samples per prompt (a GRPO group)
-    stop_token_ids: tuple[int, ...] = ()    # besides the tokenizer's EOS
+    stop_token_ids: tuple[int, ...] = ()    # besides the EOS ids (`eos_ids`)
     seed: int | None = None
 
 

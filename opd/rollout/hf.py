@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from opd.rollout.base import Rollout, RolloutEngine, SamplingParams
+from opd.rollout.base import Rollout, RolloutEngine, SamplingParams, eos_ids
 
 
 def top_p_filter(logits_B_V: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -110,8 +110,8 @@ class HFRolloutEngine(RolloutEngine):
         ids_B_P, mask = ids_B_P.to(device), mask_B_P.to(device)
         # Positions count real tokens only, so a padded prompt sees the same RoPE phases as alone.
         pos_B_P = (mask.cumsum(-1) - 1).clamp(min=0)
-        stops = torch.tensor(sorted({self.tokenizer.eos_token_id, *params.stop_token_ids} - {None}),
-                             dtype=torch.long, device=device)
+        stops = torch.tensor(sorted(eos_ids(self.tokenizer, getattr(model, "generation_config", None))
+                                    | set(params.stop_token_ids)), dtype=torch.long, device=device)
 
         cache = DynamicCache(config=model.config)
         own_mask = _builds_own_mask(model.config)

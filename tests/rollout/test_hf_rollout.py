@@ -47,6 +47,22 @@ def test_hf_rollout_greedy_equals_transformers_generate(tiny_model_dir):
     assert model.training is True                                         # the training flag comes back
 
 
+def test_hf_rollout_stops_on_the_generation_configs_eos_ids_too(tiny_model_dir):
+    # Instruct models list more than the tokenizer's EOS in generation_config.eos_token_id
+    # (Qwen2.5: <|im_end|> and <|endoftext|>); vLLM and model.generate stop on every one of them.
+    model, tok = _load(tiny_model_dir)
+    prompt = [72, 101, 108, 108, 111]
+    free = HFRolloutEngine(model, tok).generate([prompt], SamplingParams(temperature=0, max_new_tokens=8))[0]
+    third = free.response_ids[2]
+    assert third != tok.eos_token_id and third not in free.response_ids[:2]
+    model.generation_config.eos_token_id = [tok.eos_token_id, third]
+    r = HFRolloutEngine(model, tok).generate([prompt], SamplingParams(temperature=0, max_new_tokens=8))[0]
+    ids = torch.tensor([prompt])
+    want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                          pad_token_id=tok.eos_token_id)[0, len(prompt):]
+    assert r.response_ids == want.tolist() == free.response_ids[:3] and r.finish_reason == "eos"
+
+
 def test_top_p_filter_matches_transformers_warper():
     from transformers.generation.logits_process import TopPLogitsWarper
 
