@@ -215,24 +215,47 @@ class DataParallelGroup:
                 rank, n, str(model_dir), backend=backend, optimizer=optimizer, lr=lr, weight_decay=weight_decay,
                 loss_fn=loss_fn, threads=max(1, int(spec.num_cpus_per_worker))))
         self = cls(workers, pg, n)
-        host, port = self._gather([workers[0].rendezvous_address.remote()])[0]
-        self._gather([w.init_process_group.remote(host, port, spec.collective_timeout_s) for w in workers])
+        try:   # a failed rendezvous (its port taken meanwhile, a worker that cannot load) frees the group
+            host, port = self._gather([workers[0].rendezvous_address.remote()])[0]
+            self._gather([w.init_process_group.remote(host, port, spec.collective_timeout_s) for w in workers])
+        except BaseException:
+            self.shutdown()
+            raise
         return self
 
     def _gather(self, refs: list, ranks: list[int] | None = None) -> list:
-        """ray.get that turns a dead actor into WorkerDiedError and stops the other workers at once."""
+        """ray.get that turns a dead actor into WorkerDiedError. Any failure stops the other
+        workers at once: they would wait in an all_reduce for collective_timeout_s otherwise.
+        An error raised in a worker (RayTaskError: out of memory, a bad batch) is re-raised as
+        it is, unless another worker died meanwhile: a dead peer makes the others' collectives
+        fail too, and the death is the cause."""
         import ray
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+        dead = (RayActorError, ActorDiedError, ActorUnavailableError)
         rank_of = dict(zip(refs, ranks if ranks is not None else range(len(refs))))
         pending, results = list(refs), {}
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
             try:
                 results[ready[0]] = ray.get(ready[0])
-            except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+            except dead as e:
                 self.shutdown()
                 raise WorkerDiedError(rank_of[ready[0]], self.world_size, type(e).__name__, self.last_checkpoint) from e
+            except RayTaskError:
+                # A death among the others explains this error better; Ray reports one in seconds.
+                done, _ = ray.wait(pending, num_returns=len(pending), timeout=5) if pending else ([], [])
+                for ref in done:
+                    try:
+                        ray.get(ref)
+                    except dead as d:
+                        self.shutdown()
+                        raise WorkerDiedError(rank_of[ref], self.world_size, type(d).__name__,
+                                              self.last_checkpoint) from d
+                    except Exception:  # noqa: BLE001 - the first error is the one raised
+                        pass
+                self.shutdown()
+                raise
         return [results[r] for r in refs]
 
     def step(self, shards: list[dict]) -> StepResult:

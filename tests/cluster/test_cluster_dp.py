@@ -77,3 +77,35 @@ def test_two_workers_match_one_process_and_a_dead_worker_stops_the_job(ray_clust
     assert state["step"] == 2 and state["note"] == "after two steps"
     for n, p in fresh.named_parameters():
         torch.testing.assert_close(p.detach(), want[n], rtol=1e-5, atol=1e-6)
+
+
+def test_an_error_in_one_worker_stops_the_others_and_a_death_behind_it_is_named(monkeypatch):
+    # Without Ray running: ray.wait/ray.get stand in for two workers' step results. A worker
+    # that raises (out of memory, gloo's 'connection closed by peer') must stop the group, or
+    # the other waits in its all_reduce for collective_timeout_s; if the other died, that is
+    # the error reported.
+    import ray
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    def run(second):
+        raised = RayTaskError("step", "Traceback ...", RuntimeError("[gloo] Connection closed by peer"))
+        outcomes = {0: raised, 1: second}
+
+        def get(ref, timeout=None):
+            if isinstance(outcomes[ref], BaseException):
+                raise outcomes[ref]
+            return outcomes[ref]
+
+        monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (refs[:num_returns], refs[num_returns:]))
+        monkeypatch.setattr(ray, "get", get)
+        group = DataParallelGroup(["w0", "w1"], None, 2)
+        stopped = []
+        group.shutdown = lambda: stopped.append(True)
+        with pytest.raises(Exception) as e:
+            group._gather([0, 1])
+        return e.value, stopped
+
+    err, stopped = run(ActorDiedError())
+    assert isinstance(err, WorkerDiedError) and err.rank == 1 and stopped
+    err, stopped = run((0.5, 10))
+    assert isinstance(err, RayTaskError) and "Connection closed by peer" in repr(err.cause) and stopped
