@@ -102,6 +102,8 @@ class RolloutPool:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         """n samples per prompt, grouped by prompt, as RolloutEngine.generate."""
+        if not prompts:
+            return []
         n = min(len(self.workers), len(prompts))
         bounds = [len(prompts) * i // n for i in range(n + 1)]
         refs = []

@@ -18,6 +18,7 @@ Bind address: loopback when the cluster has one node; the node's IP otherwise, w
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import signal
@@ -43,6 +44,10 @@ class TeacherReplica:
         self._server = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        # Servers are started from this one thread, which lives as long as the actor: each gets
+        # SIGTERM from Linux when its starting thread ends (die_with_parent), so an actor that
+        # crashes (Ray runs no cleanup then) leaves no server holding its GPU behind.
+        self._launcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-launch")
         self._start()
         threading.Thread(target=self._supervise, name=f"supervise-{spec.name}-{index}", daemon=True).start()
 
@@ -53,15 +58,19 @@ class TeacherReplica:
         from opd.teachers.launch import start_server_process
 
         threads = max(1, int(self.spec.num_cpus))
+
+        def start(port: str):
+            return self._launcher.submit(start_server_process, self._args(port), timeout_s=self.spec.startup_timeout_s,
+                                         threads=threads, die_with_parent=True).result()
+
         try:
-            server = start_server_process(self._args(self._port), timeout_s=self.spec.startup_timeout_s,
-                                          threads=threads)
+            server = start(self._port)
         except RuntimeError:
             if self._port == "*":
                 raise
             log.warning("%s[%d]: port %s unavailable after restart; binding a fresh one",
                         self.spec.name, self.index, self._port)
-            server = start_server_process(self._args("*"), timeout_s=self.spec.startup_timeout_s, threads=threads)
+            server = start("*")
         self._server = server
         self._port = server.address.rsplit(":", 1)[1]  # restarts come back on the same port when they can
 
