@@ -19,7 +19,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from opd.rollout.base import Rollout, RolloutEngine, SamplingParams
+from opd.rollout.base import Rollout, RolloutEngine, SamplingParams, prompt_seed
 
 
 class RolloutWorkerDiedError(RuntimeError):
@@ -108,7 +108,8 @@ class RolloutPool:
         bounds = [len(prompts) * i // n for i in range(n + 1)]
         refs = []
         for rank in range(n):
-            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + rank)
+            # Not seed + rank: the next step's seed (+1) would replay this step's shards one worker over.
+            p = params if params.seed is None else dataclasses.replace(params, seed=prompt_seed(params.seed, rank))
             refs.append(self.workers[rank].generate.remote(prompts[bounds[rank]:bounds[rank + 1]], p))
         out: list[Rollout] = []
         for rank, shard in enumerate(self._gather(refs)):

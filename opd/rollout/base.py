@@ -10,6 +10,7 @@ sampled-token reverse KL both need exactly that quantity.
 from __future__ import annotations
 
 import abc
+import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,6 +25,15 @@ def eos_ids(tokenizer, generation_config=None) -> set[int]:
     extra = getattr(generation_config, "eos_token_id", None)
     ids.update(extra if isinstance(extra, (list, tuple)) else [extra])
     return {int(i) for i in ids if i is not None}
+
+
+def prompt_seed(seed: int, i: int) -> int:
+    """The seed of part i (a prompt; a worker's shard) of a batch sampled with `seed`. vLLM
+    seeds sample j of a request with seed + j: one seed for every prompt gave sample j of each
+    the same random stream (a prompt twice in a batch got the same samples), and the trainers'
+    step seeds (base + step) made step t + 1 reuse step t's streams. A hash of (seed, i) keeps
+    every stream apart."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), "little") >> 2
 
 
 @dataclass(frozen=True)

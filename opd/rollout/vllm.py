@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from opd.lora import vllm_max_lora_rank
-from opd.rollout.base import Rollout, RolloutEngine, SamplingParams
+from opd.rollout.base import Rollout, RolloutEngine, SamplingParams, prompt_seed
 
 WORKER_EXTENSION = "opd.rollout.vllm_worker.WeightSync"
 
@@ -93,17 +93,21 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        sp = VSamplingParams(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p if params.temperature > 0 else 1.0,
-            max_tokens=params.max_new_tokens,
-            stop_token_ids=list(params.stop_token_ids),
-            seed=params.seed,
-            logprobs=0,              # the sampled token's log-prob only
-            detokenize=False,
-            flat_logprobs=True,      # a few flat lists instead of one dict per token
-        )
+        def sampling(seed: int | None):
+            return VSamplingParams(
+                n=params.n,
+                temperature=params.temperature,
+                top_p=params.top_p if params.temperature > 0 else 1.0,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=list(params.stop_token_ids),
+                seed=seed,
+                logprobs=0,              # the sampled token's log-prob only
+                detokenize=False,
+                flat_logprobs=True,      # a few flat lists instead of one dict per token
+            )
+
+        sp = sampling(None) if params.seed is None else [sampling(prompt_seed(params.seed, i))
+                                                         for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
                                  use_tqdm=False, lora_request=self._lora_request)
         rollouts = []

@@ -77,3 +77,18 @@ def test_greedy_is_the_argmax(vllm_rollout_engine, student):
             logits = student(ids[None]).logits[0]
         p = len(r.prompt_ids)
         assert r.response_ids == logits[p - 1:len(ids) - 1].argmax(-1).tolist()
+
+
+def test_each_prompt_has_its_own_random_stream(vllm_rollout_engine):
+    # vLLM seeds sample j of a request with seed + j: with one seed for the batch, a prompt
+    # listed twice got the same samples, and seed s + 1 (the next step) replayed seed s's
+    # samples 1..n-1 as its 0..n-2. Per-prompt seeds keep them apart; a seed still repeats a batch.
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=11)
+    first = [r.response_ids for r in vllm_rollout_engine.generate([prompt, prompt], params)]
+    assert first[:2] != first[2:]
+    again = [r.response_ids for r in vllm_rollout_engine.generate([prompt, prompt], params)]
+    assert again == first
+    following = [r.response_ids for r in vllm_rollout_engine.generate([prompt], SamplingParams(
+        temperature=1.0, max_new_tokens=8, n=2, seed=12))]
+    assert following[0] != first[1]
