@@ -1,6 +1,6 @@
 """The child side of rl/rewards/sandbox.py: limit itself, then run the solution and each test.
 
-Run as `python -I -S _sandbox_child.py CONFIG_JSON` with {"code", "tests"} JSON on stdin.
+Run as `python -I -S _sandbox_child.py` with {"config", "code", "tests"} JSON on stdin.
 `-I` keeps this file's folder off sys.path (so `import math` is the stdlib's). Results go
 to an inherited pipe as lines "TOKEN {json}", one per test and a final "done" line.
 The limits and their honesty notes are described in sandbox.py.
@@ -22,6 +22,10 @@ _NETWORK_EVENTS = {"socket.__new__", "socket.connect", "socket.bind", "socket.ge
                    "socket.gethostbyname", "socket.gethostbyaddr", "socket.sendto"}
 _NATIVE_EVENTS = {"ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function",
                   "ctypes.addressof"}
+# Ways to the harness's objects (the result token) that solutions have no need for.
+_INTROSPECTION_EVENTS = {"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames"}
+# Modules that start processes without an audit event (subprocess's own fork_exec).
+_PROCESS_MODULES = {"_posixsubprocess"}
 # event -> positions of path arguments that are written to
 _PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1),
                 "os.link": (1,), "os.symlink": (1,), "os.chmod": (0,), "os.chown": (0,),
@@ -42,6 +46,12 @@ def _isolate_network() -> bool:
     except Exception:
         pass
     return False
+
+
+def _process_memory(path) -> bool:
+    """/proc/<pid>/mem and the like: the harness's memory, token included."""
+    parts = path.split("/")
+    return path.startswith("/proc/") and len(parts) > 3 and parts[3] in ("mem", "pagemap", "map_files")
 
 
 def _install_hook(workdir: str, allow_subprocess: bool) -> None:
@@ -68,10 +78,22 @@ def _install_hook(workdir: str, allow_subprocess: bool) -> None:
             raise PermissionError(f"sandbox: network access refused ({event})")
         if event in _NATIVE_EVENTS:
             raise PermissionError(f"sandbox: native calls refused ({event})")
+        if event in _INTROSPECTION_EVENTS:
+            raise PermissionError(f"sandbox: introspecting the harness refused ({event})")
         if event in _PROCESS_EVENTS and not allow_subprocess:
             raise PermissionError(f"sandbox: new processes refused ({event})")
+        if event == "import" and args[0] in _PROCESS_MODULES and not allow_subprocess:
+            raise PermissionError(f"sandbox: new processes refused (import {args[0]})")
         if event == "open":
             path, mode, flags = args
+            if isinstance(path, (str, bytes)):
+                busy[0] = True
+                try:
+                    memory = _process_memory(realpath(join(getcwd(), os.fsdecode(path))))
+                finally:
+                    busy[0] = False
+                if memory:
+                    raise PermissionError(f"sandbox: reading process memory refused ({path!r})")
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
                      (mode is None and isinstance(flags, int) and flags & _WRITE_FLAGS)
             if writes:
@@ -95,8 +117,8 @@ def _install_hook(workdir: str, allow_subprocess: bool) -> None:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
     payload = json.loads(sys.stdin.read())
+    cfg = payload.pop("config")
     sys.path.extend(cfg.get("site_packages", []))  # started with -S: libraries without .pth hooks
     fd, token = cfg["result_fd"], cfg["token"]
     workdir = os.path.realpath(cfg["workdir"])

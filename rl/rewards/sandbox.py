@@ -21,9 +21,16 @@ What is enforced, and how (read this before trusting it with hostile code):
   `allow_subprocess` is set, and ctypes calls are refused after start-up.
 Audit hooks are not a security boundary against code written to escape them (CPython
 says so); the kernel-enforced limits are the process group kill, rlimits and the network
-namespace. The result protocol (a pipe with a per-run random token) could be forged by
-code that searches the harness's memory for the token. For untrusted models at scale,
-run this inside a container or VM as well.
+namespace. With `allow_subprocess`, a process that starts its own session (setsid) leaves
+the process group and outlives the kill.
+The result protocol is a pipe with a per-run random token, given on stdin (the command
+line is readable from the solution). The solution runs in the harness's process, so code
+written to find the token can still forge results: the hook refuses the easy ways (the
+collector's object lists, other threads' frames, /proc/*/mem) but not walking up its own
+stack with sys._getframe, which namedtuple, enum, warnings and logging need. A solution can
+also return objects whose __eq__ always holds. An RL policy is an optimizer against this
+reward: for untrusted models at scale, run it inside a container or VM, and check rewards
+that look too good.
 
 Each top-level `assert` in the tests is one test, run separately after the solution and
 any non-assert setup lines; the reward is the fraction that passed. A hang, a crash or a
@@ -140,14 +147,16 @@ def run_tests(code: str, tests: str, limits: SandboxLimits = SandboxLimits()) ->
         with open(workdir / "stdout.txt", "wb") as out, open(workdir / "stderr.txt", "wb") as err:
             # -S: skip site's .pth hooks (a third of the start-up time); the child adds
             # site-packages to sys.path itself, so installed libraries still import.
-            proc = subprocess.Popen([sys.executable, "-I", "-S", str(_BOOTSTRAP), json.dumps(config)],
+            # The config (with the result token) goes in on stdin, not the command line: the
+            # solution can read sys.argv and /proc/self/cmdline.
+            proc = subprocess.Popen([sys.executable, "-I", "-S", str(_BOOTSTRAP)],
                                     stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=workdir, env=env,
                                     pass_fds=(write_fd,), start_new_session=True)
         os.close(write_fd)
         write_fd = -1
         timed_out = False
         try:
-            proc.stdin.write(json.dumps({"code": code, "tests": tests}).encode())
+            proc.stdin.write(json.dumps({"config": config, "code": code, "tests": tests}).encode())
             proc.stdin.close()
         except BrokenPipeError:  # the child died at start-up
             pass

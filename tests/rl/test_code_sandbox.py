@@ -33,6 +33,10 @@ def test_setup_lines_in_tests_are_not_counted():
     assert (r.passed, r.total) == (2, 2)
 
 
+FORGE = ("import os, json\nline = lambda m: (cfg['token'] + ' ' + json.dumps(m) + '\\n').encode()\n"
+         "os.write(cfg['result_fd'], line(dict(kind='test', index=0, ok=True)) + line(dict(kind='done', "
+         "total=1)))\nos._exit(0)\n")   # no braces: the cases go through str.format
+
 HOSTILE = {
     "infinite loop": "while True:\n    pass\n",
     "fork bomb": "import os\nwhile True:\n    os.fork()\n" + GOOD,
@@ -44,6 +48,13 @@ HOSTILE = {
     "delete outside": "import os\nos.remove({path!r})\n" + GOOD,
     "kill the parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n" + GOOD,
     "hard exit": "import os\nos._exit(0)\n",
+    # forging the harness's result lines: its token on the command line (where it used to be),
+    # in the collector's objects, in process memory; a process started without an audit event
+    "forge from argv": "import sys, json\ncfg = json.loads(sys.argv[1])\n" + FORGE,
+    "forge from gc": "import gc\ncfg = next(o for o in gc.get_objects() if isinstance(o, dict) and 'token' in o)\n"
+                     + FORGE,
+    "read process memory": "open('/proc/self/mem', 'rb')\n" + GOOD,
+    "fork_exec": "import _posixsubprocess\n" + GOOD,
     "sleep in a test": GOOD + "import time\ntime.sleep(100)\n",
 }
 
