@@ -12,6 +12,7 @@ by `--help` and by `describe(cls)`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -104,6 +105,8 @@ def _check_range(f: dataclasses.Field, value: Any, where: str, key: str) -> None
     md = f.metadata
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):   # .nan passes every < and > check
+        raise ConfigError(f"{where}: key '{key}' must be a finite number, got {value!r}")
     if md.get("choices") and value not in md["choices"]:
         raise ConfigError(f"{where}: key '{key}' expects one of {list(md['choices'])}, got {value!r}")
     if md.get("min") is not None and value < md["min"]:
@@ -122,6 +125,8 @@ def _build(cls: type[T], node: yaml.MappingNode, source: str, prefix: str = "") 
         if key not in fields:
             raise ConfigError(f"{_where(source, knode)}: unknown key '{full}' for {cls.__name__}; "
                               f"expected one of: {', '.join(sorted(fields))}")
+        if key in kwargs:   # YAML keeps the last one silently
+            raise ConfigError(f"{_where(source, knode)}: key '{full}' given twice")
         value = _convert(hints[key], vnode, source, full)
         _check_range(fields[key], value, _where(source, vnode), full)
         kwargs[key] = value

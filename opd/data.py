@@ -66,11 +66,15 @@ def load_jsonl(path: str | Path, *, on_error: Literal["stop", "skip"] = "stop",
         raise DataError(f"{p}: data file not found")
     report = LoadReport(path=str(p))
     samples = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with p.open("rb") as f:   # bytes: a line that is not UTF-8 is that line's error, not the file's
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{p}:{lineno}: not UTF-8 ({e.reason} at byte {e.start})") from None
                 s = _parse(line, f"{p}:{lineno}")
             except DataError as e:
                 if on_error == "stop":

@@ -77,6 +77,14 @@ def test_bad_config_names_file_line_and_key(tmp_path):
                  "  datasets: [{domain: d, path: p.jsonl}]\nloss:\n  trim: marker\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:7: .*answer_end_marker"):
         load_train_config(p)
+    base = "student:\n  path: s\nmerge:\n  teachers: [{name: a, address: 'tcp://x:1'}]\n" \
+           "  datasets: [{domain: d, path: p.jsonl}]\n"
+    p.write_text(base + "optim:\n  lr: 1.0e-6\n  lr: 5.0\n")         # YAML alone keeps the last
+    with pytest.raises(ConfigError, match=r"bad.yaml:8: key 'optim.lr' given twice"):
+        load_train_config(p)
+    p.write_text(base + "rollout:\n  top_p: .nan\n")                   # NaN passes 0 <= x <= 1
+    with pytest.raises(ConfigError, match=r"bad.yaml:7: key 'rollout.top_p' must be a finite number"):
+        load_train_config(p)
 
 
 def test_cli_reports_config_error(tmp_path):
