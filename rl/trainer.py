@@ -39,7 +39,7 @@ from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, 
 from opd.config import to_dict
 from opd.data import Cycler, encode_prompt, load_jsonl
 from opd.lora import add_lora
-from opd.metrics import MetricsLogger, plot_metrics
+from opd.metrics import MetricsLogger, plot_metrics, read_metrics
 from opd.rl import grpo
 from opd.rl.config import RLConfig
 from opd.rl.rewards import build_reward, verify_batch
@@ -178,7 +178,9 @@ class GRPOTrainer:
         cfg, P, G = self.cfg, self.cfg.data.prompts_per_step, self.cfg.rollout.group_size
         logger = MetricsLogger(self.out, resume_step=self.start_step if self.start_step else None)
         self.write_card()
-        history = []
+        # After --resume the summary covers the whole run: the steps before it from metrics.jsonl.
+        history = [r for r in read_metrics(self.out / "metrics.jsonl")
+                   if "reward/mean" in r and r.get("step", 0) <= self.start_step] if self.start_step else []
         bar = tqdm(range(self.start_step, cfg.run.steps), initial=self.start_step, total=cfg.run.steps,
                    desc="grpo", dynamic_ncols=True)
         try:

@@ -68,9 +68,11 @@ def test_mean_reward_rises_and_resume_continues(tmp_path, tiny_model_dir, one_th
     # --resume: continues at step 10 and logs each step once
     resumed = GRPOTrainer(make_config(tmp_path, tiny_model_dir, run={"steps": 12}), resume=True)
     assert resumed.start_step == 10
-    resumed.train()
+    whole = resumed.train()
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 13))
+    # the summary covers the whole run, not the 2 steps after the resume
+    assert whole["steps"] == 12 and whole["reward_first"] == summary["reward_first"]
 
 
 def test_lora_reference_is_the_base_model_with_the_adapter_off(tmp_path, tiny_model_dir, one_thread):
