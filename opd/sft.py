@@ -162,7 +162,17 @@ def _load_sets(cfg_path: Path, specs: list[SFTDataset], tokenizer, max_length: i
         if missing:
             raise ConfigError(f"{path}: {len(missing)} rows have no `response` (first: row {missing[0] + 1}); "
                               f"SFT needs a reference response per prompt")
-        sets.append([encode_pair(tokenizer, s.prompt, s.response, max_length) for s in samples])
+        pairs = [encode_pair(tokenizer, s.prompt, s.response, max_length) for s in samples]
+        # A prompt that fills max_length leaves no response token to learn: such a row would
+        # train nothing, and a batch of only such rows has a NaN loss.
+        kept = [pair for pair in pairs if any(label != -100 for label in pair[1][1:])]
+        if not kept:
+            raise ConfigError(f"{path}: every prompt fills max_length ({max_length} tokens): no response token "
+                              f"is left to learn; raise max_length")
+        if len(kept) < len(pairs):
+            print(f"warning: {path}: {len(pairs) - len(kept)} of {len(pairs)} rows dropped: their prompt fills "
+                  f"max_length ({max_length} tokens)", flush=True)
+        sets.append(kept)
         names.append(spec.domain or samples[0].domain or path.stem)
     return sets, names
 

@@ -393,7 +393,10 @@ class GRPOTrainer:
         texts = [self.decode(r) for r in rollouts]
         total, _ = self.reward(self.eval_samples, texts)
         out = {"eval/reward": sum(total) / len(total)}
-        verified = [v for v in verify_batch(self.eval_samples, texts) if v is not None]
+        # The code reward's own limits (timeout, memory, workers), as in training: with the
+        # defaults, a solution that needs more would fail here only.
+        code = next((r.options for r in self.cfg.rewards if r.name == "code"), {})
+        verified = [v for v in verify_batch(self.eval_samples, texts, **code) if v is not None]
         if verified:
             out["eval/accuracy"] = sum(verified) / len(verified)
         return out

@@ -77,6 +77,9 @@ class ValidateConfig:
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
+        domains = [s.domain for s in self.sets]
+        if len(set(domains)) != len(domains):   # the report is keyed by domain: one set would vanish
+            raise ValueError(f"one held-out set per domain, got domains {domains}")
         if self.grpo is not None and self.grpo.model not in names:
             raise ValueError(f"grpo.model {self.grpo.model!r} is not one of the models {names}")
 

@@ -20,6 +20,24 @@ def test_prompt_is_masked_and_eos_is_a_target(tiny_model_dir):
     assert labels[5:] == ids[5:] and labels[-1] == tok.eos_token_id
 
 
+def test_rows_whose_prompt_fills_max_length_are_dropped(tiny_model_dir, tmp_path, capsys):
+    # They have no response token left to learn from: a batch of only such rows had a NaN loss.
+    from transformers import AutoTokenizer
+
+    from opd.data import write_jsonl
+    from opd.sft import SFTDataset, _load_sets
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 40, "response": "y"}, {"prompt": "1+1=", "response": "2"}])
+    cfg_path = tmp_path / "sft.yaml"
+    [pairs], _ = _load_sets(cfg_path, [SFTDataset(path="d.jsonl")], tok, max_length=16)
+    assert len(pairs) == 1 and pairs[0][0][:4] == tok("1+1=")["input_ids"][:4]
+    assert "1 of 2 rows dropped" in capsys.readouterr().out
+    write_jsonl(tmp_path / "long.jsonl", [{"prompt": "x" * 40, "response": "y"}])
+    with pytest.raises(ConfigError, match="every prompt fills max_length"):
+        _load_sets(cfg_path, [SFTDataset(path="long.jsonl")], tok, max_length=16)
+
+
 def test_config_needs_exactly_one_start():
     with pytest.raises(ConfigError, match="exactly one"):
         from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}]}, SFTConfig)

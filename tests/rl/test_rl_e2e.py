@@ -144,8 +144,13 @@ def test_grpo_with_the_vllm_engine(tmp_path, vllm_model_dir, one_thread, lora):
     assert rows[1]["ratio/mean"] == pytest.approx(1.0, abs=2e-3)   # weights were pushed after step 1
 
 
-def test_every_reward_kind_runs_in_the_loop_with_eval(tmp_path, tiny_model_dir, one_thread):
+def test_every_reward_kind_runs_in_the_loop_with_eval(tmp_path, tiny_model_dir, one_thread, monkeypatch):
+    from opd.rl import trainer as rl_trainer
     from opd.rl.trainer import GRPOTrainer
+
+    seen = []   # evaluation verifies code with the code reward's own limits, as training does
+    verify_batch = rl_trainer.verify_batch
+    monkeypatch.setattr(rl_trainer, "verify_batch", lambda *a, **kw: (seen.append(kw), verify_batch(*a, **kw))[1])
 
     rows = [{"prompt": "1+1=", "answer": "2", "domain": "math"},
             {"prompt": "def inc", "tests": "assert inc(1) == 2", "domain": "code"}]
@@ -162,6 +167,7 @@ def test_every_reward_kind_runs_in_the_loop_with_eval(tmp_path, tiny_model_dir, 
     GRPOTrainer(cfg).train()
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in logged] == pytest.approx([0.005, 0.01])   # the rates the steps used (warm-up)
+    assert seen and all(kw == {"timeout_s": 2.0, "workers": 2} for kw in seen), seen
     last = logged[-1]
     for key in ("reward/math", "reward/code", "reward/format", "reward/length", "reward/python:digits",
                 "eval/reward", "eval/accuracy"):

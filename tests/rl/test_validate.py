@@ -69,6 +69,9 @@ def test_config_refuses_k_above_samples():
     with pytest.raises(ValueError, match="every k"):
         from_dict({"models": [{"name": "a", "path": "x"}], "sets": [{"domain": "m", "path": "y"}],
                    "samples": 2, "k": [4]}, V.ValidateConfig)
+    with pytest.raises(ValueError, match="one held-out set per domain"):
+        from_dict({"models": [{"name": "a", "path": "x"}], "sets": [{"domain": "m", "path": "y"},
+                                                                  {"domain": "m", "path": "z"}]}, V.ValidateConfig)
 
 
 def test_cli_on_tiny_models_with_grpo_check(tmp_path, tiny_model_dir, tiny_teacher_dir):
