@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -32,9 +33,12 @@ class CheckpointError(RuntimeError):
 
 
 def rng_state() -> dict:
+    """Every generator's state, in types torch.load(weights_only=True) accepts (numpy's key
+    array as a tensor)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
@@ -42,7 +46,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -131,7 +136,11 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None, 
     with torch.no_grad():
         for n, w in weights.items():
             params[n].copy_(w)
-    blob = torch.load(path / "optimizer.pt", weights_only=False)
+    try:   # tensors and plain containers only: unpickling could run code
+        blob = torch.load(path / "optimizer.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path / 'optimizer.pt'} holds more than tensors and plain values (written by "
+                              f"an older version of opd, or not by opd): {str(e)[:200]}") from None
     if optimizer is not None and blob["optimizer"] is not None:
         optimizer.load_state_dict(blob["optimizer"])
     if scheduler is not None and blob["scheduler"] is not None:

@@ -159,3 +159,21 @@ def test_file_size_limit_in_checkpoint_is_a_checkpoint_error(tiny_model_dir, tmp
     assert latest_checkpoint(tmp_path).name == "step_000001"               # holds today already
     assert r.get("type") == "CheckpointError" and "step_000001" in r["error"], r
     assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+class _Payload:
+    """Stands for any object a pickle could rebuild (and run code while doing so)."""
+
+
+def test_optimizer_state_is_loaded_as_tensors_only(tiny_model_dir, tmp_path):
+    # torch.load(weights_only=True): a checkpoint whose optimizer.pt holds anything but tensors
+    # and plain values is refused, not unpickled. The RNG state is saved in such types.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    good = save_checkpoint(tmp_path, 1, model=model, state={"data_pos": 10})
+    assert load_checkpoint(good, model=model)["data_pos"] == 10
+    blob = torch.load(good / "optimizer.pt", weights_only=True)
+    torch.save({**blob, "extra": _Payload()}, good / "optimizer.pt")
+    with pytest.raises(CheckpointError, match="holds more than tensors and plain values"):
+        load_checkpoint(good, model=model)
