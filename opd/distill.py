@@ -150,7 +150,6 @@ def student_rows(model, packed: Packed, *, fused: bool):
     return (hidden_N_H, head.weight) if fused else form.post(head(hidden_N_H))
 
 
-
 def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:
     """Student logits [N, V] without grad from either form of `student_rows` (for diagnostics)."""
     if isinstance(rows, tuple):

@@ -480,7 +480,8 @@ class Trainer:
                     # Before an evaluation the look-ahead is sent after it: a full-vocabulary
                     # stream holds its tokens in the teacher's budget until the next step reads
                     # it, and the evaluation's request could meet BUSY for as long.
-                    if self.batches <= last_batch and not (i == accum - 1 and self._eval_due(self.step + 1)):
+                    if self.batches <= last_batch and not (i == accum - 1 and self._due(cfg.run.eval_every,
+                                                                                     self.step + 1)):
                         self._submit(self.pending)
                 sums["rollout_s"] += time.perf_counter() - t0
                 stale.append(self.version - batch.policy_version)
@@ -526,11 +527,11 @@ class Trainer:
                             **(per_domain if len(per_domain) > 1 else {}))
             # Evaluation first, so that a checkpoint holds it (the card's history after a resume);
             # it leaves the random state as it found it, so training does not depend on it.
-            if self._eval_due(self.step):
+            if self._due(cfg.run.eval_every, self.step):
                 self._evaluate()
                 if self.pending is not None and not self.pending.futures and self.batches <= last_batch:
                     self._submit(self.pending)
-            if (cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0) or self.step == cfg.run.steps:
+            if self._due(cfg.run.checkpoint_every, self.step):
                 self._checkpoint()
         bar.close()
         if self.launched.servers:  # the forked teachers are done (their clients first); the card keeps their WELCOMEs
@@ -588,8 +589,8 @@ class Trainer:
             print("warning:", msg, flush=True)
 
     # -- evaluation -------------------------------------------------------------------------
-    def _eval_due(self, step: int) -> bool:
-        every = self.cfg.run.eval_every
+    def _due(self, every: int, step: int) -> bool:
+        """Whether something done every `every` steps (0: never), and after the last, falls on `step`."""
         return bool(every and step % every == 0) or step == self.cfg.run.steps
 
     @torch.no_grad()

@@ -105,16 +105,16 @@ class TeacherServer:
             self.router.setsockopt(zmq.HEARTBEAT_IVL, int(limits.heartbeat_s * 1000))
             self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(limits.peer_timeout_s * 1000))
             if curve_secret_key is not None:
-                self.router.curve_server = True
-                self.router.curve_secretkey = curve_secret_key
-                self.router.curve_publickey = curve_public_key
-            self._bind(bind)
-            if curve_secret_key is not None:   # after the bind: a failed one leaves no handler behind
+                # The handler before the bind: without one, ZeroMQ admits any CURVE client.
                 from zmq.auth.thread import ThreadAuthenticator
 
                 self._auth = ThreadAuthenticator(self.ctx)
                 self._auth.start()
                 self._auth.configure_curve_callback("*", _AllowList(curve_allow or set()))
+                self.router.curve_server = True
+                self.router.curve_secretkey = curve_secret_key
+                self.router.curve_publickey = curve_public_key
+            self._bind(bind)   # a failed bind stops the handler again (below)
             self.address = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
             pipe = _PIPE.format(next(_PIPE_IDS))
             self.pipe = self.ctx.socket(zmq.PAIR)
