@@ -121,6 +121,39 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+# What `opd train` and `opd rl` write into their run directory; --overwrite removes these and
+# nothing else (a run directory may sit beside the user's own files).
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "plots", "model", "card.md", "card.json", "summary.json")
+
+
+def claim_run_dir(out: str | Path, *, resume: bool, overwrite: bool) -> None:
+    """Make sure a fresh run starts in a directory without an earlier run in it.
+
+    Without this a fresh run deleted the earlier run's metrics.jsonl, wrote its checkpoints
+    beside the earlier ones, and a crash before its first checkpoint left `--resume` to pick
+    up the earlier run with the new config. A resumed run keeps everything; a fresh run into a
+    used directory is refused unless `overwrite`, which removes the earlier run's outputs."""
+    if resume:
+        return
+    out = Path(out)
+    ckpt = latest_checkpoint(out / "checkpoints") if (out / "checkpoints").is_dir() else None
+    metrics = out / "metrics.jsonl"
+    found = ([f"checkpoint {ckpt.name}"] if ckpt else []) + \
+            (["metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size else []) + \
+            (["model/"] if (out / "model").is_dir() else [])
+    if not found:
+        return
+    if not overwrite:
+        raise CheckpointError(f"{out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
+                              f"--overwrite to delete it and start again, or choose another run.out_dir")
+    for name in RUN_OUTPUTS:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+
+
 def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
     """Load weights, optimizer, scheduler and RNG from `path`; return state.json's dict."""
     path = Path(path)

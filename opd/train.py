@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
                    help="continue from the latest checkpoint under run.out_dir (or the given checkpoint dir); "
                         "the first step after resuming has the loss the uninterrupted run had")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh even if run.out_dir holds an earlier run: delete its checkpoints, metrics, "
+                        "plots, card and model first (without it such a run is refused)")
     p.add_argument("--steps", type=int, default=None, help="override run.steps (e.g. to extend a finished run)")
     p.add_argument("--out-dir", type=Path, default=None, help="override run.out_dir")
     p.epilog = ("Config keys (YAML; unknown keys are refused with file:line; relative paths are relative "
@@ -34,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from opd.routing.router import RoutingError
     from opd.trainer import Trainer, TrainError
 
+    if args.resume and args.overwrite:
+        print("error: --resume continues the run in run.out_dir, --overwrite deletes it: pass one", file=sys.stderr)
+        return 2
     try:
         cfg = load_train_config(args.config)
     except ConfigError as e:
@@ -45,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
     try:
         result = Trainer(cfg, resume=args.resume, base_dir=Path(args.config).resolve().parent,
-                         fork_teachers=True).run()
+                         fork_teachers=True, overwrite=args.overwrite).run()
     except (TrainError, DataError, RoutingError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

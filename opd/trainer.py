@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from opd import distill
-from opd.checkpoint import (latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, save_final_model,
-                            set_rng_state)
+from opd.checkpoint import (claim_run_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint,
+                            save_final_model, set_rng_state)
 from opd.config import to_dict
 from opd.data import Cycler, Sample, encode_prompt, load_jsonl
 from opd.diagnostics import DomainTally, topk_overlap
@@ -131,8 +131,9 @@ def lr_lambda(optim, steps: int):
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: str | Path | bool | None = None, base_dir: str | Path = ".",
-                 fork_teachers: bool = False):
-        """fork_teachers: with cluster.mode fork, fork the teacher servers from this process (what
+                 fork_teachers: bool = False, overwrite: bool = False):
+        """overwrite: a fresh run may replace an earlier run in run.out_dir (else it is refused;
+        opd.checkpoint.claim_run_dir). fork_teachers: with cluster.mode fork, fork the teacher servers from this process (what
         `opd train` does, before it computes anything); False starts them as subprocesses, which
         a process that may already have run torch (a notebook, a test) needs: a forked child
         hangs in the OpenMP thread pool its parent used."""
@@ -141,6 +142,7 @@ class Trainer:
         self.launched = RunTeachers(self.out, fork=fork_teachers)   # what cluster.mode starts
         self.base_dir = Path(base_dir)
         self.resume = resume
+        self.overwrite = overwrite
         self.version = 0          # optimizer steps taken
         self.step = 0
         self.batches = 0          # batches drawn
@@ -155,6 +157,7 @@ class Trainer:
         from opd.fingerprint import model_fingerprint, tokenizer_fingerprint
 
         cfg = self.cfg
+        claim_run_dir(self.out, resume=bool(self.resume), overwrite=self.overwrite)
         self.specs = {t.name: t for t in cfg.merge.teachers}
         # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
         self.student_fp = tokenizer_fingerprint(load_tokenizer(cfg.student))

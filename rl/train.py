@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("config", help="RL config YAML (see configs/rl_math.yaml and the keys below)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN/checkpoints")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh even if run.out_dir holds an earlier run: delete its checkpoints, metrics, "
+                             "plots, card and model first (without it such a run is refused)")
     parser.add_argument("--steps", type=int, default=None, help="override run.steps")
     parser.add_argument("--out", "--out-dir", dest="out", default=None, help="override run.out_dir")
     parser.epilog = "config keys:\n" + describe(RLConfig)
@@ -51,14 +54,23 @@ def load_config(path: str, steps: int | None = None, out: str | None = None):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.resume and args.overwrite:
+        print("opd rl: --resume continues the run in run.out_dir, --overwrite deletes it: pass one", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, args.steps, args.out)
     except ConfigError as e:
         print(f"opd rl: {e}", file=sys.stderr)
         return 2
+    from opd.checkpoint import CheckpointError
     from opd.rl.trainer import GRPOTrainer
 
-    trainer = GRPOTrainer(cfg, config_dir=Path(args.config).resolve().parent, resume=args.resume)
+    try:
+        trainer = GRPOTrainer(cfg, config_dir=Path(args.config).resolve().parent, resume=args.resume,
+                              overwrite=args.overwrite)
+    except CheckpointError as e:
+        print(f"opd rl: {e}", file=sys.stderr)
+        return 1
     summary = trainer.train()
     print(json.dumps(summary, indent=1))
     print(f"run folder: {cfg.run.out_dir} (metrics.jsonl, plots/, card.md, model/)")

@@ -35,7 +35,8 @@ import torch
 from tqdm import tqdm
 
 from opd.card import write_card
-from opd.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final_model
+from opd.checkpoint import (CheckpointError, claim_run_dir, latest_checkpoint, load_checkpoint, save_checkpoint,
+                            save_final_model)
 from opd.config import to_dict
 from opd.data import Cycler, encode_prompt, load_jsonl
 from opd.lora import add_lora
@@ -136,10 +137,13 @@ def response_logits(model, batch: Batch) -> torch.Tensor:
 # ---- the trainer --------------------------------------------------------------------------
 
 class GRPOTrainer:
-    def __init__(self, cfg: RLConfig, *, config_dir: str | Path | None = None, resume: bool = False):
+    def __init__(self, cfg: RLConfig, *, config_dir: str | Path | None = None, resume: bool = False,
+                 overwrite: bool = False):
+        """overwrite: a fresh run may replace an earlier run in run.out_dir (else it is refused)."""
         self.cfg = cfg
         self.out = Path(cfg.run.out_dir)
         self.ckpt_dir = self.out / "checkpoints"
+        claim_run_dir(self.out, resume=resume, overwrite=overwrite)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tokenizer = load_policy(cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
@@ -163,7 +167,7 @@ class GRPOTrainer:
         if resume:
             ckpt = latest_checkpoint(self.ckpt_dir)
             if ckpt is None:
-                raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir}")
+                raise CheckpointError(f"--resume: no checkpoint under {self.ckpt_dir}")
             state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
             self.data.load_state(state["data"])
             self.start_step = int(state["step"])

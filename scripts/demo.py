@@ -204,7 +204,7 @@ class Demo:
                        lambda: self.cli(f"sft_{dom}", "sft", warm, echo=False))
             cfg = write_config(TEMPLATES / f"rl_{dom}.yaml", f"rl_{dom}", self.out, self.quick)
             self.stage(f"2_rl_{dom}", [cfg, self.keys[f"2_sft_{dom}"]], [self.out / f"rl_{dom}" / "model" / "config.json"],
-                       lambda: self.cli(f"rl_{dom}", "rl", cfg, echo=False))
+                       lambda: self.cli(f"rl_{dom}", "rl", cfg, "--overwrite", echo=False))
 
         t0 = time.time()
         pool = ThreadPoolExecutor(max_workers=len(DOMAINS))

@@ -177,3 +177,28 @@ def test_optimizer_state_is_loaded_as_tensors_only(tiny_model_dir, tmp_path):
     torch.save({**blob, "extra": _Payload()}, good / "optimizer.pt")
     with pytest.raises(CheckpointError, match="holds more than tensors and plain values"):
         load_checkpoint(good, model=model)
+
+
+def test_a_fresh_run_into_a_used_run_dir_is_refused_or_replaces_it(tiny_model_dir, tmp_path):
+    # Before claim_run_dir a fresh run deleted the earlier run's metrics and left its
+    # checkpoints, which a later --resume then picked up under the new config.
+    from transformers import AutoModelForCausalLM
+
+    from opd.checkpoint import claim_run_dir
+
+    run = tmp_path / "run"
+    claim_run_dir(run, resume=False, overwrite=False)           # nothing there yet: fine
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    save_checkpoint(run / "checkpoints", 7, model=model)
+    (run / "metrics.jsonl").write_text('{"step": 7}\n')
+    (run / "plots").mkdir()
+    (run / "notes.txt").write_text("the user's own file")
+    with pytest.raises(CheckpointError, match=r"holds a run \(checkpoint step_000007, metrics.jsonl\).*--resume"):
+        claim_run_dir(run, resume=False, overwrite=False)
+    assert latest_checkpoint(run / "checkpoints").name == "step_000007"   # refused: nothing touched
+    assert (run / "metrics.jsonl").read_text() == '{"step": 7}\n'
+    claim_run_dir(run, resume=True, overwrite=False)             # a resume keeps it all
+    assert latest_checkpoint(run / "checkpoints").name == "step_000007"
+    claim_run_dir(run, resume=False, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+    claim_run_dir(run, resume=False, overwrite=False)            # now a fresh run may start

@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from opd.checkpoint import latest_checkpoint
 from opd.config import from_dict
 from opd.data import write_jsonl
 from opd.metrics import read_metrics
@@ -323,8 +324,17 @@ def test_cli_runs_a_yaml_config_with_relative_paths_and_resumes(setup, tmp_path,
     assert main(["train", str(tmp_path / "run.yaml"), "--resume", "--steps", "2"]) == 0
     steps = [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert steps == [1, 2]
-    (tmp_path / "dead.yaml").write_text((tmp_path / "run.yaml").read_text().replace(setup["address"],
-                                                                                  "tcp://127.0.0.1:9"))
+    # Forgetting --resume is refused before anything starts, and the run stays as it was.
+    capsys.readouterr()
+    assert main(["train", str(tmp_path / "run.yaml")]) == 1
+    assert "already holds a run (checkpoint step_000002, metrics.jsonl, model/)" in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r] == [1, 2]
+    assert main(["train", str(tmp_path / "run.yaml"), "--resume", "--overwrite"]) == 2
+    assert main(["train", str(tmp_path / "run.yaml"), "--overwrite"]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl") if "loss" in r] == [1]
+    assert latest_checkpoint(tmp_path / "out" / "checkpoints").name == "step_000001"
+    (tmp_path / "dead.yaml").write_text((tmp_path / "run.yaml").read_text()
+                                      .replace(setup["address"], "tcp://127.0.0.1:9").replace("out_dir: out", "out_dir: dead"))
     capsys.readouterr()
     assert main(["train", str(tmp_path / "dead.yaml")]) == 1
     assert "unreachable" in capsys.readouterr().err
