@@ -61,3 +61,17 @@ def test_bad_config_is_refused_with_file_and_line(tmp_path, capsys):
     bad.write_text("model: {path: m}\ndata: {train: t}\nrewards: [{name: python}]\n")
     assert main(["rl", str(bad)]) == 2
     assert "FILE.py:function" in capsys.readouterr().err
+
+
+def test_a_fresh_run_into_a_used_run_dir_is_refused_before_loading(tmp_path, capsys):
+    # The model path does not exist: the refusal comes before anything loads.
+    from opd.cli import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 3}\n')
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text("model: {path: m}\ndata: {train: t}\nrun: {out_dir: run}\n")
+    assert main(["rl", str(cfg)]) == 1
+    assert "already holds a run (metrics.jsonl); pass --resume" in capsys.readouterr().err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 3}\n'
+    assert main(["rl", str(cfg), "--resume", "--overwrite"]) == 2
