@@ -74,3 +74,29 @@ def test_a_full_stream_that_fails_everywhere_gives_up_after_max_attempts(teacher
             list(pool.score_full([[5] * 20], [1], chunk_rows=8))
         assert len(calls) == 4                      # the first send and 3 more
         assert all(s["alive"] and s["inflight_tokens"] == 0 for s in pool.replica_stats())
+
+
+def test_a_request_uses_the_client_it_acquired_when_a_probe_takes_it_away(teacher, monkeypatch):
+    # A probe sets `rep.client = None` under the pool's lock at any moment (and a new client
+    # later); a request that read `rep.client` again after choosing its replica met None there.
+    seq = [(5 * j) % 200 + 3 for j in range(20)]
+    with serving_in_thread(teacher) as server, ReplicaPool([server.address], timeout_s=20) as pool:
+        acquire, taken = pool._acquire, []
+
+        def probe_strikes(tokens, tried):
+            rep, client = acquire(tokens, tried)
+            with pool._lock:
+                rep.client = None
+            taken.append((rep, client))
+            return rep, client
+
+        def probe_done():
+            rep, client = taken.pop()
+            rep.client = client
+
+        monkeypatch.setattr(pool, "_acquire", probe_strikes)
+        assert pool.score_topk([seq], [1], k=4).ids.shape == (19, 4)
+        probe_done()
+        stream = pool.score_full([seq], [1], chunk_rows=8, window=1)
+        probe_done()
+        assert sum(c.logits.shape[0] for c in stream) == 19 and not taken

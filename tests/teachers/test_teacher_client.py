@@ -207,6 +207,23 @@ def test_curve_servers_share_a_process_and_a_failed_bind_leaves_nothing_running(
                     assert client.score_topk(SEQS, STARTS, k=4).ids.shape == (6, 4)
 
 
+def test_curve_handler_runs_before_the_port_opens(teacher, monkeypatch):
+    # Between a bind and the handler's start, ZeroMQ admits any CURVE client: the handler
+    # must already run when the listening socket binds.
+    from opd.teachers.server import TeacherServer
+
+    bind, at_bind = TeacherServer._bind, []
+
+    def spy(self, address, *args, **kwargs):
+        at_bind.append(self._auth is not None and self._auth.is_alive())
+        return bind(self, address, *args, **kwargs)
+
+    monkeypatch.setattr(TeacherServer, "_bind", spy)
+    pub, sec = zmq.curve_keypair()
+    with running(teacher, curve_secret_key=sec, curve_public_key=pub, curve_allow=set()):
+        assert at_bind == [True]
+
+
 def test_a_request_far_over_the_limit_gets_too_long_not_a_dropped_connection(teacher):
     # Frames up to 64 MiB are read and validated; before, a frame over 8 bytes per allowed token
     # made ZeroMQ drop the connection, and the sender waited for its timeout.
