@@ -79,6 +79,23 @@ def test_two_workers_match_one_process_and_a_dead_worker_stops_the_job(ray_clust
         torch.testing.assert_close(p.detach(), want[n], rtol=1e-5, atol=1e-6)
 
 
+def test_a_failed_rendezvous_frees_the_workers_and_their_placement_group(ray_cluster, tiny_model_dir):
+    # Both ranks raise in init_process_group (a RayTaskError, not a death): the group's CPUs
+    # must come back, or every later attempt in this job waits for them.
+    import time
+
+    spec = StudentWorkers(num_workers=2, num_cpus_per_worker=0.5, backend="no-such-backend")
+    with pytest.raises(ray_cluster.exceptions.RayTaskError, match="no-such-backend"):
+        DataParallelGroup.start(tiny_model_dir, spec)
+    deadline = time.monotonic() + 20
+    while True:
+        live = [g["state"] for g in ray_cluster.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        if not live or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert live == []
+
+
 def test_an_error_in_one_worker_stops_the_others_and_a_death_behind_it_is_named(monkeypatch):
     # Without Ray running: ray.wait/ray.get stand in for two workers' step results. A worker
     # that raises (out of memory, gloo's 'connection closed by peer') must stop the group, or
