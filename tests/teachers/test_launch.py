@@ -143,3 +143,14 @@ def test_a_subprocess_server_keeps_the_callers_options_and_a_name_with_spaces(ti
         assert any("name='math teacher'" in line for line in server.output)
     finally:
         assert server.stop() == 0
+
+
+def test_stop_outwaits_the_servers_drain():
+    # stop() sends SIGTERM, then SIGKILL after its timeout: shorter than the server's drain
+    # and a server still finishing in-flight answers is killed mid-answer.
+    import inspect
+
+    from opd.teachers.launch import ServerProcess
+    from opd.teachers.server import ServerLimits
+
+    assert inspect.signature(ServerProcess.stop).parameters["timeout_s"].default > ServerLimits().drain_timeout_s
