@@ -132,9 +132,10 @@ def lr_lambda(optim, steps: int):
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: str | Path | bool | None = None, base_dir: str | Path = ".",
                  fork_teachers: bool = False, overwrite: bool = False):
-        """overwrite: a fresh run may replace an earlier run in run.out_dir (else it is refused;
-        opd.checkpoint.claim_run_dir). fork_teachers: with cluster.mode fork, fork the teacher servers from this process (what
-        `opd train` does, before it computes anything); False starts them as subprocesses, which
+        """overwrite: a fresh run may replace an earlier run in run.out_dir (else it is
+        refused; opd.checkpoint.claim_run_dir). fork_teachers: with cluster.mode fork, fork the
+        teacher servers from this process (what `opd train` does, before it computes
+        anything); False starts them as subprocesses, which
         a process that may already have run torch (a notebook, a test) needs: a forked child
         hangs in the OpenMP thread pool its parent used."""
         self.cfg = cfg
@@ -261,6 +262,12 @@ class Trainer:
         if ckpt is None:
             raise TrainError(f"--resume: no complete checkpoint under {self.out / 'checkpoints'}")
         state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        # The optimizer comes back with the rate the checkpointed run's schedule set for its
+        # next step. With another run.steps (`--resume --steps N`) the schedule is another one:
+        # its rate at this step, or a finished cosine run's extension starts at lr 0.
+        at = lr_lambda(self.cfg.optim, self.cfg.run.steps)(self.scheduler.last_epoch)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * at
         self.step = self.version = state["step"]
         self.batches = state["batches"]
         self.sampler.load_state(state["sampler"])

@@ -308,6 +308,20 @@ def test_probe_measures_student_teacher_gap(setup, capsys):
     assert json.loads(out.read_text())["k"] == 8
 
 
+def test_a_run_extended_with_resume_follows_the_new_schedule_from_its_first_new_step(setup):
+    # A finished 2-step cosine run ends at lr 0; extended to 4 steps its step 3 must take the
+    # 4-step schedule's rate, as steps 4 and on do (it took the old schedule's 0 before).
+    import math
+
+    cfg = _cfg(setup, "extend_cosine", lr=1e-2, steps=2, **{"optim.schedule": "cosine"})
+    Trainer(cfg).run()
+    Trainer(replace(cfg, run=replace(cfg.run, steps=4)), resume=True).run()
+    lrs = {r["step"]: r["lr"] for r in read_metrics(setup["root"] / "extend_cosine" / "metrics.jsonl") if "loss" in r}
+    cosine4 = [1e-2 * 0.5 * (1 + math.cos(math.pi * s / 4)) for s in range(4)]
+    assert [lrs[s] for s in (1, 2)] == pytest.approx([1e-2, 1e-2 * 0.5 * (1 + math.cos(math.pi / 2))])
+    assert [lrs[s] for s in (3, 4)] == pytest.approx(cosine4[2:])
+
+
 def test_cli_runs_a_yaml_config_with_relative_paths_and_resumes(setup, tmp_path, capsys):
     from opd.cli import main
 
