@@ -684,7 +684,9 @@ class Trainer:
                  "sft": self.sft.state() if self.sft is not None else None,
                  "normalizer": self.normalizer.state(), "multipliers": self.multipliers,
                  "staleness": self.staleness, "teacher_samples": self.teacher_samples,
-                 "tail_mass": self.tail_mass, "evals": self.evals, "warnings": self.warnings,
+                 "tail_mass": self.tail_mass, "evals": self.evals,
+                 # the watchdog's restarts too: after a resume they are history the card keeps
+                 "warnings": self.warnings + self.launched.events,
                  "pending": self.pending.to_state() if self.pending is not None else None,
                  "config": to_dict(self.cfg)}
         return save_checkpoint(self.out / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,

@@ -152,6 +152,7 @@ def test_fork_mode_restarts_its_teacher_when_it_dies(world):
     assert tr.launched.restarts == {"t": 1} and tr.launched.servers == {}  # restarted once; stopped at the end
     said = f"teacher 't' (pid {events['pid']}) exited with -9; restarted at {events['address']} as pid "
     assert said in tr.launched.events[0] and said in (out / "card.json").read_text()
+    assert any(said in w for w in load_state(out)["warnings"])   # a resumed run's card keeps it
 
 
 def test_teacher_replaced_by_another_model_stops_the_run(world, tiny_teacher_dir):
