@@ -222,7 +222,17 @@ class Trainer:
     def _make_router(self) -> None:
         from opd.routing.router import Router
 
-        self.router = Router(self.cfg.merge.routing, self.cfg.merge.teachers, self.base_dir)
+        merge = self.cfg.merge
+        # A misspelt domain in these maps would silently weigh nothing: name the run's domains.
+        known = ({d.domain for d in merge.datasets} | {r.domain for r in merge.routing.rules if r.domain}
+                 | {s.domain for v in (*self.datasets.values(), *self.eval_sets.values()) for s in v if s.domain}
+                 | {d for t in merge.teachers for d in t.domains} | {t.name for t in merge.teachers})
+        for key, mapping in (("merge.domain_weights", merge.domain_weights),
+                             ("merge.routing.pass_rates", merge.routing.pass_rates)):
+            unknown = sorted(set(mapping) - known)
+            if unknown:
+                raise TrainError(f"{key}: {unknown} is not a domain of this run (its domains: {sorted(known)})")
+        self.router = Router(merge.routing, merge.teachers, self.base_dir)
         # Held-out prompts: round-robin over domains, routed once here rather than at every evaluation.
         pools = [list(v) for v in self.eval_sets.values()]
         picked: list[Sample] = []

@@ -35,6 +35,11 @@ class TeacherSpec:
     weight: float = field(1.0, help="loss weight lambda of this teacher's samples", min=0.0)
     curve_server_key: str | None = field(None, help="server public key file when the teacher uses CURVE")
 
+    def __post_init__(self):
+        if not self.address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"teacher {self.name!r}: address {self.address!r} needs its transport, "
+                             f"e.g. tcp://127.0.0.1:5555 or ipc:///tmp/teacher.sock")
+
 
 @dataclass(frozen=True)
 class RuleSpec:
@@ -98,6 +103,20 @@ class MergeConfig:
         for r in self.routing.rules:
             if r.teacher is not None and r.teacher not in names:
                 raise ValueError(f"rule {r.kind!r} names teacher {r.teacher!r}, which is not among {names}")
+        for domain, rates in self.routing.pass_rates.items():
+            unknown = [t for t in rates if t not in names]
+            if unknown:
+                raise ValueError(f"routing.pass_rates[{domain!r}] names {unknown}, which are not among {names}")
+        domains = [d.domain for d in self.datasets]
+        if not domains:
+            raise ValueError("datasets: at least one prompt set is required")
+        if len(set(domains)) != len(domains):
+            # The sampler draws per domain with one ratio each: a second set of a domain would
+            # silently replace the first one's ratio.
+            raise ValueError(f"datasets: one prompt set per domain (put a domain's prompts in one file, or give "
+                             f"each set its own domain), got {domains}")
+        if not any(d.ratio > 0 for d in self.datasets):
+            raise ValueError("datasets: every ratio is 0; at least one prompt set must be drawn from")
 
     def teacher(self, name: str) -> TeacherSpec:
         return next(t for t in self.teachers if t.name == name)

@@ -140,6 +140,13 @@ class TeacherClient:
         self._fatal: TeacherError | None = None
         self._closed = False
         self.reconnects = 0
+        try:   # here, not on the I/O thread, where a malformed address left every call waiting
+            self._connect()
+        except zmq.ZMQError as e:
+            self._wake_r.close()
+            self._wake_w.close()
+            raise TeacherError("BAD_ADDRESS", f"cannot connect to {address!r} ({e}); a teacher address "
+                                              f"looks like tcp://HOST:PORT or ipc:///PATH") from None
         self._thread = threading.Thread(target=self._io_loop, name=f"teacher-client-{address}", daemon=True)
         self._thread.start()
 
@@ -278,7 +285,6 @@ class TeacherClient:
     def _io_loop(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
-        self._connect()
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._sock, zmq.POLLIN)

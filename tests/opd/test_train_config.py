@@ -87,6 +87,26 @@ def test_bad_config_names_file_line_and_key(tmp_path):
         load_train_config(p)
 
 
+@pytest.mark.parametrize("merge,error", [
+    ("  teachers: [{name: a, address: '127.0.0.1:5555'}]\n  datasets: [{domain: d, path: p.jsonl}]\n",
+     r"bad.yaml:4: .*address '127.0.0.1:5555' needs its transport"),
+    ("  teachers: [{name: a, address: 'tcp://x:1'}]\n  datasets: []\n", "at least one prompt set"),
+    ("  teachers: [{name: a, address: 'tcp://x:1'}]\n  datasets: [{domain: d, path: p.jsonl, ratio: 0}]\n",
+     "every ratio is 0"),
+    # Each set's ratio went into one dict per domain: the first math set's 0.8 was dropped.
+    ("  teachers: [{name: a, address: 'tcp://x:1'}]\n  datasets: [{domain: math, path: a.jsonl, ratio: 0.8}, "
+     "{domain: code, path: b.jsonl, ratio: 0.2}, {domain: math, path: c.jsonl, ratio: 0.0}]\n",
+     r"one prompt set per domain .*\['math', 'code', 'math'\]"),
+    ("  teachers: [{name: a, address: 'tcp://x:1'}]\n  datasets: [{domain: d, path: p.jsonl}]\n"
+     "  routing: {weighting: pass_rate, pass_rates: {d: {b: 0.5}}}\n", r"pass_rates\['d'\] names \['b'\]"),
+])
+def test_merge_mistakes_that_used_to_pass_silently_are_refused(tmp_path, merge, error):
+    p = tmp_path / "bad.yaml"
+    p.write_text("student:\n  path: s\nmerge:\n" + merge)
+    with pytest.raises(ConfigError, match=error):
+        load_train_config(p)
+
+
 def test_cli_reports_config_error(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("student:\n  path: s\n  colour: red\n")

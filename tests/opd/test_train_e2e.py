@@ -322,6 +322,15 @@ def test_a_run_extended_with_resume_follows_the_new_schedule_from_its_first_new_
     assert [lrs[s] for s in (3, 4)] == pytest.approx(cosine4[2:])
 
 
+def test_a_misspelt_domain_in_domain_weights_is_refused(setup):
+    # `.get(domain, 1.0)` made {mathh: 5} weigh nothing, while the card printed it as applied.
+    cfg = _cfg(setup, "weights_typo", steps=1, **{"merge.domain_weights": {"gen": 2.0, "mathh": 5.0}})
+    with pytest.raises(TrainError, match=r"merge.domain_weights: \['mathh'\] is not a domain of this run "
+                                         r"\(its domains: \['gen', 't'\]\)"):
+        Trainer(cfg).run()
+    assert not (setup["root"] / "weights_typo" / "metrics.jsonl").exists()
+
+
 def test_cli_runs_a_yaml_config_with_relative_paths_and_resumes(setup, tmp_path, capsys):
     from opd.cli import main
 

@@ -451,3 +451,11 @@ def test_a_split_batch_stops_sending_after_a_part_fails(teacher, monkeypatch):
             time.sleep(0.5)   # answers to parts still in flight come back: nothing more goes out
             n = len(computed)   # 5 before: every part but the bad one
             assert server.stats["BAD_TOKEN"] == 1 and n <= 2, n
+
+
+def test_a_malformed_address_is_an_error_at_once_not_a_hang():
+    # The I/O thread used to connect, die with the ZMQError, and leave every call waiting forever.
+    t0 = time.monotonic()
+    with pytest.raises(TeacherError, match=r"BAD_ADDRESS: cannot connect to '127.0.0.1:5711' .*tcp://HOST:PORT"):
+        TeacherClient("127.0.0.1:5711", timeout_s=2)
+    assert time.monotonic() - t0 < 1
