@@ -199,6 +199,20 @@ def describe(cls: type, indent: str = "") -> str:
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    """argparse type of counts given on the command line (--steps, --max-k, ...): a value
+    given there skips the config's range checks, so 0 or -3 would be taken as is."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def near(base: str | Path, p: str | None) -> str | None:
     """A path as written in a config file: `~` expanded, relative paths taken relative to the
     file's folder `base`, absolute ones kept (so resolving twice changes nothing)."""

@@ -27,14 +27,16 @@ from pathlib import Path
 
 import torch
 
+from opd.config import positive_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--student", required=True, type=Path, help="student model directory")
     p.add_argument("--teacher", required=True, help="teacher server address, e.g. tcp://127.0.0.1:5601")
     p.add_argument("--prompts", required=True, type=Path, help="JSONL prompts (field `prompt`)")
-    p.add_argument("--num-prompts", type=int, default=16, help="prompts used (the first N)")
-    p.add_argument("--k", type=int, default=16, help="top-k of overlap and tail mass")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="length limit of the student's responses")
+    p.add_argument("--num-prompts", type=positive_int, default=16, help="prompts used (the first N)")
+    p.add_argument("--k", type=positive_int, default=16, help="top-k of overlap and tail mass")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="length limit of the student's responses")
     p.add_argument("--temperature", type=float, default=1.0, help="student sampling temperature")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="cpu", help="device of the student")
@@ -115,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
     from opd.data import DataError, load_jsonl
     from opd.teachers.client import TeacherError
 
+    if args.temperature < 0:
+        print(f"error: --temperature must be >= 0 (0: greedy), got {args.temperature}", file=sys.stderr)
+        return 2
     try:
         samples, _ = load_jsonl(args.prompts)
         report = probe(args.student, args.teacher, [s.prompt for s in samples[:args.num_prompts]], k=args.k,

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from opd.config import ConfigError, describe
+from opd.config import ConfigError, describe, positive_int
 from opd.train_config import TrainConfig, load_train_config
 
 
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh even if run.out_dir holds an earlier run: delete its checkpoints, metrics, "
                         "plots, card and model first (without it such a run is refused)")
-    p.add_argument("--steps", type=int, default=None, help="override run.steps (e.g. to extend a finished run)")
+    p.add_argument("--steps", type=positive_int, default=None, help="override run.steps (e.g. to extend a finished run)")
     p.add_argument("--out-dir", type=Path, default=None, help="override run.out_dir")
     p.epilog = ("Config keys (YAML; unknown keys are refused with file:line; relative paths are relative "
                 "to the config file):\n\n" + describe(TrainConfig, "  "))

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from opd.config import ConfigError, describe, load_yaml, near
+from opd.config import ConfigError, describe, load_yaml, near, positive_int
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh even if run.out_dir holds an earlier run: delete its checkpoints, metrics, "
                              "plots, card and model first (without it such a run is refused)")
-    parser.add_argument("--steps", type=int, default=None, help="override run.steps")
+    parser.add_argument("--steps", type=positive_int, default=None, help="override run.steps")
     parser.add_argument("--out", "--out-dir", dest="out", default=None, help="override run.out_dir")
     parser.epilog = "config keys:\n" + describe(RLConfig)
     parser.formatter_class = HelpFormatter

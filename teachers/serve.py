@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from opd.config import positive_int
+
 READY = "opd-teacher ready"
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
@@ -31,14 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default="tcp://127.0.0.1:5555",
                    help="ZeroMQ address to bind; port * picks a free port (the startup line prints it)")
     p.add_argument("--name", default=None, help="teacher name reported in WELCOME; None: the model directory name")
-    p.add_argument("--max-k", type=int, default=64, help="largest k a top-k request may ask for")
+    p.add_argument("--max-k", type=positive_int, default=64, help="largest k a top-k request may ask for")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model weights dtype")
     p.add_argument("--max-positions", type=int, default=None, help="longest sequence accepted; None: the model's max_position_embeddings")
-    p.add_argument("--max-tokens-per-request", type=int, default=32768, help="larger SCORE requests get TOO_LONG")
-    p.add_argument("--max-inflight-tokens", type=int, default=131072,
+    p.add_argument("--max-tokens-per-request", type=positive_int, default=32768, help="larger SCORE requests get TOO_LONG")
+    p.add_argument("--max-inflight-tokens", type=positive_int, default=131072,
                    help="accepted, unfinished tokens; past this a request gets BUSY (retryable)")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="top-k requests grouped into one forward pass")
+    p.add_argument("--batch-tokens", type=positive_int, default=16384, help="top-k requests grouped into one forward pass")
     p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval clients are told to use")
     p.add_argument("--peer-timeout-s", type=float, default=10.0, help="a client silent this long loses its requests in flight (CANCELLED)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads; None: torch's choice")

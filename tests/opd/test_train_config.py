@@ -113,3 +113,15 @@ def test_cli_reports_config_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "opd.cli", "train", str(p)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2
     assert "bad.yaml:3: unknown key 'student.colour'" in r.stderr
+
+
+def test_counts_given_on_the_command_line_are_checked_like_the_configs(capsys):
+    # An override skips the config's range checks: `--steps -3` ran 0 steps and wrote an
+    # untrained model/ and card, exit 0.
+    from opd.cli import main
+
+    for cmd in (["train", "x.yaml", "--steps", "-3"], ["rl", "x.yaml", "--steps", "0"],
+                ["serve-teacher", "--model", "m", "--max-k", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        assert e.value.code == 2 and "must be at least 1, got" in capsys.readouterr().err, cmd
