@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -52,7 +53,33 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        resume = " (--resume continues from its last checkpoint)" if args.command in ("train", "rl") else ""
+        print(f"opd {args.command}: interrupted{resume}", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("OPD_TRACEBACK") or not _user_error(e):
+            raise
+        print(f"opd {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+# A user's mistake (a config value, a missing file, an unreachable teacher): the message says
+# what and where, so it is printed as one line. Anything else is a bug and keeps its traceback;
+# OPD_TRACEBACK=1 shows the traceback of these too.
+_FILE_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)
+_USER_ERRORS = {"opd.config": "ConfigError", "opd.data": "DataError", "opd.checkpoint": "CheckpointError",
+                "opd.train_teachers": "TrainError", "opd.routing.router": "RoutingError",
+                "opd.routing.checks": "TeacherCheckError", "opd.teachers.client": "TeacherError",
+                "opd.fingerprint": "ModelDirError"}
+
+
+def _user_error(e: BaseException) -> bool:
+    # Only modules already imported can have raised their errors: nothing is imported here.
+    return isinstance(e, _FILE_ERRORS) or any(
+        isinstance(e, getattr(sys.modules[m], name)) for m, name in _USER_ERRORS.items() if m in sys.modules)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,39 @@
+"""opd.cli: a user's mistake is one line on stderr; a bug keeps its traceback; Ctrl-C is a line too."""
+
+from __future__ import annotations
+
+import pytest
+
+from opd.cli import main
+
+
+def test_a_users_mistake_is_one_line_not_a_traceback(tmp_path, capsys):
+    # Each of these printed a traceback before (ConfigError, FileExistsError escaped run()).
+    assert main(["route", "explain", "--config", str(tmp_path / "missing.yaml"), "--data", "x.jsonl"]) == 1
+    assert capsys.readouterr().err == f"opd route: error: {tmp_path / 'missing.yaml'}: config file not found\n"
+    assert main(["keys", "generate", "--out", str(tmp_path), "--name", "a"]) == 0
+    capsys.readouterr()
+    assert main(["keys", "generate", "--out", str(tmp_path), "--name", "a"]) == 1
+    assert capsys.readouterr().err.startswith("opd keys: error: ")
+
+
+def test_a_bug_keeps_its_traceback_and_ctrl_c_is_a_line(monkeypatch, capsys):
+    import opd.routing.cli
+
+    def bug(args):
+        raise KeyError("an internal mistake")
+
+    monkeypatch.setattr(opd.routing.cli, "run", bug)
+    with pytest.raises(KeyError, match="an internal mistake"):
+        main(["route", "explain", "--config", "c.yaml", "--data", "x.jsonl"])
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(opd.routing.cli, "run", interrupted)
+    assert main(["route", "explain", "--config", "c.yaml", "--data", "x.jsonl"]) == 130
+    assert capsys.readouterr().err == "opd route: interrupted\n"
+    monkeypatch.setenv("OPD_TRACEBACK", "1")
+    monkeypatch.setattr(opd.routing.cli, "run", lambda args: open("/no/such/file"))
+    with pytest.raises(FileNotFoundError):
+        main(["route", "explain", "--config", "c.yaml", "--data", "x.jsonl"])
