@@ -7,11 +7,13 @@ values of each function (logged separately, so a user sees which one moves).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from opd.rl.rewards.code import code_reward_batch
+from opd.config import ConfigError
+from opd.rl.rewards.code import code_reward_batch, limits_from
 from opd.rl.rewards.math import math_reward
 from opd.rl.rewards.shaping import format_reward, length_penalty
 from opd.rl.rewards.user import load_user_reward
@@ -20,6 +22,14 @@ BatchFn = Callable[[list, list[str]], list[float]]
 
 
 def _per_item(fn: Callable, options: dict) -> BatchFn:
+    """fn(sample, response, **options) per item; options it does not take are refused here, at
+    start-up, rather than at the first step's rewards (or, for **kwargs, never)."""
+    try:
+        inspect.signature(fn).bind(None, "", **options)
+    except TypeError:
+        params = list(inspect.signature(fn).parameters)[2:]
+        raise ValueError(f"reward {getattr(fn, '__name__', fn)!r}: options {sorted(options)} do not fit; "
+                         f"it takes {params or 'none'}") from None
     return lambda samples, responses: [float(fn(s, r, **options)) for s, r in zip(samples, responses)]
 
 
@@ -40,25 +50,32 @@ class CombinedReward:
         return {label: weight for label, weight, _ in self.parts}
 
 
+def _reward_fn(spec, base_dir) -> BatchFn:
+    opts = dict(spec.options)
+    if spec.name == "math":
+        return _per_item(math_reward, opts)
+    if spec.name == "code":
+        limits_from(opts)   # unknown options refused now, not at the first step
+        return lambda samples, responses, o=opts: code_reward_batch(samples, responses, **o)
+    if spec.name == "format":
+        return _per_item(format_reward, opts)
+    if spec.name == "length":
+        return _per_item(length_penalty, opts)
+    if spec.name == "python":
+        path = spec.path
+        user_fn = load_user_reward(path, None if Path(path.rsplit(":", 1)[0]).is_file() else base_dir)
+        return _per_item(user_fn, opts)
+    raise ValueError(f"unknown reward {spec.name!r}")
+
+
 def build_reward(specs, base_dir: str | Path | None = None) -> CombinedReward:
     """specs: RewardConfig items (name, weight, options, path)."""
     parts = []
-    for spec in specs:
-        opts = dict(spec.options)
-        if spec.name == "math":
-            fn = _per_item(math_reward, opts)
-        elif spec.name == "code":
-            fn = lambda samples, responses, o=opts: code_reward_batch(samples, responses, **o)  # noqa: E731
-        elif spec.name == "format":
-            fn = _per_item(format_reward, opts)
-        elif spec.name == "length":
-            fn = _per_item(length_penalty, opts)
-        elif spec.name == "python":
-            path = spec.path
-            user_fn = load_user_reward(path, None if Path(path.rsplit(":", 1)[0]).is_file() else base_dir)
-            fn = _per_item(user_fn, opts)
-        else:
-            raise ValueError(f"unknown reward {spec.name!r}")
+    for i, spec in enumerate(specs):
+        try:
+            fn = _reward_fn(spec, base_dir)
+        except ValueError as e:   # options that do not fit: a config mistake, said at start-up
+            raise ConfigError(f"rewards[{i}] ({spec.name}): {e}") from None
         label = spec.name if spec.name != "python" else f"python:{spec.path.rsplit(':', 1)[-1]}"
         if label in {p[0] for p in parts}:
             label = f"{label}#{len(parts)}"

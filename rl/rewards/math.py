@@ -85,7 +85,7 @@ def answers_match(predicted: str | None, reference: str, rel_tol: float = 1e-6) 
     return abs(a - b) <= rel_tol * max(1, abs(b))
 
 
-def math_reward(sample, response: str, **_options) -> float:
+def math_reward(sample, response: str) -> float:
     """1.0 when the extracted answer matches `sample.answer`, else 0.0 (also without one)."""
     if sample.answer is None:
         return 0.0

@@ -93,3 +93,16 @@ def test_shipped_configs_load_and_paths_are_relative_to_the_config():
     v = resolve_paths(load_yaml(root / "validate_demo.yaml", ValidateConfig), root)
     assert {m.role for m in v.models} >= {"teacher", "student"}
     assert all(Path(s.path).is_absolute() for s in v.sets)
+
+
+@pytest.mark.parametrize("name,options,error", [
+    ("math", {"tolerance": 0.1}, r"rewards\[0\] \(math\): reward 'math_reward': options \['tolerance'\] do not fit; "
+                                 r"it takes none"),       # was ignored: math_reward took **_options
+    ("format", {"patern": "x"}, r"options \['patern'\] do not fit; it takes \['pattern'\]"),   # was step 1's TypeError
+    ("code", {"timeout": 3}, r"unknown code reward option\(s\) \['timeout'\]"),
+])
+def test_reward_options_that_do_not_fit_are_refused_at_start_up(name, options, error):
+    from opd.config import ConfigError
+
+    with pytest.raises(ConfigError, match=error):
+        build_reward([RewardConfig(name=name, options=options)])
