@@ -35,10 +35,38 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def tokenizer_fingerprint_of_dir(model_dir: str | Path) -> str:
+class ModelDirError(ValueError):
+    """A model directory that is missing, is no model, or has no tokenizer."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def load_model_tokenizer(model_dir: str | Path, what: str = "model"):
+    """The tokenizer of a local model (or peft adapter) directory, refusing what is not one.
+
+    Without tokenizer files, transformers returns a tokenizer whose whole vocabulary is one
+    special token: every prompt encodes to nothing, and two such directories even share a
+    fingerprint. A missing path reads as a Hub repo id and fails with the Hub's message."""
     from transformers import AutoTokenizer
 
-    return tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(model_dir)))
+    p = Path(model_dir)
+    if not p.is_dir():
+        raise ModelDirError(f"{what} {model_dir}: " + ("is a file, not a model directory" if p.exists()
+                                                     else "no such directory"))
+    if not ((p / "config.json").is_file() or (p / "adapter_config.json").is_file()):
+        raise ModelDirError(f"{what} {model_dir}: no config.json, not a transformers model directory")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelDirError(f"{what} {model_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
+                            f"tokenizer beside the model (tokenizer.save_pretrained(DIR))")
+    tokenizer = AutoTokenizer.from_pretrained(str(p))
+    if len(tokenizer) < 2:
+        raise ModelDirError(f"{what} {model_dir}: its tokenizer has {len(tokenizer)} token(s)")
+    return tokenizer
+
+
+def tokenizer_fingerprint_of_dir(model_dir: str | Path) -> str:
+    return tokenizer_fingerprint(load_model_tokenizer(model_dir, "teacher model"))
 
 
 def _hash_file(h: "hashlib._Hash", path: Path, full: bool) -> None:

@@ -60,18 +60,18 @@ def verdict(overlap: float, tail_mass: float, k: int) -> str:
 
 def probe(student_dir: str | Path, teacher: str, prompts: list[str], *, k: int = 16, max_new_tokens: int = 64,
           temperature: float = 1.0, seed: int = 0, device: str = "cpu", timeout_s: float = 30.0) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from opd.data import encode_prompt
     from opd.diagnostics import topk_overlap
     from opd.distill import pack, student_rows
-    from opd.fingerprint import tokenizer_fingerprint
+    from opd.fingerprint import load_model_tokenizer, tokenizer_fingerprint
     from opd.kernels import TopKTeacher, distill_loss
     from opd.rollout.base import SamplingParams
     from opd.rollout.hf import HFRolloutEngine
     from opd.teachers.client import TeacherClient
 
-    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    tok = load_model_tokenizer(student_dir, "--student")
     client = TeacherClient(teacher, timeout_s=timeout_s, retries=1)
     try:
         welcome = client.info()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,7 +180,9 @@ def _load_sets(cfg_path: Path, specs: list[SFTDataset], tokenizer, max_length: i
 
 def _build_model(cfg: SFTConfig, cfg_path: Path, out: Path):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from opd.fingerprint import load_model_tokenizer
 
     if cfg.tiny is not None:
         from opd.tiny import build_tiny_model
@@ -189,10 +192,8 @@ def _build_model(cfg: SFTConfig, cfg_path: Path, out: Path):
                                intermediate=t.intermediate, max_positions=t.max_positions, seed=t.seed)
     else:
         src = resolve(cfg_path, cfg.model)
-        if not (src / "config.json").is_file():
-            raise ConfigError(f"{cfg_path}: `model` {src} is not a model directory (no config.json)")
+    tokenizer = load_model_tokenizer(src, f"{cfg_path}: `model`")
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(src))
     return model, tokenizer, src
 
 
@@ -215,17 +216,19 @@ def eval_loss(model, sets: list[list], pad_id: int, batch_size: int) -> list[flo
     return out
 
 
-def train(cfg: SFTConfig, cfg_path: Path) -> Path:
+def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False) -> Path:
+    """overwrite: replace an earlier run in out_dir (else it is refused: opd.checkpoint.claim_run_dir)."""
     import torch
     from tqdm import tqdm
 
     from opd.card import write_card
-    from opd.checkpoint import save_final_model
+    from opd.checkpoint import claim_run_dir, save_final_model
     from opd.metrics import MetricsLogger, plot_metrics
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = resolve(cfg_path, cfg.out_dir)
+    claim_run_dir(out, resume=False, overwrite=overwrite, resumable=False)
     out.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -287,6 +290,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", nargs="?", help="SFT config YAML (e.g. configs/demo/sft_base.yaml)")
     parser.add_argument("--describe", action="store_true", help="print every config key with its help and exit")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh even if out_dir holds an earlier run: delete its metrics, plots, card and "
+                             "model first (without it such a run is refused)")
     parser.epilog = ("Config keys (YAML; unknown keys are refused with file:line; relative paths are relative "
                      "to the config file):\n\n" + describe(SFTConfig, "  "))
 
@@ -299,8 +305,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_yaml(cfg_path, SFTConfig)
     except ConfigError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    model_dir = train(cfg, cfg_path)
+    model_dir = train(cfg, cfg_path, overwrite=args.overwrite)
     print(f"sft: model saved to {model_dir}")
     return 0

@@ -89,9 +89,9 @@ class Batch:
 
 
 def load_tokenizer(cfg):
-    from transformers import AutoTokenizer
+    from opd.fingerprint import load_model_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+    tokenizer = load_model_tokenizer(cfg.path, "student.path")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

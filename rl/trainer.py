@@ -62,10 +62,12 @@ def resolve_device(device: str) -> torch.device:
 
 def load_policy(cfg: RLConfig):
     """(model, tokenizer) with LoRA applied when configured; the model is in train mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from opd.fingerprint import load_model_tokenizer
 
     dtype = getattr(torch, cfg.model.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_model_tokenizer(cfg.model.path, "model.path")
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
     model.to(resolve_device(cfg.model.device))
     if cfg.model.lora is not None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opd.config import ConfigError, describe, field, load_yaml, near
+from opd.fingerprint import load_model_tokenizer
 from opd.rl.train import HelpFormatter
 
 
@@ -95,9 +96,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def _load_model(path: str):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     p = Path(path)
+    tokenizer = load_model_tokenizer(p, "model")
     if (p / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM
 
@@ -105,15 +107,15 @@ def _load_model(path: str):
     else:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    return model, AutoTokenizer.from_pretrained(str(p))
+    return model, tokenizer
 
 
 def _engine(cfg: ValidateConfig, path: str):
     if cfg.engine == "vllm":
         from opd.rollout.vllm import VLLMRolloutEngine
-        from transformers import AutoTokenizer
 
-        return VLLMRolloutEngine(path, seed=cfg.seed), AutoTokenizer.from_pretrained(path)
+        tokenizer = load_model_tokenizer(path, "model")
+        return VLLMRolloutEngine(path, seed=cfg.seed), tokenizer
     from opd.rollout.hf import HFRolloutEngine
 
     model, tok = _load_model(path)
@@ -166,10 +168,10 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list]) -> dic
     return out
 
 
-def grpo_check(cfg: ValidateConfig, base_dir: Path, out_dir: Path) -> dict:
-    """A short low-lr GRPO pass from one model: does the mean reward still rise?"""
+def grpo_config(cfg: ValidateConfig, base_dir: Path, out_dir: Path):
+    """The RL config of the GRPO check: its own config file with the check's model, lr and
+    steps, run in OUT/grpo_check. Loaded before any evaluation, so that a bad file fails fast."""
     from opd.rl.train import load_config
-    from opd.rl.trainer import GRPOTrainer
 
     check = cfg.grpo
     rl_path = Path(check.config)
@@ -177,13 +179,20 @@ def grpo_check(cfg: ValidateConfig, base_dir: Path, out_dir: Path) -> dict:
         rl_path = base_dir / rl_path
     rl = load_config(str(rl_path))
     path = next(m.path for m in cfg.models if m.name == check.model)
-    rl = dataclasses.replace(rl, model=dataclasses.replace(rl.model, path=path),
-                             optim=dataclasses.replace(rl.optim, lr=check.lr),
-                             run=dataclasses.replace(rl.run, steps=check.steps, out_dir=str(out_dir / "grpo_check"),
-                                                     ckpt_every=0, keep_checkpoints=1))
-    summary = GRPOTrainer(rl, config_dir=rl_path.parent).train()
-    return {"model": check.model, "steps": check.steps, "lr": check.lr, **summary,
-            "run_dir": str(out_dir / "grpo_check")}
+    return dataclasses.replace(rl, model=dataclasses.replace(rl.model, path=path),
+                               optim=dataclasses.replace(rl.optim, lr=check.lr),
+                               run=dataclasses.replace(rl.run, steps=check.steps, out_dir=str(out_dir / "grpo_check"),
+                                                       ckpt_every=0, keep_checkpoints=1)), rl_path.parent
+
+
+def grpo_check(cfg: ValidateConfig, rl, config_dir: Path) -> dict:
+    """A short low-lr GRPO pass from one model: does the mean reward still rise?"""
+    from opd.rl.trainer import GRPOTrainer
+
+    # OUT/grpo_check belongs to this validation: a rerun replaces it, as it replaces the report.
+    summary = GRPOTrainer(rl, config_dir=config_dir, overwrite=True).train()
+    return {"model": cfg.grpo.model, "steps": cfg.grpo.steps, "lr": cfg.grpo.lr, **summary,
+            "run_dir": rl.run.out_dir}
 
 
 def teacher_shares(cfg: ValidateConfig, results: dict) -> dict:
@@ -245,18 +254,22 @@ def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
     from opd.data import load_jsonl
 
     t0 = time.time()
+    out = Path(cfg.out_dir)
     sets = {}
     for s in cfg.sets:
         samples, _ = load_jsonl(s.path, default_domain=s.domain)
         sets[s.domain] = samples[:s.limit] if s.limit else samples
+    # Everything checked before the first evaluation, which takes minutes per model.
+    for m in cfg.models:
+        load_model_tokenizer(m.path, f"models[{m.name!r}].path")
+    grpo = grpo_config(cfg, base_dir or Path.cwd(), out) if cfg.grpo is not None else None
     results = {}
     for m in cfg.models:
         print(f"[opd validate] {m.name}: {m.path}", file=sys.stderr)
         results[m.name] = evaluate_model(cfg, m.path, sets)
     extra: dict[str, Any] = {"teacher_shares": teacher_shares(cfg, results)}
-    out = Path(cfg.out_dir)
-    if cfg.grpo is not None:
-        extra["grpo_check"] = grpo_check(cfg, base_dir or Path.cwd(), out)
+    if grpo is not None:
+        extra["grpo_check"] = grpo_check(cfg, *grpo)
     extra["seconds"] = time.time() - t0
     md, js = write_report(cfg, results, extra, out)
     return {"results": results, **extra, "report_md": str(md), "report_json": str(js)}

@@ -185,7 +185,7 @@ class Demo:
         cfg = write_config(TEMPLATES / "sft_base.yaml", "sft_base", self.out, self.quick)
         model = self.out / "sft_base" / "model"
         self.stage("1_sft_base", [cfg, self.keys["0_data"]], [model / "config.json"],
-                   lambda: self.cli("sft_base", "sft", cfg))
+                   lambda: self.cli("sft_base", "sft", cfg, "--overwrite"))
         # The merge config trains OUT/student; the base itself stays as it is, for comparison.
         student = self.out / "student"
         if not (student / "config.json").is_file() or self.cached.get("1_sft_base") is False:
@@ -201,7 +201,7 @@ class Demo:
             warm = write_config(TEMPLATES / f"sft_{dom}.yaml", f"sft_{dom}", self.out, self.quick)
             self.stage(f"2_sft_{dom}", [warm, self.keys["1_sft_base"]],
                        [self.out / f"sft_{dom}" / "model" / "config.json"],
-                       lambda: self.cli(f"sft_{dom}", "sft", warm, echo=False))
+                       lambda: self.cli(f"sft_{dom}", "sft", warm, "--overwrite", echo=False))
             cfg = write_config(TEMPLATES / f"rl_{dom}.yaml", f"rl_{dom}", self.out, self.quick)
             self.stage(f"2_rl_{dom}", [cfg, self.keys[f"2_sft_{dom}"]], [self.out / f"rl_{dom}" / "model" / "config.json"],
                        lambda: self.cli(f"rl_{dom}", "rl", cfg, "--overwrite", echo=False))

@@ -47,7 +47,7 @@ def test_config_needs_exactly_one_start():
     assert lr_at(9, cfg) < 0.001
 
 
-def test_short_run_lowers_eval_loss_and_saves_model(tmp_path):
+def test_short_run_lowers_eval_loss_and_saves_model(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from opd.cli import main
@@ -66,3 +66,19 @@ def test_short_run_lowers_eval_loss_and_saves_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "model"))
     assert model.config.num_hidden_layers == 1
     assert (tmp_path / "run" / "card.md").read_text().count("token-mean cross-entropy on response tokens") == 1
+
+    # A second run into the same out_dir is refused (it replaced the first one silently),
+    # --overwrite replaces it; a model directory without a tokenizer is named as such.
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["sft", str(tmp_path / "sft.yaml")]) == 1
+    assert "already holds a run (metrics.jsonl, model/); pass --overwrite to delete it" in capsys.readouterr().err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    assert main(["sft", str(tmp_path / "sft.yaml"), "--overwrite"]) == 0
+    (tmp_path / "notok").mkdir()
+    (tmp_path / "notok" / "config.json").write_text((tmp_path / "run" / "model" / "config.json").read_text())
+    (tmp_path / "sft.yaml").write_text((tmp_path / "sft.yaml").read_text()
+                                       .replace("tiny: {layers: 1, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}",
+                                                "model: notok").replace("out_dir: run", "out_dir: run2"))
+    assert main(["sft", str(tmp_path / "sft.yaml")]) == 1
+    assert "`model` " in (err := capsys.readouterr().err) and "notok: no tokenizer files (tokenizer.json" in err

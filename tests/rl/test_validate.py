@@ -48,6 +48,7 @@ def test_scores_pass_at_k_and_teacher_share(tmp_path, monkeypatch, tiny_model_di
     weak = {"1+1=": ["3", "2"], "2+3=": ["1", "1"], "write inc": ["def inc(x):\n    return 2\n"]}
     scripts = {"teacher": good, "student": weak}
     monkeypatch.setattr(V, "_engine", lambda cfg, path: (ScriptedEngine(tok, scripts[path]), tok))
+    monkeypatch.setattr(V, "load_model_tokenizer", lambda path, what: tok)   # "teacher", "student": no dirs
     cfg = from_dict({"models": [{"name": "T", "path": "teacher", "role": "teacher"},
                                 {"name": "S", "path": "student", "role": "student"}],
                      "sets": [{"domain": "math", "path": str(tmp_path / "math.jsonl")},
@@ -99,3 +100,15 @@ def test_cli_on_tiny_models_with_grpo_check(tmp_path, tiny_model_dir, tiny_teach
         assert 0.0 <= r["math"]["pass@1"] <= r["math"]["pass@2"] <= 1.0
     assert report["grpo_check"]["steps"] == 2 and "reward_rose" in report["grpo_check"]
     assert "Short GRPO pass" in (tmp_path / "report" / "report.md").read_text()
+
+    # A rerun replaces the report and its GRPO check (it crashed on OUT/grpo_check, after
+    # every evaluation); a path that is not a model is refused before the first evaluation.
+    cmd = [sys.executable, "-m", "opd.cli", "validate", str(tmp_path / "validate.yaml")]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    (tmp_path / "validate.yaml").write_text((tmp_path / "validate.yaml").read_text().replace(
+        f"path: {tiny_teacher_dir}", f"path: {tmp_path / 'ghost'}"))
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode == 1 and "[opd validate] base" not in bad.stderr
+    assert f"error: models['teacher'].path {tmp_path / 'ghost'}: no such directory" in bad.stderr
