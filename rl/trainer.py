@@ -44,6 +44,7 @@ from opd.metrics import MetricsLogger, plot_metrics, read_metrics
 from opd.rl import grpo
 from opd.rl.config import RLConfig
 from opd.rl.rewards import build_reward, verify_batch
+from opd.rl.rewards.combine import check_reward_fields
 from opd.rollout import SamplingParams
 
 PLOT_GROUPS = {
@@ -146,6 +147,12 @@ class GRPOTrainer:
         self.out = Path(cfg.run.out_dir)
         self.ckpt_dir = self.out / "checkpoints"
         claim_run_dir(self.out, resume=resume, overwrite=overwrite)
+        # Data and rewards before the model: their mistakes are said in a second, not after a load.
+        train_samples, self.train_report = load_jsonl(cfg.data.train, on_error=cfg.data.on_error)
+        self.eval_samples = (load_jsonl(cfg.data.eval, on_error=cfg.data.on_error)[0][:cfg.data.eval_prompts]
+                             if cfg.data.eval else [])
+        self.reward = build_reward(cfg.rewards, base_dir=config_dir)
+        check_reward_fields(cfg.rewards, train_samples, cfg.data.train)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tokenizer = load_policy(cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
@@ -155,11 +162,7 @@ class GRPOTrainer:
         self.reference = None
         if cfg.algorithm.kl_beta > 0 and not self.is_lora:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        train_samples, self.train_report = load_jsonl(cfg.data.train, on_error=cfg.data.on_error)
-        self.eval_samples = (load_jsonl(cfg.data.eval, on_error=cfg.data.on_error)[0][:cfg.data.eval_prompts]
-                             if cfg.data.eval else [])
         self.data = Cycler(train_samples, seed=cfg.run.seed)
-        self.reward = build_reward(cfg.rewards, base_dir=config_dir)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         warm = cfg.optim.warmup_steps

@@ -83,3 +83,17 @@ def build_reward(specs, base_dir: str | Path | None = None) -> CombinedReward:
     if not parts:
         raise ValueError("at least one reward function is needed")
     return CombinedReward(parts)
+
+
+# The sample field each built-in verifier scores against; a row without it scores 0.
+NEEDS_FIELD = {"math": "answer", "code": "tests"}
+
+
+def check_reward_fields(specs, samples: list, path: str) -> None:
+    """Refuse a verifier that no training row can satisfy: every reward would be 0, and GRPO's
+    warning would blame the data's difficulty or the temperature. (Rows of another domain
+    without the field are normal in mixed data, so a partial lack is not refused.)"""
+    for spec in specs:
+        field = NEEDS_FIELD.get(spec.name)
+        if field and samples and not any(getattr(s, field) for s in samples):
+            raise ConfigError(f"the {spec.name} reward scores each row's `{field}`, and no row of {path} has one")

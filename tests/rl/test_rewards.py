@@ -106,3 +106,16 @@ def test_reward_options_that_do_not_fit_are_refused_at_start_up(name, options, e
 
     with pytest.raises(ConfigError, match=error):
         build_reward([RewardConfig(name=name, options=options)])
+
+
+def test_a_verifier_no_row_can_satisfy_is_refused():
+    # The math reward on rows without `answer` scored 0 everywhere, and opd rl blamed the
+    # data's difficulty or the temperature; mixed data (some rows without it) is fine.
+    from opd.config import ConfigError
+    from opd.rl.rewards.combine import check_reward_fields
+
+    code_rows = [Sample(prompt="f", tests="assert f(1) == 2"), Sample(prompt="g", tests="assert g() == 0")]
+    with pytest.raises(ConfigError, match=r"the math reward scores each row's `answer`, and no row of d.jsonl has one"):
+        check_reward_fields([RewardConfig(name="math")], code_rows, "d.jsonl")
+    check_reward_fields([RewardConfig(name="math"), RewardConfig(name="code")],
+                        code_rows + [Sample(prompt="1+1=", answer="2")], "d.jsonl")
