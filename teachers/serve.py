@@ -71,6 +71,29 @@ def check_bind(address: str, curve: bool, insecure: bool) -> str | None:
     return None
 
 
+def port_taken(address: str) -> bool:
+    """tcp://HOST:PORT is bound by another process: checked before a model load that may take
+    minutes (the server's own bind after it still decides; `*` ports are never taken)."""
+    import errno
+    import socket
+
+    u = urlparse(address)
+    try:
+        port = u.port
+    except ValueError:   # tcp://HOST:* picks a free port
+        return False
+    if u.scheme != "tcp" or not port:
+        return False
+    host = "" if u.hostname in (None, "*") else u.hostname
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as ZeroMQ binds: TIME_WAIT is no obstacle
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
 def load_backend(args):
     kwargs = dict(name=args.name or Path(args.model).name, max_k=args.max_k, max_positions=args.max_positions,
                   dtype=args.dtype, device=args.device)
@@ -112,6 +135,9 @@ def run(args, on_ready=None) -> int:
 
     from opd.teachers.server import ServerLimits, serve
 
+    if port_taken(args.bind):
+        print(f"error: {args.bind} is already in use (another teacher?); pick another --bind port", file=sys.stderr)
+        return 1
     backend = load_backend(args)
     limits = ServerLimits(max_tokens_per_request=args.max_tokens_per_request,
                           max_inflight_tokens=args.max_inflight_tokens, batch_tokens=args.batch_tokens,

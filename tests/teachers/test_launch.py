@@ -154,3 +154,18 @@ def test_stop_outwaits_the_servers_drain():
     from opd.teachers.server import ServerLimits
 
     assert inspect.signature(ServerProcess.stop).parameters["timeout_s"].default > ServerLimits().drain_timeout_s
+
+
+def test_a_taken_port_is_refused_before_the_model_loads(tmp_path, capsys):
+    # The bind used to fail after the whole model had loaded (minutes for a large one), as a
+    # ZMQError traceback. The model path here does not exist: the port is checked first.
+    import socket
+
+    from opd.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        assert main(["serve-teacher", "--model", str(tmp_path / "none"), "--bind", address]) == 1
+    assert f"error: {address} is already in use" in capsys.readouterr().err
