@@ -86,8 +86,11 @@ class Classifier:
                "features": self.vocab,
                "weights": [[round(float(w), 6) for w in row] for row in self.weights_D_C]}
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)   # a failed write or rename leaves no stray file
         return path
 
     @classmethod

@@ -39,6 +39,12 @@ def _fit(args) -> int:
     from opd.data import load_jsonl
     from opd.routing.classifier import fit
 
+    if not 0 <= args.holdout < 1:
+        print(f"error: --holdout is the held-out share, 0 <= h < 1; got {args.holdout}", file=sys.stderr)
+        return 2
+    if args.out.is_dir():
+        print(f"error: --out {args.out} is a directory; name the classifier file to write", file=sys.stderr)
+        return 2
     samples, report = load_jsonl(args.data, on_error="stop")
     rows = [(s.prompt, s.domain) for s in samples if s.domain]
     if len(rows) < len(samples):
@@ -51,12 +57,16 @@ def _fit(args) -> int:
     counts = Counter(y for _, y in rows)
     print(f"{len(rows)} prompts: " + ", ".join(f"{d} {n}" for d, n in sorted(counts.items())))
     accuracy = None
-    if n_hold > 0:
-        held, train = rows[:n_hold], rows[n_hold:]
-        clf = fit([x for x, _ in train], [y for _, y in train], **kw)
-        accuracy = clf.accuracy([x for x, _ in held], [y for _, y in held])
-        print(f"held-out accuracy: {accuracy:.4f} ({n_hold} prompts, fitted on {len(train)})")
-    clf = fit([x for x, _ in rows], [y for _, y in rows], **kw)
+    try:   # too few prompts or domains to route between
+        if n_hold > 0:
+            held, train = rows[:n_hold], rows[n_hold:]
+            clf = fit([x for x, _ in train], [y for _, y in train], **kw)
+            accuracy = clf.accuracy([x for x, _ in held], [y for _, y in held])
+            print(f"held-out accuracy: {accuracy:.4f} ({n_hold} prompts, fitted on {len(train)})")
+        clf = fit([x for x, _ in rows], [y for _, y in rows], **kw)
+    except ValueError as e:
+        print(f"error: {args.data}: {e}", file=sys.stderr)
+        return 2
     clf.meta.update({"data": str(args.data), "held_out_accuracy": accuracy, "held_out": n_hold})
     clf.save(args.out)
     print(f"wrote {args.out} ({len(clf.vocab)} features, labels {clf.labels})")

@@ -66,6 +66,17 @@ def test_route_fit_then_explain(tmp_path, capsys):
     assert acc > 0.9 and out.is_file()
     assert json.loads(out.read_text())["meta"]["held_out_accuracy"] == pytest.approx(acc)
 
+    # Mistakes are one line each, and a failed write leaves no stray file (all were tracebacks).
+    fit_args = ["route", "fit", "--data", str(tmp_path / "labelled.jsonl"), "--out"]
+    assert main([*fit_args, str(tmp_path / "r.json"), "--holdout", "1.0"]) == 2
+    assert "--holdout is the held-out share, 0 <= h < 1; got 1.0" in capsys.readouterr().err
+    assert main([*fit_args, str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    write_jsonl(tmp_path / "one.jsonl", [r for r in rows if r["domain"] == "math"])
+    assert main(["route", "fit", "--data", str(tmp_path / "one.jsonl"), "--out", str(tmp_path / "r.json")]) == 2
+    assert "need at least two labels to route between" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "r.json").exists()
+
     # a plain merge file (MergeConfig at the top level) whose classifier path is relative to it
     (tmp_path / "cfg" / "merge.yaml").write_text(
         "teachers:\n"
