@@ -40,6 +40,8 @@ class HFBackend(TeacherBackend):
 
         self.teacher = name
         self.model_id = str(model_dir)
+        # First: it refuses a path that is no model directory (or has no tokenizer) before the load.
+        self.tokenizer_fingerprint = tokenizer_fingerprint_of_dir(model_dir)
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=TORCH_DTYPES[dtype])
         self.model.to(self.device).eval().requires_grad_(False)
@@ -59,7 +61,6 @@ class HFBackend(TeacherBackend):
         self.row_chunk = row_chunk
         self.batch_tokens = batch_tokens
         self.model_fingerprint = model_fingerprint(model_dir)
-        self.tokenizer_fingerprint = tokenizer_fingerprint_of_dir(model_dir)
 
     # ---- prefill -------------------------------------------------------------------------
 

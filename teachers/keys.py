@@ -42,6 +42,8 @@ def load_keypair(secret_file: str | Path) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys from a NAME.key_secret file."""
     import zmq.auth
 
+    if not Path(secret_file).is_file():
+        raise FileNotFoundError(f"{secret_file}: no such key file (`opd keys generate` writes NAME.key_secret)")
     public, secret = zmq.auth.load_certificate(str(secret_file))
     if secret is None:
         raise ValueError(f"{secret_file} holds no secret key; pass the .key_secret file")

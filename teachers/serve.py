@@ -126,8 +126,13 @@ def run(args, on_ready=None) -> int:
         if args.curve_allow is None:
             print("error: --curve-secret-key needs --curve-allow (the client public keys to admit)", file=sys.stderr)
             return 2
-        public, secret = load_keypair(args.curve_secret_key)
-        curve = dict(curve_secret_key=secret, curve_public_key=public, curve_allow=load_allow_list(args.curve_allow))
+        try:
+            public, secret = load_keypair(args.curve_secret_key)
+            curve = dict(curve_secret_key=secret, curve_public_key=public,
+                         curve_allow=load_allow_list(args.curve_allow))
+        except (OSError, ValueError) as e:   # a missing or malformed key file
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.threads:
         import torch
 

@@ -57,6 +57,8 @@ class VLLMBackend(TeacherBackend):
 
         self.teacher = name
         self.model_id = str(model_dir)
+        # First: it refuses a path that is no model directory (or has no tokenizer) before the load.
+        self.tokenizer_fingerprint = tokenizer_fingerprint_of_dir(model_dir)
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         cfg_positions = int(cfg.get("max_position_embeddings", 4096))
         # vLLM counts the one token it generates after the prompt against max_model_len.
@@ -69,7 +71,6 @@ class VLLMBackend(TeacherBackend):
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self.model_fingerprint = model_fingerprint(model_dir)
-        self.tokenizer_fingerprint = tokenizer_fingerprint_of_dir(model_dir)
 
     def unsupported(self, req: ScoreRequest) -> str | None:
         if req.mode != "topk":

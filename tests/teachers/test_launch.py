@@ -156,7 +156,7 @@ def test_stop_outwaits_the_servers_drain():
     assert inspect.signature(ServerProcess.stop).parameters["timeout_s"].default > ServerLimits().drain_timeout_s
 
 
-def test_a_taken_port_is_refused_before_the_model_loads(tmp_path, capsys):
+def test_serve_teacher_refuses_a_taken_port_a_missing_model_or_key_before_any_load(tmp_path, capsys):
     # The bind used to fail after the whole model had loaded (minutes for a large one), as a
     # ZMQError traceback. The model path here does not exist: the port is checked first.
     import socket
@@ -169,3 +169,9 @@ def test_a_taken_port_is_refused_before_the_model_loads(tmp_path, capsys):
         address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
         assert main(["serve-teacher", "--model", str(tmp_path / "none"), "--bind", address]) == 1
     assert f"error: {address} is already in use" in capsys.readouterr().err
+    # A path that is no model is said before any load (it was the Hub's "Repo id" OSError).
+    assert main(["serve-teacher", "--model", str(tmp_path / "none"), "--bind", address]) == 1
+    assert f"error: teacher model {tmp_path / 'none'}: no such directory" in capsys.readouterr().err
+    assert main(["serve-teacher", "--model", str(tmp_path / "none"), "--curve-secret-key", str(tmp_path / "k"),
+                 "--curve-allow", str(tmp_path)]) == 2
+    assert "k: no such key file" in capsys.readouterr().err
