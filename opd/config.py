@@ -199,6 +199,14 @@ def describe(cls: type, indent: str = "") -> str:
     return "\n".join(lines)
 
 
+def check_device(device: str, *, auto: bool = False) -> None:
+    """A torch device string, checked with the config (a typo failed only when the model moved)."""
+    import re
+
+    if not ((auto and device == "auto") or re.fullmatch(r"(cpu|cuda|xpu|mps|npu)(:\d+)?", device)):
+        raise ValueError(f"device {device!r}: expected {'auto, ' if auto else ''}cpu, cuda or cuda:N")
+
+
 def positive_int(text: str) -> int:
     """argparse type of counts given on the command line (--steps, --max-k, ...): a value
     given there skips the config's range checks, so 0 or -3 would be taken as is."""

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from opd.cluster import ClusterConfig
-from opd.config import field, load_yaml, near
+from opd.config import check_device, field, load_yaml, near
 from opd.lora import LoraSpec
 from opd.routing.config import MergeConfig
 
@@ -34,6 +34,9 @@ class StudentConfig:
     device: str = field("cpu", help="torch device of the student, e.g. cpu, cuda, cuda:1")
     lora: LoraSpec | None = field(None, help="train a peft LoRA adapter instead of every weight (omit: full fine-tuning)")
     gradient_checkpointing: bool = field(False, help="recompute activations in backward (less memory, slower)")
+
+    def __post_init__(self):
+        check_device(self.device)
 
 
 @dataclass(frozen=True)

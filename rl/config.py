@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opd.cluster import ClusterConfig
-from opd.config import field
+from opd.config import check_device, field
 from opd.lora import LoraSpec
 
 
@@ -26,6 +26,9 @@ class ModelConfig:
                                                "the reference is then the base with the adapter switched off")
     dtype: Literal["float32", "bfloat16", "float16"] = field("float32", help="weights dtype")
     device: str = field("auto", help="'auto' (cuda when available), 'cpu' or 'cuda:N'")
+
+    def __post_init__(self):
+        check_device(self.device, auto=True)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,9 @@ def test_bad_config_names_file_line_and_key(tmp_path):
     p.write_text(base + "rollout:\n  top_p: .nan\n")                   # NaN passes 0 <= x <= 1
     with pytest.raises(ConfigError, match=r"bad.yaml:7: key 'rollout.top_p' must be a finite number"):
         load_train_config(p)
+    p.write_text(base.replace("  path: s\n", "  path: s\n  device: cpuu\n"))   # failed at the model's .to()
+    with pytest.raises(ConfigError, match=r"device 'cpuu': expected cpu, cuda or cuda:N"):
+        load_train_config(p)
 
 
 @pytest.mark.parametrize("merge,error", [
