@@ -4,7 +4,7 @@ Each `RolloutWorker` actor holds its own copy of the student and an `HFRolloutEn
 (opd/rollout/hf.py). A `RolloutPool` splits a batch of prompts into contiguous shards,
 one per worker, and concatenates the answers in prompt order, so `generate` returns what
 one engine would (exactly so when greedy; with sampling each worker draws from its own
-seed, `seed + rank`).
+seed, hashed from (seed, rank)).
 
 On-policy weights: after a training step rank 0 writes a checkpoint (opd/cluster_dp.py);
 `sync_weights(checkpoint_dir)` makes every worker load its `trainable.safetensors`. The

@@ -64,8 +64,9 @@ class RouterConfig:
         "single", help="single: one teacher per sample; pass_rate: weight the teachers covering a domain by "
                        "their measured pass rate on it")
     pass_rates: dict[str, dict[str, float]] = field(
-        default_factory=dict, help="pass_rate weighting: {domain: {teacher: pass rate}}, refreshed by evaluation")
-    refresh_every: int = field(0, help="pass_rate weighting: re-measure pass rates every N steps (0: never)", min=0)
+        default_factory=dict, help="{domain: {teacher: pass rate}} measured beforehand, e.g. by `opd validate` "
+                                   "(teacher servers score sequences, they do not sample: a run cannot measure "
+                                   "them itself)")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ it, weighted as below). The classifier's labels are domains (or teacher names).
 Weighting: "single" picks one teacher per sample; when several teachers cover a domain the
 one with the highest known pass rate wins, ties going to the first listed. "pass_rate"
 gives every teacher covering the domain a weight proportional to its measured pass rate on
-that domain (`pass_rates[domain][teacher]`, refreshed with `update_pass_rates`); a teacher
+that domain (`pass_rates[domain][teacher]`, from the config or `update_pass_rates`); a teacher
 with no measurement gets the mean of the measured ones, and all-zero rates fall back to
 equal weights. `Route.teacher` is the teacher of highest weight.
 """

@@ -65,6 +65,15 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
 
     if not (math.isfinite(msg.temperature) and msg.temperature > 0):
         fail(ErrorCode.BAD_REQUEST, f"temperature must be finite and > 0, got {msg.temperature}")
+    req = ScoreRequest(
+        request_id=rid, mode=msg.mode, ids=torch.from_numpy(ids.astype(np.int64)),
+        offsets=tuple(offs), response_starts=tuple(starts),
+        k=int(msg.k), temperature=float(msg.temperature), dtype=msg.dtype, chunk_rows=int(msg.chunk_rows),
+    )
+    # The backend first: its refusal names the backend that can answer (vLLM: `--backend hf`).
+    why = backend.unsupported(req)
+    if why:
+        fail(ErrorCode.UNSUPPORTED, why)
     if msg.mode not in backend.modes:
         fail(ErrorCode.UNSUPPORTED, f"mode {msg.mode!r} not served by this {backend.name} backend ({backend.modes})")
     if msg.mode == "topk" and not 1 <= msg.k <= backend.max_k:
@@ -78,12 +87,4 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
         if not 1 <= msg.window <= MAX_WINDOW:
             fail(ErrorCode.BAD_REQUEST, f"window = {msg.window} must lie in [1, {MAX_WINDOW}]")
 
-    req = ScoreRequest(
-        request_id=rid, mode=msg.mode, ids=torch.from_numpy(ids.astype(np.int64)),
-        offsets=tuple(offs), response_starts=tuple(starts),
-        k=int(msg.k), temperature=float(msg.temperature), dtype=msg.dtype, chunk_rows=int(msg.chunk_rows),
-    )
-    why = backend.unsupported(req)
-    if why:
-        fail(ErrorCode.UNSUPPORTED, why)
     return req

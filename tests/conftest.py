@@ -38,8 +38,8 @@ def free_tcp_address() -> str:
 
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory):
-    """The tiny model with 2 heads of dim 32: vLLM's CPU attention supports head sizes
-    from 32 up, and `tiny_model_dir` has 4 heads of dim 16."""
+    """A tiny model with 2 heads of dim 32 (vLLM's CPU attention supports head sizes from 32
+    up), built apart from `tiny_model_dir` so that vLLM tests do not depend on its settings."""
     from opd.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "vllm_model", seed=0, heads=2, kv_heads=1)

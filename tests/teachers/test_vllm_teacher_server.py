@@ -27,7 +27,7 @@ def _check_over_the_wire(client, expected_fingerprint: str, reference) -> None:
     assert hot.value.code == "UNSUPPORTED" and "hf" in hot.value.message
     with pytest.raises(TeacherError) as full:
         list(client.score_full(SEQS, STARTS))
-    assert full.value.code == "UNSUPPORTED"
+    assert full.value.code == "UNSUPPORTED" and "--backend hf" in full.value.message   # the generic text had no hint
 
 
 def _reference(backend):
