@@ -17,7 +17,18 @@ def test_example_config_loads():
     assert cfg.mode == "ray" and cfg.address == "auto"
     assert [(t.name, t.replicas, t.num_gpus) for t in cfg.teachers] == [("math", 2, 1.0), ("code", 1, 1.0)]
     assert cfg.teacher("math").serve_args[:2] == ["--max-k", "64"]
-    assert cfg.student.num_workers == 2 and cfg.student.backend == "auto"
+    assert cfg.student.num_workers == 1 and cfg.student.backend == "auto"
+    # What its header says it is: the `cluster:` section of an opd train config (it had 2
+    # student workers, which opd train refuses).
+    import yaml
+
+    from opd.train_config import TrainConfig
+
+    section = yaml.safe_load(EXAMPLE.read_text())
+    train = from_dict({"student": {"path": "s"}, "cluster": section,
+                       "merge": {"teachers": [{"name": n, "address": "tcp://127.0.0.1:*"} for n in ("math", "code")],
+                                 "datasets": [{"domain": "math", "path": "m.jsonl"}]}}, TrainConfig)
+    assert train.cluster == cfg
 
 
 def test_bad_cluster_configs_are_refused():
