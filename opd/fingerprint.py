@@ -42,14 +42,12 @@ class ModelDirError(ValueError):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-def load_model_tokenizer(model_dir: str | Path, what: str = "model"):
-    """The tokenizer of a local model (or peft adapter) directory, refusing what is not one.
+def check_model_dir(model_dir: str | Path, what: str = "model") -> Path:
+    """`model_dir` as a Path if it holds a model (or peft adapter) and its tokenizer files.
 
-    Without tokenizer files, transformers returns a tokenizer whose whole vocabulary is one
-    special token: every prompt encodes to nothing, and two such directories even share a
-    fingerprint. A missing path reads as a Hub repo id and fails with the Hub's message."""
-    from transformers import AutoTokenizer
-
+    A missing path would read as a Hub repo id and fail with the Hub's message; without
+    tokenizer files, transformers returns a tokenizer whose whole vocabulary is one special
+    token (every prompt encodes to nothing, and two such directories share a fingerprint)."""
     p = Path(model_dir)
     if not p.is_dir():
         raise ModelDirError(f"{what} {model_dir}: " + ("is a file, not a model directory" if p.exists()
@@ -59,7 +57,14 @@ def load_model_tokenizer(model_dir: str | Path, what: str = "model"):
     if not any((p / f).is_file() for f in TOKENIZER_FILES):
         raise ModelDirError(f"{what} {model_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the "
                             f"tokenizer beside the model (tokenizer.save_pretrained(DIR))")
-    tokenizer = AutoTokenizer.from_pretrained(str(p))
+    return p
+
+
+def load_model_tokenizer(model_dir: str | Path, what: str = "model"):
+    """The tokenizer of a model directory that `check_model_dir` accepts."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(check_model_dir(model_dir, what)))
     if len(tokenizer) < 2:
         raise ModelDirError(f"{what} {model_dir}: its tokenizer has {len(tokenizer)} token(s)")
     return tokenizer

@@ -32,10 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from opd.checkpoint import CheckpointError
-    from opd.data import DataError
-    from opd.routing.router import RoutingError
-    from opd.trainer import Trainer, TrainError
+    from opd.trainer import Trainer
 
     if args.resume and args.overwrite:
         print("error: --resume continues the run in run.out_dir, --overwrite deletes it: pass one", file=sys.stderr)
@@ -49,12 +46,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, run=replace(cfg.run, steps=args.steps))
     if args.out_dir is not None:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
-    try:
-        result = Trainer(cfg, resume=args.resume, base_dir=Path(args.config).resolve().parent,
-                         fork_teachers=True, overwrite=args.overwrite).run()
-    except (TrainError, DataError, RoutingError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    # A TrainError, DataError, ... is printed as one line by opd.cli, exit 1.
+    result = Trainer(cfg, resume=args.resume, base_dir=Path(args.config).resolve().parent,
+                     fork_teachers=True, overwrite=args.overwrite).run()
     last = result["evals"][-1] if result["evals"] else {}
     kl = f"held-out KL {last['eval/kl']:.4f}" if "eval/kl" in last else "no held-out set (datasets[].eval_path)"
     print(f"done: {result['step']} steps, {kl}; "

@@ -62,15 +62,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"opd rl: {e}", file=sys.stderr)
         return 2
-    from opd.checkpoint import CheckpointError
     from opd.rl.trainer import GRPOTrainer
 
-    try:
-        trainer = GRPOTrainer(cfg, config_dir=Path(args.config).resolve().parent, resume=args.resume,
-                              overwrite=args.overwrite)
-    except CheckpointError as e:
-        print(f"opd rl: {e}", file=sys.stderr)
-        return 1
+    # A CheckpointError, DataError, ... is printed as one line by opd.cli, exit 1.
+    trainer = GRPOTrainer(cfg, config_dir=Path(args.config).resolve().parent, resume=args.resume,
+                          overwrite=args.overwrite)
     summary = trainer.train()
     print(json.dumps(summary, indent=1))
     print(f"run folder: {cfg.run.out_dir} (metrics.jsonl, plots/, card.md, model/)")

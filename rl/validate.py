@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from opd.config import ConfigError, describe, field, load_yaml, near
-from opd.fingerprint import load_model_tokenizer
+from opd.fingerprint import check_model_dir, load_model_tokenizer
 from opd.rl.train import HelpFormatter
 
 
@@ -261,7 +261,7 @@ def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
         sets[s.domain] = samples[:s.limit] if s.limit else samples
     # Everything checked before the first evaluation, which takes minutes per model.
     for m in cfg.models:
-        load_model_tokenizer(m.path, f"models[{m.name!r}].path")
+        check_model_dir(m.path, f"models[{m.name!r}].path")
     grpo = grpo_config(cfg, base_dir or Path.cwd(), out) if cfg.grpo is not None else None
     results = {}
     for m in cfg.models:

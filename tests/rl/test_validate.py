@@ -48,7 +48,7 @@ def test_scores_pass_at_k_and_teacher_share(tmp_path, monkeypatch, tiny_model_di
     weak = {"1+1=": ["3", "2"], "2+3=": ["1", "1"], "write inc": ["def inc(x):\n    return 2\n"]}
     scripts = {"teacher": good, "student": weak}
     monkeypatch.setattr(V, "_engine", lambda cfg, path: (ScriptedEngine(tok, scripts[path]), tok))
-    monkeypatch.setattr(V, "load_model_tokenizer", lambda path, what: tok)   # "teacher", "student": no dirs
+    monkeypatch.setattr(V, "check_model_dir", lambda path, what: path)   # "teacher", "student": no dirs
     cfg = from_dict({"models": [{"name": "T", "path": "teacher", "role": "teacher"},
                                 {"name": "S", "path": "student", "role": "student"}],
                      "sets": [{"domain": "math", "path": str(tmp_path / "math.jsonl")},
