@@ -197,11 +197,11 @@ class Trainer:
         self.data_reports = {}
         for d in cfg.merge.datasets:
             samples, report = load_jsonl(d.path, on_error=cfg.run.on_data_error, default_domain=d.domain)
-            self.datasets.setdefault(d.domain, []).extend(samples)
+            self.datasets.setdefault(d.domain, []).extend(self._fit_length(samples, d.path))
             self.data_reports[d.path] = report
             if d.eval_path:
                 ev, report = load_jsonl(d.eval_path, on_error=cfg.run.on_data_error, default_domain=d.domain)
-                self.eval_sets.setdefault(d.domain, []).extend(ev)
+                self.eval_sets.setdefault(d.domain, []).extend(self._fit_length(ev, d.eval_path))
                 self.data_reports[d.eval_path] = report
         ratios = {d.domain: d.ratio for d in cfg.merge.datasets}
         from opd.routing.mixture import MixtureSampler
@@ -218,6 +218,33 @@ class Trainer:
         for path, report in self.data_reports.items():  # run.on_data_error: skip; said once, kept in the card
             if report.skipped:
                 print(f"{path}: skipped {report.skipped} malformed lines (first: {report.errors[0]})", flush=True)
+
+    def _fit_length(self, samples: list[Sample], path: str) -> list[Sample]:
+        """The samples whose prompt leaves room for rollout.max_new_tokens within the positions
+        the student and every teacher take. A longer one would get TOO_LONG from its teacher when
+        its batch comes, hours into a run: refused here (run.on_data_error: stop), or dropped and
+        said in the card (skip)."""
+        limits = {f"teacher {t!r}": self.teachers.welcome(t).max_positions for t in self.specs}
+        limits["the student"] = getattr(self.model.config, "max_position_embeddings", 0) or 0
+        limits = {who: n for who, n in limits.items() if n > 0}   # 0: a 2.0 server does not say
+        if not limits:
+            return samples
+        who, limit = min(limits.items(), key=lambda kv: kv[1])
+        room = limit - self.cfg.rollout.max_new_tokens
+        lengths = [len(encode_prompt(self.tok, s.prompt)) for s in samples]
+        long = [i for i, n in enumerate(lengths) if n > room]
+        if not long:
+            return samples
+        msg = (f"{path}: {len(long)} of {len(samples)} prompts are longer than {room} tokens: with "
+               f"rollout.max_new_tokens {self.cfg.rollout.max_new_tokens} they exceed the {limit} positions "
+               f"{who} takes (first: {samples[long[0]].prompt[:60]!r}, {lengths[long[0]]} tokens)")
+        if self.cfg.run.on_data_error == "stop" or len(long) == len(samples):
+            raise TrainError(f"{msg}; shorten them, lower rollout.max_new_tokens, or set run.on_data_error: skip "
+                             f"to leave them out")
+        print(f"warning: {msg}; left out (run.on_data_error: skip)", flush=True)
+        self.warnings.append(f"{msg}; left out")
+        drop = set(long)
+        return [s for i, s in enumerate(samples) if i not in drop]
 
     def _make_router(self) -> None:
         from opd.routing.router import Router

@@ -47,9 +47,10 @@ import msgspec
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = (2, 0)  # major mismatch is refused at HELLO; minor is informational
+PROTOCOL_VERSION = (2, 1)  # major mismatch is refused at HELLO; minor is informational
 # 2.0: TOPK carries the DONE statistics itself (one message less per top-k request, +20 %
 # positions/s at top-64 in `opd bench transport`); a 1.x client would wait for a DONE.
+# 2.1: WELCOME says max_positions (a 2.0 server's decodes as 0: not said).
 
 # Bounds checked before any allocation.
 MAX_HEADER_BYTES = 1 << 20        # 1 MiB of msgpack header
@@ -125,6 +126,7 @@ class Welcome(_Msg, tag="welcome"):
     backend: str                        # "hf" or "vllm"
     supports_temperature: bool = True   # temperature != 1 answered exactly
     exact_lse: bool = True              # False: `lse` in answers is NaN (vLLM does not expose it)
+    max_positions: int = 0              # longest sequence (prompt + response) it scores; 0: not said
 
 
 class Score(_Msg, tag="score"):

@@ -159,7 +159,8 @@ class TeacherServer:
                        max_tokens_per_request=self.limits.max_tokens_per_request,
                        max_inflight_tokens=self.limits.max_inflight_tokens,
                        heartbeat_s=self.limits.heartbeat_s, backend=b.name,
-                       supports_temperature=b.supports_temperature, exact_lse=b.exact_lse)
+                       supports_temperature=b.supports_temperature, exact_lse=b.exact_lse,
+                       max_positions=b.max_positions)
 
     def stop(self) -> None:
         """Stop accepting work (SHUTTING_DOWN), drain what is in flight, then return from serve_forever."""

@@ -322,6 +322,21 @@ def test_a_run_extended_with_resume_follows_the_new_schedule_from_its_first_new_
     assert [lrs[s] for s in (3, 4)] == pytest.approx(cosine4[2:])
 
 
+def test_prompts_too_long_for_the_teacher_are_refused_or_left_out_at_load(setup):
+    # The teacher (max_positions 512, said in its WELCOME) answered such a prompt's batch with
+    # TOO_LONG when it came, which stopped the run there, possibly hours in.
+    root = setup["root"]
+    write_jsonl(root / "long.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(6)] + [{"prompt": "x" * 600}])
+    datasets = [{"domain": "gen", "path": str(root / "long.jsonl")}]
+    said = (r"long.jsonl: 1 of 7 prompts are longer than 500 tokens: with rollout.max_new_tokens 12 they exceed "
+            r"the 512 positions teacher 't' takes \(first: 'xxxx")
+    with pytest.raises(TrainError, match=said):
+        Trainer(_cfg(setup, "too_long", steps=1, **{"merge.datasets": datasets})).run()
+    Trainer(_cfg(setup, "too_long_skip", steps=1, **{"merge.datasets": datasets, "run.on_data_error": "skip"})).run()
+    warnings = json.loads((root / "too_long_skip" / "card.json").read_text())["run"]["warnings"]
+    assert any("1 of 7 prompts are longer than 500 tokens" in w and w.endswith("left out") for w in warnings)
+
+
 def test_a_misspelt_domain_in_domain_weights_is_refused(setup):
     # `.get(domain, 1.0)` made {mathh: 5} weigh nothing, while the card printed it as applied.
     cfg = _cfg(setup, "weights_typo", steps=1, **{"merge.domain_weights": {"gen": 2.0, "mathh": 5.0}})
