@@ -238,7 +238,9 @@ class Trainer:
         msg = (f"{path}: {len(long)} of {len(samples)} prompts are longer than {room} tokens: with "
                f"rollout.max_new_tokens {self.cfg.rollout.max_new_tokens} they exceed the {limit} positions "
                f"{who} takes (first: {samples[long[0]].prompt[:60]!r}, {lengths[long[0]]} tokens)")
-        if self.cfg.run.on_data_error == "stop" or len(long) == len(samples):
+        if len(long) == len(samples):
+            raise TrainError(f"{msg}: no prompt of the file fits; shorten them or lower rollout.max_new_tokens")
+        if self.cfg.run.on_data_error == "stop":
             raise TrainError(f"{msg}; shorten them, lower rollout.max_new_tokens, or set run.on_data_error: skip "
                              f"to leave them out")
         print(f"warning: {msg}; left out (run.on_data_error: skip)", flush=True)
