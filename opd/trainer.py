@@ -195,6 +195,7 @@ class Trainer:
         self.datasets: dict[str, list[Sample]] = {}
         self.eval_sets: dict[str, list[Sample]] = {}
         self.data_reports = {}
+        self.length_limit = self._length_limit()
         for d in cfg.merge.datasets:
             samples, report = load_jsonl(d.path, on_error=cfg.run.on_data_error, default_domain=d.domain)
             self.datasets.setdefault(d.domain, []).extend(self._fit_length(samples, d.path))
@@ -219,17 +220,21 @@ class Trainer:
             if report.skipped:
                 print(f"{path}: skipped {report.skipped} malformed lines (first: {report.errors[0]})", flush=True)
 
-    def _fit_length(self, samples: list[Sample], path: str) -> list[Sample]:
-        """The samples whose prompt leaves room for rollout.max_new_tokens within the positions
-        the student and every teacher take. A longer one would get TOO_LONG from its teacher when
-        its batch comes, hours into a run: refused here (run.on_data_error: stop), or dropped and
-        said in the card (skip)."""
+    def _length_limit(self) -> tuple[str, int] | None:
+        """(who, positions): the smallest number of positions the student or a teacher takes."""
         limits = {f"teacher {t!r}": self.teachers.welcome(t).max_positions for t in self.specs}
         limits["the student"] = getattr(self.model.config, "max_position_embeddings", 0) or 0
         limits = {who: n for who, n in limits.items() if n > 0}   # 0: a 2.0 server does not say
-        if not limits:
+        return min(limits.items(), key=lambda kv: kv[1]) if limits else None
+
+    def _fit_length(self, samples: list[Sample], path: str) -> list[Sample]:
+        """The samples whose prompt leaves room for rollout.max_new_tokens within
+        `self.length_limit`. A longer one would get TOO_LONG from its teacher when its batch
+        comes, hours into a run: refused here (run.on_data_error: stop), or dropped and said in
+        the card (skip)."""
+        if self.length_limit is None:
             return samples
-        who, limit = min(limits.items(), key=lambda kv: kv[1])
+        who, limit = self.length_limit
         room = limit - self.cfg.rollout.max_new_tokens
         lengths = [len(encode_prompt(self.tok, s.prompt)) for s in samples]
         long = [i for i, n in enumerate(lengths) if n > room]

@@ -332,7 +332,9 @@ def test_prompts_too_long_for_the_teacher_are_refused_or_left_out_at_load(setup)
             r"the 512 positions teacher 't' takes \(first: 'xxxx")
     with pytest.raises(TrainError, match=said):
         Trainer(_cfg(setup, "too_long", steps=1, **{"merge.datasets": datasets})).run()
-    Trainer(_cfg(setup, "too_long_skip", steps=1, **{"merge.datasets": datasets, "run.on_data_error": "skip"})).run()
+    skipping = Trainer(_cfg(setup, "too_long_skip", steps=1, **{"merge.datasets": datasets, "run.on_data_error": "skip"}))
+    skipping.run()
+    assert [len(s.prompt) < 600 for s in skipping.datasets["gen"]] == [True] * 6   # left out, not only said
     warnings = json.loads((root / "too_long_skip" / "card.json").read_text())["run"]["warnings"]
     assert any("1 of 7 prompts are longer than 500 tokens" in w and w.endswith("left out") for w in warnings)
 
