@@ -126,14 +126,13 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "plots", "model", "card.md", "card.json", "summary.json")
 
 
-def claim_run_dir(out: str | Path, *, resume: bool, overwrite: bool, resumable: bool = True) -> None:
+def claim_run_dir(out: str | Path, *, resume: bool, overwrite: bool) -> None:
     """Make sure a fresh run starts in a directory without an earlier run in it.
 
     Without this a fresh run deleted the earlier run's metrics.jsonl, wrote its checkpoints
     beside the earlier ones, and a crash before its first checkpoint left `--resume` to pick
     up the earlier run with the new config. A resumed run keeps everything; a fresh run into a
-    used directory is refused unless `overwrite`, which removes the earlier run's outputs.
-    resumable: the command has --resume (opd sft has not)."""
+    used directory is refused unless `overwrite`, which removes the earlier run's outputs."""
     if resume:
         return
     out = Path(out)
@@ -145,9 +144,8 @@ def claim_run_dir(out: str | Path, *, resume: bool, overwrite: bool, resumable: 
     if not found:
         return
     if not overwrite:
-        resume_hint = "pass --resume to continue it, " if resumable else "pass "
-        raise CheckpointError(f"{out} already holds a run ({', '.join(found)}); {resume_hint}--overwrite to "
-                              f"delete it and start again, or choose another out_dir")
+        raise CheckpointError(f"{out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
+                              f"--overwrite to delete it and start again, or choose another out_dir")
     for name in RUN_OUTPUTS:
         p = out / name
         if p.is_dir():

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:
-        resume = " (--resume continues from its last checkpoint)" if args.command in ("train", "rl") else ""
+        resume = " (--resume continues from its last checkpoint)" if args.command in ("train", "rl", "sft") else ""
         print(f"opd {args.command}: interrupted{resume}", file=sys.stderr)
         return 130
     except Exception as e:

@@ -7,6 +7,8 @@ tests, from a freshly initialised tiny Qwen2-style model (`tiny:`, see opd.tiny)
 
 Writes to `out_dir`:
     model/          the trained model + tokenizer (save_pretrained): what later stages load
+    checkpoints/    every `checkpoint_every` steps: weights, optimizer, RNG and data
+                    positions, so that `--resume` continues exactly where the run stopped
     metrics.jsonl   loss, lr, grad norm per logged step; eval loss per domain
     plots/*.png     the same, over steps
     card.md/.json   every setting that changes the result
@@ -15,6 +17,7 @@ Writes to `out_dir`:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
@@ -68,6 +71,9 @@ class SFTConfig:
     # logging
     log_every: int = field(10, help="write metrics every N steps", min=1)
     eval_every: int = field(0, help="eval loss every N steps (0: only at the end)", min=0)
+    checkpoint_every: int = field(0, help="checkpoint every N steps, for --resume (0: none; model/ is saved at "
+                                          "the end either way)", min=0)
+    keep_checkpoints: int = field(2, help="newest checkpoints kept on disk", min=1)
     threads: int = field(0, help="torch CPU threads (0: torch's default)", min=0)
 
     def __post_init__(self):
@@ -138,6 +144,16 @@ class MixtureSampler:
     def take(self, n: int) -> list:
         i = self.rng.choices(range(len(self.cyclers)), weights=self.weights, k=1)[0]
         return self.cyclers[i].take(n)
+
+    def state(self) -> dict:
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss], "cyclers": [c.state() for c in self.cyclers]}
+
+    def load_state(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        for c, st in zip(self.cyclers, state["cyclers"], strict=True):
+            c.load_state(st)
 
 
 # ----------------------------------------------------------------------------- training
@@ -216,19 +232,47 @@ def eval_loss(model, sets: list[list], pad_id: int, batch_size: int) -> list[flo
     return out
 
 
-def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False) -> Path:
-    """overwrite: replace an earlier run in out_dir (else it is refused: opd.checkpoint.claim_run_dir)."""
+# What a resumed run must share with the checkpointed one to continue it: another value of any
+# of these makes the checkpoint's weights, optimizer or data positions belong to another run.
+_SAME_RUN = ("model", "tiny", "train", "batch_size", "max_length", "seed")
+
+
+def _resume(out: Path, cfg: SFTConfig, model, opt, sampler) -> tuple[int, list[str]]:
+    """Load the newest checkpoint under OUT/checkpoints: (its step, the config keys changed since)."""
+    from opd.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+
+    ckpt = latest_checkpoint(out / "checkpoints")
+    if ckpt is None:
+        raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'} (set checkpoint_every "
+                              f"to write them)")
+    saved = json.loads((ckpt / "state.json").read_text())["config"]
+    now = to_dict(cfg)
+    changed = sorted(k for k in now if now[k] != saved.get(k))
+    clash = [k for k in changed if k in _SAME_RUN]
+    if clash:
+        raise CheckpointError(f"--resume: {ckpt} was written with other {', '.join(clash)} "
+                              f"({', '.join(f'{k}: {saved.get(k)!r}' for k in clash)}); it cannot continue "
+                              f"this config. Restore them, or start afresh with --overwrite")
+    state = load_checkpoint(ckpt, model=model, optimizer=opt)
+    sampler.load_state(state["sampler"])
+    return int(state["step"]), changed
+
+
+def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bool = False) -> Path:
+    """overwrite: replace an earlier run in out_dir (else it is refused: opd.checkpoint.claim_run_dir).
+    resume: continue from the newest checkpoint in OUT/checkpoints, drawing the batches and
+    dropout masks the uninterrupted run would have drawn."""
     import torch
     from tqdm import tqdm
 
     from opd.card import write_card
-    from opd.checkpoint import claim_run_dir, save_final_model
-    from opd.metrics import MetricsLogger, plot_metrics
+    from opd.checkpoint import claim_run_dir, save_checkpoint, save_final_model
+    from opd.metrics import MetricsLogger, plot_metrics, read_metrics
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = resolve(cfg_path, cfg.out_dir)
-    claim_run_dir(out, resume=False, overwrite=overwrite, resumable=False)
+    claim_run_dir(out, resume=resume, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -238,10 +282,11 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False) -> Path:
     eval_sets, eval_names = _load_sets(cfg_path, cfg.eval, tokenizer, cfg.max_length) if cfg.eval else ([], [])
     sampler = MixtureSampler(train_sets, [s.ratio for s in cfg.train], cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    log = MetricsLogger(out, tensorboard=False)
+    start, changed = _resume(out, cfg, model, opt, sampler) if resume else (0, [])
+    log = MetricsLogger(out, tensorboard=False, resume_step=start if resume else None)
     model.train()
     t0 = time.time()
-    bar = tqdm(range(cfg.steps), desc="sft", unit="step", dynamic_ncols=True)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="sft", unit="step", dynamic_ncols=True)
     for step in bar:
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
@@ -261,9 +306,14 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False) -> Path:
                 metrics[f"eval_loss/{name}"] = v
         if metrics:
             log.log(step + 1, metrics)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            save_checkpoint(out / "checkpoints", step + 1, model=model, optimizer=opt, keep=cfg.keep_checkpoints,
+                            state={"sampler": sampler.state(), "config": to_dict(cfg)})
     bar.close()
     log.close()
     elapsed = time.time() - t0
+    # The last step's row (always logged); after a resume it may come from the earlier session.
+    last = read_metrics(out / "metrics.jsonl")[-1]
     save_final_model(model, tokenizer, out / "model")
     plot_metrics(out, {"loss": ["loss", "eval_loss"], "lr": ["lr"], "grad_norm": ["grad_norm"]})
     n_params = sum(p.numel() for p in model.parameters())
@@ -276,9 +326,12 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False) -> Path:
                  for i, s in enumerate(cfg.train)},
         "optimisation": {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "schedule": cfg.schedule,
                          "warmup_steps": cfg.warmup_steps, "weight_decay": cfg.weight_decay,
-                         "grad_clip": cfg.grad_clip, "seed": cfg.seed},
-        "result": {"final_loss": loss.item(), "wall_s": round(elapsed, 1),
-                   **{f"eval_loss/{k}": v for k, v in metrics.items() if k.startswith("eval_loss/")}},
+                         "grad_clip": cfg.grad_clip, "seed": cfg.seed,
+                         "checkpoint_every": cfg.checkpoint_every or "never"},
+        "result": {"final_loss": last["loss"], "wall_s": round(elapsed, 1),
+                   **({"resumed_at_step": start, "changed_since_checkpoint": ", ".join(changed) or "nothing"}
+                      if resume else {}),
+                   **{k: v for k, v in last.items() if k.startswith("eval_loss/")}},
     })
     return out / "model"
 
@@ -290,9 +343,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("config", nargs="?", help="SFT config YAML (e.g. configs/demo/sft_base.yaml)")
     parser.add_argument("--describe", action="store_true", help="print every config key with its help and exit")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in out_dir from its newest checkpoint (see checkpoint_every)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh even if out_dir holds an earlier run: delete its metrics, plots, card and "
-                             "model first (without it such a run is refused)")
+                        help="start afresh even if out_dir holds an earlier run: delete its metrics, plots, card, "
+                             "checkpoints and model first (without it such a run is refused)")
     parser.epilog = ("Config keys (YAML; unknown keys are refused with file:line; relative paths are relative "
                      "to the config file):\n\n" + describe(SFTConfig, "  "))
 
@@ -301,12 +356,15 @@ def run(args: argparse.Namespace) -> int:
     if args.describe or not args.config:
         print(describe(SFTConfig))
         return 0 if args.describe else 2
+    if args.resume and args.overwrite:
+        print("opd sft: --resume continues the run in out_dir, --overwrite deletes it: pass one", file=sys.stderr)
+        return 2
     cfg_path = Path(args.config).resolve()
     try:
         cfg = load_yaml(cfg_path, SFTConfig)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model_dir = train(cfg, cfg_path, overwrite=args.overwrite)
+    model_dir = train(cfg, cfg_path, overwrite=args.overwrite, resume=args.resume)
     print(f"sft: model saved to {model_dir}")
     return 0

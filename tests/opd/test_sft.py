@@ -72,7 +72,8 @@ def test_short_run_lowers_eval_loss_and_saves_model(tmp_path, capsys):
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     capsys.readouterr()
     assert main(["sft", str(tmp_path / "sft.yaml")]) == 1
-    assert "already holds a run (metrics.jsonl, model/); pass --overwrite to delete it" in capsys.readouterr().err
+    assert "already holds a run (metrics.jsonl, model/); pass --resume to continue it, --overwrite" \
+        in capsys.readouterr().err
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
     assert main(["sft", str(tmp_path / "sft.yaml"), "--overwrite"]) == 0
     (tmp_path / "notok").mkdir()
@@ -82,3 +83,57 @@ def test_short_run_lowers_eval_loss_and_saves_model(tmp_path, capsys):
                                                 "model: notok").replace("out_dir: run", "out_dir: run2"))
     assert main(["sft", str(tmp_path / "sft.yaml")]) == 1
     assert "`model` " in (err := capsys.readouterr().err) and "notok: no tokenizer files (tokenizer.json" in err
+
+
+def test_an_interrupted_run_resumes_exactly(tmp_path, monkeypatch, capsys):
+    """Stopped after step 5 with a checkpoint at step 3, `--resume` ends with the weights and
+    metrics of the run that was never stopped: same batches from the two-set mixture, same
+    optimizer moments, the log past the checkpoint rewritten rather than repeated."""
+    import torch
+    from safetensors.torch import load_file
+
+    import opd.sft as sft
+    from opd.cli import main
+    from opd.data import write_jsonl
+    from opd.metrics import read_metrics
+
+    write_jsonl(tmp_path / "add.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 30)])
+    write_jsonl(tmp_path / "sub.jsonl", [{"prompt": f"{a}-1=", "response": str(a - 1)} for a in range(10, 30)])
+    base = ("tiny: {layers: 1, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}\n"
+            "train: [{path: add.jsonl, ratio: 1}, {path: sub.jsonl, ratio: 2}]\neval: [{path: add.jsonl}]\n"
+            "steps: 8\nbatch_size: 4\nlr: 0.01\nwarmup_steps: 2\nlog_every: 1\ncheckpoint_every: 3\nthreads: 1\n")
+    (tmp_path / "a.yaml").write_text("out_dir: a\n" + base)
+    (tmp_path / "b.yaml").write_text("out_dir: b\n" + base)
+    assert main(["sft", str(tmp_path / "a.yaml")]) == 0
+
+    real, calls = sft.response_loss, []
+
+    def stop_at_step_6(*args):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(sft, "response_loss", stop_at_step_6)
+    assert main(["sft", str(tmp_path / "b.yaml")]) == 130
+    assert "interrupted (--resume continues" in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    monkeypatch.setattr(sft, "response_loss", real)
+
+    # Mistakes first: both flags, or a setting that makes the checkpoint another run's.
+    assert main(["sft", str(tmp_path / "b.yaml"), "--resume", "--overwrite"]) == 2
+    (tmp_path / "b2.yaml").write_text("out_dir: b\n" + base.replace("batch_size: 4", "batch_size: 5"))
+    capsys.readouterr()
+    assert main(["sft", str(tmp_path / "b2.yaml"), "--resume"]) == 1
+    assert "written with other batch_size (batch_size: 4)" in capsys.readouterr().err
+
+    assert main(["sft", str(tmp_path / "b.yaml"), "--resume"]) == 0
+    rows_a = [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
+    rows_b = [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(tmp_path / "b" / "metrics.jsonl")]
+    assert [r["step"] for r in rows_b] == list(range(1, 9)) and rows_b == rows_a
+    wa = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    card = (tmp_path / "b" / "card.md").read_text()
+    assert "resumed_at_step" in card and "changed_since_checkpoint" in card
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step_*")) == ["step_000003", "step_000006"]
