@@ -97,11 +97,12 @@ def load_tokenizer(cfg):
     return tokenizer
 
 
-def load_student(cfg, seed: int):
-    """(model, tokenizer): full fine-tuning or a fresh peft LoRA adapter, in train mode."""
+def load_student(cfg, seed: int, tokenizer=None):
+    """(model, tokenizer): full fine-tuning or a fresh peft LoRA adapter, in train mode.
+    tokenizer: one already loaded by load_tokenizer(cfg), else it is loaded here."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = tokenizer or load_tokenizer(cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=TORCH_DTYPES[cfg.dtype]).to(cfg.device)
     if cfg.gradient_checkpointing:
@@ -161,14 +162,15 @@ class Trainer:
         claim_run_dir(self.out, resume=bool(self.resume), overwrite=self.overwrite)
         self.specs = {t.name: t for t in cfg.merge.teachers}
         # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
-        self.student_fp = tokenizer_fingerprint(load_tokenizer(cfg.student))
+        tokenizer = load_tokenizer(cfg.student)
+        self.student_fp = tokenizer_fingerprint(tokenizer)
         self.cfg = cfg = self.launched.start(cfg)
         self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.launched.cluster)
         if self.teachers.memory_note:
             print(f"warning: {self.teachers.memory_note}", flush=True)
             self.warnings.append(self.teachers.memory_note)
         torch.manual_seed(cfg.run.seed)
-        self.model, self.tok = load_student(cfg.student, cfg.run.seed)
+        self.model, self.tok = load_student(cfg.student, cfg.run.seed, tokenizer)
         if cfg.loss.fused_linear and not head_form(self.model).fusable:
             raise TrainError(f"loss.fused_linear: student {cfg.student.path}: {FUSED_REFUSED}")
         self.student_model_fp = model_fingerprint(cfg.student.path)
