@@ -3,7 +3,17 @@ pytest puts this folder, the one of the root conftest.py, on sys.path)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or a zombie nobody reaped (a container's init may not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def forward_logprobs(model, rollout) -> torch.Tensor:

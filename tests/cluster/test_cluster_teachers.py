@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from oracles import process_gone
 
 from opd.cluster import ClusterConfig, RayCluster, TeacherReplicas
 from opd.cluster_pool import FingerprintMismatch, ReplicaPool
@@ -83,3 +84,21 @@ def test_a_replica_with_another_model_is_refused(group, tiny_teacher_dir):
     with start_server_process(["--model", tiny_teacher_dir, "--name", "tiny", "--max-k", "8"]) as other:
         with pytest.raises(FingerprintMismatch, match="same model"):
             ReplicaPool([group.addresses()[0], other.address], timeout_s=20, heartbeat_s=0.3)
+
+
+def test_a_crashed_replica_actor_takes_its_server_along_and_ray_restarts_it(group):
+    # A server that outlived its actor would hold a GPU in a real run. Two things stop it: Ray
+    # kills a dead worker's children (Ray 2.60 does, even with its kill_child_processes_*
+    # settings off), and die_with_parent, Linux's SIGTERM when the launcher thread ends, which
+    # tests/teachers/test_launch.py checks on its own. Here: no server is left, and the
+    # actor Ray restarts serves again with a server of its own.
+    import ray
+
+    old = group.infos()[1]
+    ray.kill(group.actors[1], no_restart=False)   # like a crash: no stop(), no atexit
+    deadline = time.monotonic() + 60
+    while not process_gone(old["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_gone(old["pid"])
+    new = group.wait_until_up(180)[1]             # Ray restarts the actor (max_restarts), with a new server
+    assert new["pid"] != old["pid"] and new["model_fingerprint"] == old["model_fingerprint"]

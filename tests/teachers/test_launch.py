@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from oracles import process_gone
 
 from opd.teachers.launch import ForkUnsafe, fork_server
 
@@ -27,14 +28,6 @@ pytestmark = pytest.mark.timeout(180)
 def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=150,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie nobody reaped (a container's init may not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def test_forked_server_serves_reports_failures_and_stops(tiny_model_dir, tmp_path):
@@ -64,7 +57,7 @@ def test_forked_server_serves_reports_failures_and_stops(tiny_model_dir, tmp_pat
     assert "nowhere" in out["bad"]                     # the log's tail names what failed
     assert out["pid"] != out["parent"] and out["address"].startswith("tcp://127.0.0.1:")
     assert out["fp"] == out["welcome_fp"] and out["max_k"] == 8
-    assert out["code"] == 0 and _gone(out["pid"])
+    assert out["code"] == 0 and process_gone(out["pid"])
     log = (tmp_path / "good.log").read_text()
     assert "opd-teacher ready address=" + out["address"] in log and "opd-teacher stopped" in log
     # the child alone sees the GPUs it was given (cluster.teachers gpus)
@@ -87,9 +80,9 @@ def test_a_trainers_server_dies_with_it(tiny_model_dir, tmp_path, launch):
     child = int(proc.stdout.readline())
     assert proc.wait(timeout=120) == -signal.SIGKILL
     deadline = time.monotonic() + 30
-    while not _gone(child) and time.monotonic() < deadline:
+    while not process_gone(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _gone(child)
+    assert process_gone(child)
     if launch == "fork":
         assert "opd-teacher stopped" in (tmp_path / "t.log").read_text()   # SIGTERM: it drained and exited
 
