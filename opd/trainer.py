@@ -175,7 +175,6 @@ class Trainer:
             raise TrainError(f"loss.fused_linear: student {cfg.student.path}: {FUSED_REFUSED}")
         self.student_model_fp = model_fingerprint(cfg.student.path)
         self._load_data()
-        self._make_router()
         self.stop_ids = eos_ids(self.tok, getattr(self.model, "generation_config", None))
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
@@ -193,23 +192,33 @@ class Trainer:
         self.verify = _verifier()
 
     def _load_data(self) -> None:
+        """Load every prompt file, route each prompt once (a prompt no rule decides is found here,
+        not when its batch comes), and keep the prompts that fit their teachers (`_fit_length`)."""
+        from opd.routing.mixture import MixtureSampler
+        from opd.routing.router import RoutingError
+
         cfg = self.cfg
+        files: list[tuple[str, str, list[Sample], bool]] = []   # (domain, path, samples, held out)
+        self.data_reports = {}
+        for d in cfg.merge.datasets:
+            for path, held_out in ((d.path, False), (d.eval_path, True)):
+                if path:
+                    samples, self.data_reports[path] = load_jsonl(path, on_error=cfg.run.on_data_error,
+                                                                  default_domain=d.domain)
+                    files.append((d.domain, path, samples, held_out))
+        self._make_router({s.domain for *_, samples, _ in files for s in samples if s.domain})
+        self.routes: dict[int, Route] = {}   # id(sample) -> its route, for every sample kept
         self.datasets: dict[str, list[Sample]] = {}
         self.eval_sets: dict[str, list[Sample]] = {}
-        self.data_reports = {}
-        self.length_limit = self._length_limit()
-        for d in cfg.merge.datasets:
-            samples, report = load_jsonl(d.path, on_error=cfg.run.on_data_error, default_domain=d.domain)
-            self.datasets.setdefault(d.domain, []).extend(self._fit_length(samples, d.path))
-            self.data_reports[d.path] = report
-            if d.eval_path:
-                ev, report = load_jsonl(d.eval_path, on_error=cfg.run.on_data_error, default_domain=d.domain)
-                self.eval_sets.setdefault(d.domain, []).extend(self._fit_length(ev, d.eval_path))
-                self.data_reports[d.eval_path] = report
-        ratios = {d.domain: d.ratio for d in cfg.merge.datasets}
-        from opd.routing.mixture import MixtureSampler
-
-        self.sampler = MixtureSampler(self.datasets, ratios, seed=cfg.run.seed)
+        self.length_limits = self._length_limits()
+        for domain, path, samples, held_out in files:
+            try:
+                routes = [self._route(s) for s in samples]
+            except RoutingError as e:
+                raise TrainError(f"{path}: {e}") from None
+            kept = self._fit_length(samples, routes, path)
+            (self.eval_sets if held_out else self.datasets).setdefault(domain, []).extend(kept)
+        self.sampler = MixtureSampler(self.datasets, {d.domain: d.ratio for d in cfg.merge.datasets}, seed=cfg.run.seed)
         self.sft = None
         if cfg.merge.sft is not None:
             sft, report = load_jsonl(cfg.merge.sft.path, on_error=cfg.run.on_data_error)
@@ -221,63 +230,68 @@ class Trainer:
         for path, report in self.data_reports.items():  # run.on_data_error: skip; said once, kept in the card
             if report.skipped:
                 print(f"{path}: skipped {report.skipped} malformed lines (first: {report.errors[0]})", flush=True)
+        # Held-out prompts: round-robin over domains.
+        pools = [list(v) for v in self.eval_sets.values()]
+        picked: list[Sample] = []
+        while len(picked) < cfg.run.eval_prompts and any(pools):
+            for p in pools:
+                if p and len(picked) < cfg.run.eval_prompts:
+                    picked.append(p.pop(0))
+        self.eval_samples = picked
+        self.eval_routes = [self.routes[id(s)] for s in picked]
 
-    def _length_limit(self) -> tuple[str, int] | None:
-        """(who, positions): the smallest number of positions the student or a teacher takes."""
-        limits = {f"teacher {t!r}": self.teachers.welcome(t).max_positions for t in self.specs}
-        limits["the student"] = getattr(self.model.config, "max_position_embeddings", 0) or 0
-        limits = {who: n for who, n in limits.items() if n > 0}   # 0: a 2.0 server does not say
-        return min(limits.items(), key=lambda kv: kv[1]) if limits else None
+    def _length_limits(self) -> dict[str, int]:
+        """Positions each of the student and the teachers takes ("student" or the teacher's name;
+        one that does not say, a 2.0 server, is left out)."""
+        limits = {t: self.teachers.welcome(t).max_positions for t in self.specs}
+        limits["student"] = getattr(self.model.config, "max_position_embeddings", 0) or 0
+        return {who: n for who, n in limits.items() if n > 0}
 
-    def _fit_length(self, samples: list[Sample], path: str) -> list[Sample]:
-        """The samples whose prompt leaves room for rollout.max_new_tokens within
-        `self.length_limit`. A longer one would get TOO_LONG from its teacher when its batch
-        comes, hours into a run: refused here (run.on_data_error: stop), or dropped and said in
-        the card (skip)."""
-        if self.length_limit is None:
-            return samples
-        who, limit = self.length_limit
-        room = limit - self.cfg.rollout.max_new_tokens
-        lengths = [len(encode_prompt(self.tok, s.prompt)) for s in samples]
-        long = [i for i, n in enumerate(lengths) if n > room]
-        if not long:
-            return samples
-        msg = (f"{path}: {len(long)} of {len(samples)} prompts are longer than {room} tokens: with "
-               f"rollout.max_new_tokens {self.cfg.rollout.max_new_tokens} they exceed the {limit} positions "
-               f"{who} takes (first: {samples[long[0]].prompt[:60]!r}, {lengths[long[0]]} tokens)")
-        if len(long) == len(samples):
-            raise TrainError(f"{msg}: no prompt of the file fits; shorten them or lower rollout.max_new_tokens")
-        if self.cfg.run.on_data_error == "stop":
-            raise TrainError(f"{msg}; shorten them, lower rollout.max_new_tokens, or set run.on_data_error: skip "
-                             f"to leave them out")
-        print(f"warning: {msg}; left out (run.on_data_error: skip)", flush=True)
-        self.warnings.append(f"{msg}; left out")
+    def _fit_length(self, samples: list[Sample], routes: list[Route], path: str) -> list[Sample]:
+        """The samples whose prompt leaves room for rollout.max_new_tokens within the positions
+        of the student and of the teachers the sample is routed to, each with its route kept in
+        `self.routes`. A longer one would get TOO_LONG from its teacher when its batch comes,
+        hours into a run: refused here (run.on_data_error: stop), or dropped and said in the
+        card (skip)."""
+        def limit(route: Route) -> tuple[str, int] | None:
+            named = {who: n for who, n in self.length_limits.items() if who == "student" or who in route.weights}
+            who, n = min(named.items(), key=lambda kv: kv[1], default=(None, 0))
+            return None if who is None else ("the student" if who == "student" else f"teacher {who!r}", n)
+
+        new = self.cfg.rollout.max_new_tokens
+        limits = [limit(r) for r in routes]
+        lengths = [len(encode_prompt(self.tok, s.prompt)) if lim else 0 for s, lim in zip(samples, limits)]
+        long = [i for i, (n, lim) in enumerate(zip(lengths, limits)) if lim and n > lim[1] - new]
+        if long:
+            who, n = limits[long[0]]
+            msg = (f"{path}: {len(long)} of {len(samples)} prompts leave no room for rollout.max_new_tokens ({new}) "
+                   f"within the positions their teacher or the student takes (first: "
+                   f"{samples[long[0]].prompt[:60]!r}, {lengths[long[0]]} tokens; {who} takes {n})")
+            if len(long) == len(samples):
+                raise TrainError(f"{msg}: no prompt of the file fits; shorten them or lower rollout.max_new_tokens")
+            if self.cfg.run.on_data_error == "stop":
+                raise TrainError(f"{msg}; shorten them, lower rollout.max_new_tokens, or set run.on_data_error: "
+                                 f"skip to leave them out")
+            print(f"warning: {msg}; left out (run.on_data_error: skip)", flush=True)
+            self.warnings.append(f"{msg}; left out")
         drop = set(long)
-        return [s for i, s in enumerate(samples) if i not in drop]
+        kept = [(s, r) for i, (s, r) in enumerate(zip(samples, routes)) if i not in drop]
+        self.routes.update((id(s), r) for s, r in kept)   # kept samples live for the run: their ids stay theirs
+        return [s for s, _ in kept]
 
-    def _make_router(self) -> None:
+    def _make_router(self, sample_domains: set[str]) -> None:
         from opd.routing.router import Router
 
         merge = self.cfg.merge
         # A misspelt domain in these maps would silently weigh nothing: name the run's domains.
         known = ({d.domain for d in merge.datasets} | {r.domain for r in merge.routing.rules if r.domain}
-                 | {s.domain for v in (*self.datasets.values(), *self.eval_sets.values()) for s in v if s.domain}
-                 | {d for t in merge.teachers for d in t.domains} | {t.name for t in merge.teachers})
+                 | sample_domains | {d for t in merge.teachers for d in t.domains} | {t.name for t in merge.teachers})
         for key, mapping in (("merge.domain_weights", merge.domain_weights),
                              ("merge.routing.pass_rates", merge.routing.pass_rates)):
             unknown = sorted(set(mapping) - known)
             if unknown:
                 raise TrainError(f"{key}: {unknown} is not a domain of this run (its domains: {sorted(known)})")
         self.router = Router(merge.routing, merge.teachers, self.base_dir)
-        # Held-out prompts: round-robin over domains, routed once here rather than at every evaluation.
-        pools = [list(v) for v in self.eval_sets.values()]
-        picked: list[Sample] = []
-        while len(picked) < self.cfg.run.eval_prompts and any(pools):
-            for p in pools:
-                if p and len(picked) < self.cfg.run.eval_prompts:
-                    picked.append(p.pop(0))
-        self.eval_samples = picked
-        self.eval_routes = [self._route(s) for s in picked]
 
     def _route(self, sample: Sample) -> Route:
         r = self.router.route(sample)
@@ -337,7 +351,7 @@ class Trainer:
     def _sample_batch(self) -> Batch:
         r = self.cfg.rollout
         samples = self.sampler.sample(r.prompts_per_step)
-        routes = [self._route(s) for s in samples]
+        routes = [self.routes[id(s)] for s in samples]
         prompts = [encode_prompt(self.tok, s.prompt) for s in samples]
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                 n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches)

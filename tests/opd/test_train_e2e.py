@@ -328,15 +328,52 @@ def test_prompts_too_long_for_the_teacher_are_refused_or_left_out_at_load(setup)
     root = setup["root"]
     write_jsonl(root / "long.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(6)] + [{"prompt": "x" * 600}])
     datasets = [{"domain": "gen", "path": str(root / "long.jsonl")}]
-    said = (r"long.jsonl: 1 of 7 prompts are longer than 500 tokens: with rollout.max_new_tokens 12 they exceed "
-            r"the 512 positions teacher 't' takes \(first: 'xxxx")
+    said = (r"long.jsonl: 1 of 7 prompts leave no room for rollout.max_new_tokens \(12\) within the positions their "
+            r"teacher or the student takes \(first: 'xxxx.*', 600 tokens; teacher 't' takes 512\)")
     with pytest.raises(TrainError, match=said):
         Trainer(_cfg(setup, "too_long", steps=1, **{"merge.datasets": datasets})).run()
     skipping = Trainer(_cfg(setup, "too_long_skip", steps=1, **{"merge.datasets": datasets, "run.on_data_error": "skip"}))
     skipping.run()
     assert [len(s.prompt) < 600 for s in skipping.datasets["gen"]] == [True] * 6   # left out, not only said
     warnings = json.loads((root / "too_long_skip" / "card.json").read_text())["run"]["warnings"]
-    assert any("1 of 7 prompts are longer than 500 tokens" in w and w.endswith("left out") for w in warnings)
+    assert any("1 of 7 prompts leave no room" in w and w.endswith("left out") for w in warnings)
+
+
+def test_each_prompt_is_held_to_the_teacher_it_is_routed_to_and_unrouted_prompts_are_found_at_load(setup):
+    # With two teachers of different context lengths, a long prompt of the long teacher's domain
+    # was refused by the short teacher's limit, which never sees it.
+    from opd.teachers.launch import start_server_process
+
+    root = setup["root"]
+    write_jsonl(root / "gen_long.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(4)] + [{"prompt": "y" * 300}])
+    write_jsonl(root / "math_short.jsonl", [{"prompt": f"{i}+{i}="} for i in range(4)])
+    with start_server_process(["--model", str(setup["student"]), "--max-k", "16", "--name", "short",
+                               "--max-positions", "128"]) as short:
+        teachers = [{"name": "t", "address": setup["address"], "k": 8, "domains": ["gen"]},
+                    {"name": "short", "address": short.address, "k": 8, "domains": ["math"]}]
+        datasets = [{"domain": "gen", "path": str(root / "gen_long.jsonl")},
+                    {"domain": "math", "path": str(root / "math_short.jsonl")}]
+        rules = [{"kind": "domain_field"}]
+        over = {"merge.teachers": teachers, "merge.datasets": datasets, "merge.routing.rules": rules}
+        trainer = Trainer(_cfg(setup, "two_limits", steps=1, **over))
+        trainer.run()
+        assert len(trainer.datasets["gen"]) == 5 and len(trainer.datasets["math"]) == 4
+        assert {trainer.routes[id(s)].domain for s in trainer.datasets["math"]} == {"math"}
+
+        # The same long prompt in the short teacher's domain is refused, naming that teacher.
+        write_jsonl(root / "math_long.jsonl", [{"prompt": f"{i}+{i}="} for i in range(4)] + [{"prompt": "y" * 300}])
+        over["merge.datasets"] = [datasets[0], {"domain": "math", "path": str(root / "math_long.jsonl")}]
+        with pytest.raises(TrainError, match=r"math_long.jsonl: 1 of 5 .*300 tokens; teacher 'short' takes 128\)"):
+            Trainer(_cfg(setup, "two_limits_refused", steps=1, **over)).run()
+
+        # A prompt that no rule routes stopped the run when its batch came; now before any step.
+        over["merge.datasets"] = datasets
+        over["merge.routing.rules"] = [{"kind": "pattern", "patterns": ["^q", "^y"], "teacher": "t"},
+                                       {"kind": "pattern", "patterns": ["=$"], "teacher": "short"}]
+        write_jsonl(root / "math_short.jsonl", [{"prompt": f"{i}+{i}="} for i in range(4)] + [{"prompt": "hello"}])
+        with pytest.raises(TrainError, match=r"math_short.jsonl: no routing rule decided sample .*'hello'"):
+            Trainer(_cfg(setup, "unrouted", steps=1, **over)).run()
+        assert not (root / "unrouted" / "metrics.jsonl").exists()
 
 
 def test_a_misspelt_domain_in_domain_weights_is_refused(setup):
