@@ -79,7 +79,8 @@ class SandboxResult:
     def reward(self) -> float:
         if self.status in ("timeout", "crash") or self.total == 0:
             return 0.0
-        return self.passed / self.total
+        # The share of tests passed, 0..1 (_parse_results already keeps passed <= total).
+        return min(1.0, max(0.0, self.passed / self.total))
 
 
 _BOOTSTRAP = Path(__file__).with_name("_sandbox_child.py")
@@ -110,9 +111,20 @@ def _site_packages() -> list[str]:
     return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
 
 
+def _is_count(value) -> bool:
+    """A plain non-negative int (json gives bools and floats too, and int(0.5) would be 0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _parse_results(raw: str, token: str) -> tuple[dict[int, tuple[bool, str]], dict | None]:
-    tests: dict[int, tuple[bool, str]] = {}
-    done = None
+    """The harness's result lines: per-test results by index, and its final `done` line.
+
+    A line the solution wrote with the token (it can find it, see the module docstring) must
+    not score above the harness: only indices 0 <= index < total count, each once (the first
+    line wins), so `passed` never exceeds `total`. Without a `done` line nothing is filtered
+    (the run scores 0 anyway).
+    """
+    messages = []
     for line in raw.splitlines():
         parts = line.split(" ", 1)
         if len(parts) != 2 or parts[0] != token:
@@ -121,10 +133,17 @@ def _parse_results(raw: str, token: str) -> tuple[dict[int, tuple[bool, str]], d
             msg = json.loads(parts[1])
         except json.JSONDecodeError:
             continue
-        if msg.get("kind") == "test" and msg.get("index") not in tests:
-            tests[int(msg["index"])] = (bool(msg["ok"]), str(msg.get("error", "")))
-        elif msg.get("kind") == "done" and done is None:
-            done = msg
+        if isinstance(msg, dict):
+            messages.append(msg)
+    done = next((m for m in messages if m.get("kind") == "done" and _is_count(m.get("total"))), None)
+    tests: dict[int, tuple[bool, str]] = {}
+    for msg in messages:
+        index = msg.get("index")
+        if msg.get("kind") != "test" or not _is_count(index) or index in tests:
+            continue
+        if done is not None and index >= done["total"]:
+            continue
+        tests[index] = (msg.get("ok") is True, str(msg.get("error", "")))
     return tests, done
 
 

@@ -3,13 +3,16 @@
 Also part of the reliability/security scope (issue 10): these are the limits it relies on.
 """
 
+import json
 import os
 import time
 import uuid
 
 import pytest
 
-from opd.rl.rewards.sandbox import SandboxLimits, _drop_to_nobody, run_many, run_tests
+from opd.data import Sample
+from opd.rl.rewards.code import code_reward
+from opd.rl.rewards.sandbox import SandboxLimits, SandboxResult, _drop_to_nobody, _parse_results, run_many, run_tests
 
 TESTS = "assert add(1, 2) == 3\nassert add(2, 2) == 4\n"
 GOOD = "def add(a, b):\n    return a + b\n"
@@ -126,3 +129,34 @@ def test_run_many_in_parallel_keeps_order():
 def test_installed_libraries_still_import():
     code = "import numpy as np\ndef add(a, b):\n    return int(np.add(a, b))\n"
     assert run_tests(code, TESTS, LIMITS).reward == 1.0
+
+
+# The solution finds the harness's emit function (and so the token) on its own stack: the
+# module docstring says so. Its result lines must still not push the reward past 1.
+FORGE_EXTRA = ("import sys\nemit = sys._getframe(1).f_locals['emit']\n"
+               "for i in [*range(1000, 1005), -1, 0.5, True, '1']:\n"
+               "    emit({'kind': 'test', 'index': i, 'ok': True, 'error': ''})\n"
+               "def add(a, b):\n    return a - b\n")
+
+
+def test_forged_extra_test_lines_cannot_raise_the_reward_above_the_share_passed():
+    r = run_tests(FORGE_EXTRA, TESTS, LIMITS)
+    # both asserts fail for a - b; the forged lines used to count (reward 4.0)
+    assert (r.passed, r.total, r.status, r.reward) == (0, 2, "ok", 0.0)
+    assert code_reward(Sample(prompt="add", tests=TESTS), "```python\n" + FORGE_EXTRA + "```") == 0.0
+
+
+def test_result_lines_count_once_per_index_below_total():
+    line = lambda msg: "tok " + json.dumps(msg)   # noqa: E731
+    raw = "\n".join([line({"kind": "test", "index": 0, "ok": False, "error": "AssertionError"}),
+                     line({"kind": "test", "index": 0, "ok": True}),        # a second line for index 0
+                     line({"kind": "test", "index": 1, "ok": "yes"}),       # ok must be the JSON true
+                     line({"kind": "test", "index": 2, "ok": True}),        # index >= total
+                     line({"kind": "test", "index": None, "ok": True}),     # no index
+                     line([1, 2]), "other 3 {}",                            # not a result line
+                     line({"kind": "done", "total": "2"}),                  # total must be an int
+                     line({"kind": "done", "total": 2})])
+    tests, done = _parse_results(raw, "tok")
+    assert tests == {0: (False, "AssertionError"), 1: (False, "")}
+    assert done == {"kind": "done", "total": 2}
+    assert SandboxResult(5, 2, "ok", 0.1).reward == 1.0    # capped even if a count ever got through
