@@ -12,6 +12,7 @@ than approximated).
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
@@ -97,11 +98,24 @@ class TeacherBackend(abc.ABC):
         pass
 
 
-def tail_logmass_from_topk(topk_logprobs: torch.Tensor) -> torch.Tensor:
+# The smallest tail an fp32 log-softmax resolves: below half an ulp of 1 (2**-24), 1 + tail
+# rounds to 1, the top token's log-prob to 0 and the top k sum to 1.
+FP32_TAIL_LOGMASS = math.log(2.0 ** -24)   # -16.64 nats
+
+
+def tail_logmass_from_topk(topk_logprobs: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """log(1 - sum_j exp(lp_j)) per row, stably, for backends that only see the top k.
 
     With s = logsumexp(lp) <= 0 the tail is log(-expm1(s)); -expm1 keeps precision when
-    the top k hold almost all the mass. Clamped so rounding (s > 0) gives -inf, not NaN.
+    the top k hold almost all the mass. A top k that spans the vocabulary has no tail (-inf).
+    Otherwise a tail under FP32_TAIL_LOGMASS is below what the teacher's fp32 log-softmax
+    resolves (a peaked teacher's top token comes back as log-prob 0 and the formula gives
+    log 0): it lies somewhere in [0, 2**-24] and is reported as 2**-24, its upper bound.
+    -inf there made reverse KL infinite, S·(log S - log T) with T = 0, and its gradient NaN,
+    for a tail that is only too small for fp32.
     """
     s = torch.logsumexp(topk_logprobs.float(), dim=-1).clamp(max=0.0)
-    return torch.log(-torch.expm1(s))
+    tail = torch.log(-torch.expm1(s))
+    if topk_logprobs.shape[-1] >= vocab_size:
+        return torch.full_like(tail, -math.inf)
+    return tail.clamp(min=FP32_TAIL_LOGMASS)

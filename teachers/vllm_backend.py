@@ -21,7 +21,8 @@ approximated): full-vocabulary mode, temperature != 1 (vLLM does not apply the s
 temperature to prompt log-probabilities, and log_softmax(z / T) cannot be recovered from
 the top k of log_softmax(z)), and the log-sum-exp of the logits, which vLLM does not
 expose: `lse` is NaN in every answer. The tail mass is computed from the top k
-(`tail_logmass_from_topk`), which is exact up to fp32 rounding.
+(`tail_logmass_from_topk`), which is exact up to fp32 rounding (a tail below 2**-24, which
+fp32 does not resolve, is reported as 2**-24).
 """
 
 from __future__ import annotations
@@ -104,8 +105,7 @@ class VLLMBackend(TeacherBackend):
             parts[r].append((ids[s - 1:], lps[s - 1:]))  # array row p - 1 is position p
         return [self._answer(req, p) for req, p in zip(reqs, parts)]
 
-    @staticmethod
-    def _answer(req: ScoreRequest, parts: list[tuple[np.ndarray, np.ndarray]]) -> TopKAnswer:
+    def _answer(self, req: ScoreRequest, parts: list[tuple[np.ndarray, np.ndarray]]) -> TopKAnswer:
         k = req.k
         ids = torch.from_numpy(np.concatenate([p[0] for p in parts])) if parts else torch.zeros(0, k + 1, dtype=torch.int64)
         lps = torch.from_numpy(np.concatenate([p[1] for p in parts])) if parts else torch.zeros(0, k + 1)
@@ -113,7 +113,7 @@ class VLLMBackend(TeacherBackend):
         return TopKAnswer(
             ids=ids[:, 1:].int().contiguous(),
             logprobs=top_lp.contiguous(),
-            tail_logmass=tail_logmass_from_topk(top_lp),
+            tail_logmass=tail_logmass_from_topk(top_lp, self.vocab_size),
             token_logprob=lps[:, 0].float().contiguous(),
             lse=torch.full((len(lps),), float("nan")),   # vLLM does not expose it
         )
