@@ -137,6 +137,22 @@ def response_logits(model, batch: Batch) -> torch.Tensor:
     return out.logits[:, batch.start - 1:batch.start - 1 + T]
 
 
+# The rewards that verify an answer (1 = correct, 0 = wrong; code: the share of tests passed).
+VERIFIERS = ("math", "code")
+
+
+def verifier_verdict(parts: dict[str, list[float]], shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(correct, wrong) per response from the verifier rewards' own values, or None when no
+    verifier is configured (then rewards alone cannot say right from wrong). A response is
+    correct when a verifier scores it 1 and wrong when every verifier scores it 0: with math
+    and code both configured, a row of one domain scores 0 on the other's verifier."""
+    values = [torch.tensor(v, dtype=torch.float32) for k, v in parts.items() if k.split("#")[0] in VERIFIERS]
+    if not values:
+        return None
+    best_P_G = torch.stack(values).max(dim=0).values.view(shape)
+    return best_P_G >= 1.0, best_P_G <= 0.0
+
+
 # ---- the trainer --------------------------------------------------------------------------
 
 class GRPOTrainer:
@@ -360,19 +376,17 @@ class GRPOTrainer:
 
     def step_metrics(self, rewards_P_G: torch.Tensor, parts: dict, rollouts_B, upd: dict) -> dict:
         flat_P = grpo.equal_groups(rewards_P_G)
-        lo, hi = float(rewards_P_G.min()), float(rewards_P_G.max())
-        value_P = rewards_P_G[:, 0]
-        if hi > lo:   # flat groups at the batch's best / worst reward
-            top_P, bottom_P = flat_P & (value_P == hi), flat_P & (value_P == lo)
-        else:         # every group flat at one value: "top" if it earned anything
-            top_P, bottom_P = flat_P & (hi > 0), flat_P & (hi <= 0)
+        verdict = verifier_verdict(parts, rewards_P_G.shape)
         lengths = torch.tensor([len(r.response_ids) for r in rollouts_B], dtype=torch.float32)
         m = {"reward/mean": float(rewards_P_G.mean()),
              "reward/group_std": float(rewards_P_G.std(dim=1).mean()) if rewards_P_G.shape[1] > 1 else 0.0,
              "groups/all_equal": float(flat_P.float().mean()),
-             "groups/all_top": float(top_P.float().mean()), "groups/all_bottom": float(bottom_P.float().mean()),
              "length/mean": float(lengths.mean()), "length/max": float(lengths.max()),
              "length/truncated": float(sum(r.finish_reason == "length" for r in rollouts_B) / len(rollouts_B))}
+        if verdict is not None:   # flat groups the verifier scores all correct / all wrong
+            correct_P_G, wrong_P_G = verdict
+            m["groups/all_top"] = float((flat_P & correct_P_G.all(dim=1)).float().mean())
+            m["groups/all_bottom"] = float((flat_P & wrong_P_G.all(dim=1)).float().mean())
         for name, vals in parts.items():
             m[f"reward/{name}"] = sum(vals) / len(vals)
         m.update(upd)
@@ -383,11 +397,16 @@ class GRPOTrainer:
         if share <= self.cfg.run.flat_warning or step - self.last_flat_warning < 10:
             return
         self.last_flat_warning = step
-        top, bottom = m["groups/all_top"], m["groups/all_bottom"]
+        # Correct / wrong as the verifier says, not the batch's best / worst reward: with a
+        # format bonus, a batch of well-formatted wrong answers is flat at its own maximum.
+        top, bottom = m.get("groups/all_top", 0.0), m.get("groups/all_bottom", 0.0)
+        counts = f"{top:.0%} of groups are all-correct and {bottom:.0%} all-wrong by the verifier"
         if top >= bottom and top > 0:
-            why = "most groups are all-correct: the data are too easy for this model"
+            why = f"{counts}: the data are too easy for this model"
         elif bottom > 0:
-            why = "most groups are all-wrong: the data are too hard for this model (or the answer format is unknown to it)"
+            why = f"{counts}: the data are too hard for this model (or the answer format is unknown to it)"
+        elif "groups/all_top" in m:
+            why = f"{counts} (the responses of a group get the same partial score or shaping reward)"
         else:
             why = "responses in a group get identical rewards"
         tqdm.write(f"[opd rl] warning at step {step + 1}: {share:.0%} of groups got the same reward for all "
