@@ -41,8 +41,9 @@ IMPLS = ("auto", "triton", "torch", "reference")
 class TopKTeacher(NamedTuple):
     """A teacher answer as the server sends it (teachers/protocol.py `TopK`).
 
-    ids [N, k] int (distinct within a row), logprobs [N, k] fp32 (already at the serving
-    temperature), tail_logmass [N] fp32 = log(1 - sum_j exp(logprobs_j)), may be -inf.
+    ids [N, k] int (distinct within a row; in [0, vocab_size), others raise ValueError),
+    logprobs [N, k] fp32 (already at the serving temperature), tail_logmass [N] fp32 =
+    log(1 - sum_j exp(logprobs_j)), may be -inf.
     """
 
     ids: torch.Tensor
@@ -192,11 +193,22 @@ def _reduce(rows: torch.Tensor, mask: torch.Tensor | None, temperature: float,
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
-def _check_teacher(teacher, n_rows: int, n_cols: int):
+def _check_teacher(teacher, n_rows: int, n_cols: int, vocab_size: int):
+    """Shapes, and top-k ids in [0, vocab_size): every implementation is dispatched after this.
+
+    An id in the padding columns would read the raw padding logit as a probability (bucket
+    masses no longer sum to 1, the "KL" can go negative); one past the logits or negative
+    indexes out of bounds (a device assert on CUDA). One min/max, one host sync.
+    """
     if isinstance(teacher, TopKTeacher):
         if teacher.ids.shape[0] != n_rows or teacher.ids.shape != teacher.logprobs.shape:
             raise ValueError(f"top-k teacher ids {tuple(teacher.ids.shape)} / logprobs "
                              f"{tuple(teacher.logprobs.shape)} do not match {n_rows} rows")
+        if teacher.ids.numel():
+            lo, hi = torch.stack(torch.aminmax(teacher.ids.long())).tolist()
+            if lo < 0 or hi >= vocab_size:
+                raise ValueError(f"top-k teacher ids must be in [0, {vocab_size}) (the vocabulary), "
+                                 f"got ids from {lo} to {hi}")
         return TopKTeacher(teacher.ids.long(), teacher.logprobs.detach().float(),
                            teacher.tail_logmass.detach().float())
     if teacher.shape != (n_rows, n_cols):
@@ -229,7 +241,7 @@ def distill_loss(student_logits: torch.Tensor, teacher, *, beta: float = 0.0,
     """
     n_rows, n_cols = student_logits.shape
     opts = _options(beta, temperature, vocab_size, n_cols)
-    teacher = _check_teacher(teacher, n_rows, n_cols)
+    teacher = _check_teacher(teacher, n_rows, n_cols, opts.vocab_size)
     mask = None if mask is None else mask.to(device=student_logits.device, dtype=torch.bool)
     rows = _backend(impl, student_logits.device).distill_rows(student_logits, teacher, mask, opts)
     return _reduce(rows, mask, opts.temperature, scale_by_t2, reduction)
@@ -252,7 +264,7 @@ def fused_linear_distill_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor
     if hidden.shape[1] != lm_head_weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(lm_head_weight.shape)} disagree on H")
     opts = _options(beta, temperature, vocab_size, n_cols)
-    teacher = _check_teacher(teacher, n_rows, n_cols)
+    teacher = _check_teacher(teacher, n_rows, n_cols, opts.vocab_size)
     mask = None if mask is None else mask.to(device=hidden.device, dtype=torch.bool)
     rows = _backend(impl, hidden.device).fused_linear_rows(hidden, lm_head_weight, teacher, mask, opts)
     return _reduce(rows, mask, opts.temperature, scale_by_t2, reduction)

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from kernels_cases import Case, check  # noqa: E402
 
-from opd.kernels import TopKTeacher, distill_loss, sampled_token_reverse_kl  # noqa: E402
+from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl  # noqa: E402
 from opd.kernels import chunked  # noqa: E402
 
 
@@ -148,3 +148,25 @@ def test_minus_inf_student_logits(beta):
         assert ref[1] == float("inf") and got[1] == float("inf")
     else:
         assert torch.isfinite(ref[1]) and got[1] == pytest.approx(float(ref[1]), rel=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["torch", "reference", "triton"])
+@pytest.mark.parametrize("bad_id,vocab_size", [(11, 10), (12, None), (-1, None)])
+def test_topk_ids_outside_the_vocabulary_are_refused(impl, bad_id, vocab_size):
+    # An id in the LM-head padding (11 with vocab_size=10) used to take the raw padding logit
+    # as the student's probability there: bucket masses summed to 16.3 and the "KL" came out
+    # negative. One past the logits (12) or negative wraps or reads out of bounds. The check
+    # runs before any implementation is chosen, so "triton" gives the same error (no Triton
+    # needed to see it).
+    s = torch.randn(2, 12)
+    ids = torch.tensor([[0, 1, bad_id], [2, 3, 4]])
+    lp = torch.log(torch.tensor([[0.3, 0.2, 0.1]] * 2))
+    teacher = TopKTeacher(ids, lp, torch.log1p(-lp.exp().sum(-1)))
+    with pytest.raises(ValueError, match=r"top-k teacher ids must be in \[0, %d\)" % (vocab_size or 12)):
+        distill_loss(s, teacher, vocab_size=vocab_size, impl=impl)
+    with pytest.raises(ValueError, match="top-k teacher ids"):
+        fused_linear_distill_loss(torch.randn(2, 3), torch.randn(12, 3), teacher,
+                                  vocab_size=vocab_size, impl=impl)
+    # In range at the edges (0 and vocab_size - 1) is accepted.
+    ok = TopKTeacher(torch.tensor([[0, 1, (vocab_size or 12) - 1], [2, 3, 4]]), lp, teacher.tail_logmass)
+    assert torch.isfinite(distill_loss(s, ok, vocab_size=vocab_size, impl="torch"))
