@@ -48,6 +48,8 @@ from opd.train_teachers import Answer, TeacherSet, TrainError
 
 __all__ = ["Batch", "Route", "Trainer", "TrainError"]
 
+MAX_NONFINITE_IN_A_ROW = 3   # steps skipped for a NaN/inf gradient before the run stops
+
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -146,6 +148,7 @@ class Trainer:
         self.resume = resume
         self.overwrite = overwrite
         self.version = 0          # optimizer steps taken
+        self.nonfinite_in_a_row = 0   # steps skipped for a NaN/inf gradient, in a row
         self.step = 0
         self.batches = 0          # batches drawn
         self.staleness: list[int] = []
@@ -328,7 +331,8 @@ class Trainer:
         at = lr_lambda(self.cfg.optim, self.cfg.run.steps)(self.scheduler.last_epoch)
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * at
-        self.step = self.version = state["step"]
+        self.step = state["step"]
+        self.version = state.get("version", self.step)   # fewer than steps when a step was skipped
         self.batches = state["batches"]
         self.sampler.load_state(state["sampler"])
         if self.sft is not None and state.get("sft") is not None:
@@ -577,14 +581,20 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0
                                                        else float("inf"))
             sums["lr"] = self.optimizer.param_groups[0]["lr"]   # the rate this step used, not the next one
-            self.optimizer.step()
+            finite = bool(torch.isfinite(grad_norm))
+            if finite:
+                self.optimizer.step()
+                self.version += 1
+                self.nonfinite_in_a_row = 0
+            else:   # AdamW would write NaN into every weight: the step is skipped, its batch spent
+                self._skip_nonfinite_step(sums["loss"], domain_loss)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.version += 1
             self.step += 1
-            self.engine.sync_weights(self.model)
-            for d, v in domain_loss.items():  # running-mean multipliers for the next step
-                self.multipliers[d] = self.normalizer.scale(d, v)
+            if finite:
+                self.engine.sync_weights(self.model)
+                for d, v in domain_loss.items():  # running-mean multipliers for the next step
+                    self.multipliers[d] = self.normalizer.scale(d, v)
             self.staleness += stale
             elapsed = time.perf_counter() - t_step
             row = self._step_metrics(sums, tally, latencies, stale, grad_norm, elapsed, sft_losses)
@@ -622,6 +632,21 @@ class Trainer:
             skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
                            for p, r in self.data_reports.items() if r.skipped})
         return {"step": self.step, "evals": self.evals, "out_dir": str(self.out)}
+
+    def _skip_nonfinite_step(self, loss: float, domain_loss: dict[str, float]) -> None:
+        """A step whose gradient is NaN or inf (a teacher answer no divergence can take, a loss
+        that overflowed) leaves the weights as they were, said once per step in the card;
+        MAX_NONFINITE_IN_A_ROW such steps in a row stop the run: something persists."""
+        self.nonfinite_in_a_row += 1
+        bad = {d: v for d, v in domain_loss.items() if not math.isfinite(v)}
+        msg = (f"step {self.step + 1}: the gradient is not finite (loss {loss:.4g}"
+               f"{f', from domain {sorted(bad)}' if bad else ''}); the step was skipped, the weights are unchanged")
+        print(f"warning: {msg}", flush=True)
+        self.warnings.append(msg)
+        if self.nonfinite_in_a_row >= MAX_NONFINITE_IN_A_ROW:
+            raise TrainError(f"{self.nonfinite_in_a_row} steps in a row had a gradient that is not finite (the "
+                             f"last: {msg}); stopping. Check the domain's teachers (probe them with `opd probe`), "
+                             f"optim.lr, and student.dtype; --resume continues from the last checkpoint")
 
     def _step_metrics(self, sums, tally: DomainTally, latencies, stale, grad_norm, elapsed, sft_losses) -> dict:
         cfg = self.cfg
@@ -740,7 +765,7 @@ class Trainer:
 
     # -- checkpoint and card ----------------------------------------------------------------
     def _checkpoint(self) -> Path:
-        state = {"batches": self.batches, "sampler": self.sampler.state(),
+        state = {"batches": self.batches, "version": self.version, "sampler": self.sampler.state(),
                  "sft": self.sft.state() if self.sft is not None else None,
                  "normalizer": self.normalizer.state(), "multipliers": self.multipliers,
                  "staleness": self.staleness, "teacher_samples": self.teacher_samples,

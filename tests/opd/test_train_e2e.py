@@ -376,6 +376,60 @@ def test_each_prompt_is_held_to_the_teacher_it_is_routed_to_and_unrouted_prompts
         assert not (root / "unrouted" / "metrics.jsonl").exists()
 
 
+def test_a_step_with_a_nonfinite_gradient_is_skipped_and_three_in_a_row_stop_the_run(setup):
+    # AdamW wrote the NaN of one bad step into every weight; the run then trained on, or died in
+    # the loss normaliser a step later, with the weights already lost.
+    trainer = Trainer(_cfg(setup, "nonfinite", steps=4))
+    trainer.setup()
+    real, calls = trainer._train_batch, []
+
+    def poisoned(*args, **kwargs):    # step 2's gradient is NaN, the others are real
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            next(p for p in trainer.model.parameters() if p.requires_grad).grad.fill_(float("nan"))
+        return out
+
+    trainer._train_batch = poisoned
+    before = {}
+
+    def snapshot_after_step_1(step, row, log=trainer.metrics.log):
+        log(step, row)
+        if step == 1:
+            before.update({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        if step == 2:  # skipped: the weights are those of step 1, all finite
+            assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+    trainer.metrics.log = snapshot_after_step_1
+    try:
+        trainer._loop()
+    finally:
+        trainer.close()
+    rows = {r["step"]: r for r in read_metrics(setup["root"] / "nonfinite" / "metrics.jsonl") if "loss" in r}
+    assert sorted(rows) == [1, 2, 3, 4] and rows[2]["grad_norm"] is None and rows[3]["grad_norm"] is not None
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters()) and trainer.version == 3
+    warnings = json.loads((setup["root"] / "nonfinite" / "card.json").read_text())["run"]["warnings"]
+    assert [w for w in warnings if "not finite" in w] == [
+        "step 2: the gradient is not finite (loss " + f"{rows[2]['loss']:.4g}" + "); the step was skipped, "
+        "the weights are unchanged"]
+
+    always = Trainer(_cfg(setup, "nonfinite_always", steps=5))
+    always.setup()
+    real_always = always._train_batch
+
+    def nan_every_step(*args, **kwargs):
+        out = real_always(*args, **kwargs)
+        next(p for p in always.model.parameters() if p.requires_grad).grad.fill_(float("inf"))
+        return out
+
+    always._train_batch = nan_every_step
+    with pytest.raises(TrainError, match="3 steps in a row had a gradient that is not finite"):
+        try:
+            always._loop()
+        finally:
+            always.close()
+
+
 def test_a_misspelt_domain_in_domain_weights_is_refused(setup):
     # `.get(domain, 1.0)` made {mathh: 5} weigh nothing, while the card printed it as applied.
     cfg = _cfg(setup, "weights_typo", steps=1, **{"merge.domain_weights": {"gen": 2.0, "mathh": 5.0}})
