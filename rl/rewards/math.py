@@ -5,7 +5,8 @@ Extraction, first that applies:
 2. the last marked final answer: `#### 42`, `Answer: 42`, `final answer is 42`;
 3. the last number in the text.
 Comparison: equal after light normalisation (spaces, `$`, a trailing period, thousands
-commas), or numerically equal (integers, decimals, `a/b` fractions) within 1e-6 relative.
+commas), or numerically equal (integers, decimals, `a/b` and signed `\\frac{a}{b}` fractions)
+within 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -63,10 +64,13 @@ def to_number(ans: str) -> Fraction | None:
     s = normalize(ans)
     m = re.fullmatch(r"(-?\d+(?:\.\d+)?|-?\.\d+)(?:/(\d+))?", s)
     if m is None:
-        frac = re.fullmatch(r"\\(?:d|t)?frac\{(-?\d+)\}\{(\d+)\}", s)
+        # -\frac{1}{2} as well as \frac{-1}{2}: the sign usually stands before the fraction
+        frac = re.fullmatch(r"([+-]?)\\(?:d|t)?frac\{(-?\d+)\}\{(\d+)\}", s)
         if frac is None:
             return None
-        num, den = frac.group(1), frac.group(2)
+        sign, num, den = frac.groups()
+        if sign == "-":
+            num = num[1:] if num.startswith("-") else "-" + num
     else:
         num, den = m.group(1), m.group(2) or "1"
     if int(den) == 0:

@@ -32,9 +32,17 @@ def test_extract_answer(text, expected):
     ("42", "42", True), ("42.0", "42", True), ("1,234", "1234", True), ("1/2", "0.5", True),
     ("\\frac{1}{2}", "0.5", True), ("$7$", "7", True), ("41", "42", False), (None, "1", False),
     ("x+1", "x + 1", True), ("0.3333", "1/3", False), ("0.3333333", "1/3", True),
+    # a sign before \frac (it was only allowed inside the numerator)
+    ("-\\frac{1}{2}", "-1/2", True), ("-\\dfrac{3}{4}", "-0.75", True), ("-0.5", "-\\tfrac{1}{2}", True),
+    ("-\\frac{-1}{2}", "0.5", True), ("+\\frac{1}{2}", "0.5", True), ("-\\frac{1}{2}", "1/2", False),
 ])
 def test_answers_match(pred, ref, ok):
     assert answers_match(pred, ref) is ok
+
+
+def test_math_reward_of_a_negative_boxed_fraction():
+    assert verify(Sample(prompt="1/2 - 1?", answer="-1/2"), "so \\boxed{-\\frac{1}{2}}") == 1.0
+    assert verify(Sample(prompt="1 - 1/2?", answer="1/2"), "so \\boxed{-\\frac{1}{2}}") == 0.0
 
 
 def test_verify_dispatches_by_domain():
