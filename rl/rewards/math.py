@@ -2,8 +2,11 @@
 
 Extraction, first that applies:
 1. the last `\\boxed{...}` (nested braces allowed);
-2. the last marked final answer: `#### 42`, `Answer: 42`, `final answer is 42`;
+2. the last marked final answer: `#### 42`, `Answer: 42`, `final answer is 42`; when it is
+   a worked line (`#### 6 * 7 = 42`), what follows its last `=`;
 3. the last number in the text.
+A `-` is a sign only where it cannot be a binary minus: not after a digit, a letter or `)`
+("pages 12-15" ends in 15, not -15).
 Comparison: equal after light normalisation (spaces, `$`, a trailing period, thousands
 commas), or numerically equal (integers, decimals, `a/b` and signed `\\frac{a}{b}` fractions)
 within 1e-6 relative.
@@ -16,7 +19,11 @@ from fractions import Fraction
 
 _MARKED = re.compile(r"(?:####|final answer(?: is)?\s*[:=]?|answer(?: is)?\s*[:=])\s*([^\n]+)", re.IGNORECASE)
 # Commas only as thousands groups: "Answer: 12, since ..." is 12, not "12," (no number).
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+# A minus after a digit, letter or ")" is a subtraction ("12-15", "f(2)-3"), not a sign.
+_SIGN = r"(?:(?<![\w)])-)?"
+_NUMBER = re.compile(_SIGN + r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|" + _SIGN + r"\.\d+")
+# An "=" of a worked answer line ("6 * 7 = 42"); not the one of <=, >=, !=.
+_EQUALS = re.compile(r"(?<![<>!])=")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -43,6 +50,9 @@ def extract_answer(text: str) -> str | None:
     marked = _MARKED.findall(text)
     if marked:
         value = marked[-1].strip()
+        equals = list(_EQUALS.finditer(value))
+        if equals:   # "Answer: 1/2 + 1/3 = 5/6" -> "5/6", not the first term
+            value = value[equals[-1].end():].strip()
         num = _NUMBER.match(value.replace("$", "").strip())
         # "Answer: 42 apples" -> "42"; "Answer: x+1" stays as written
         return num.group(0).strip() if num else value.rstrip(".").strip()

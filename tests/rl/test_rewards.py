@@ -23,6 +23,21 @@ from opd.rl.rewards.shaping import format_reward, length_penalty
     ("So the total is 12, which is even", "12"),
     ("the sum is 1,234,567 in all", "1,234,567"),
     ("pick from 3,4,5", "5"),
+    # a minus after a digit, letter or ")" subtracts; it was read as the answer's sign
+    ("The missing pages are 12-15", "15"),
+    ("So 7 is the result (check: 10-3).", "3"),
+    ("then f(2)-4 and x-6", "6"),
+    ("so x = -4", "-4"),
+    ("it is (-2)", "-2"),
+    ("Answer: $-7$", "-7"),
+    ("#### -.5", "-.5"),
+    # a worked answer line: what follows its last "=" (the first number was taken)
+    ("#### 6 * 7 = 42", "42"),
+    ("Answer: 1/2 + 1/3 = 5/6", "5/6"),
+    ("Answer: x = 5", "5"),
+    ("The final answer is: 2 + 2 == 4.", "4"),
+    ("Answer: y = x+1", "x+1"),
+    ("Answer: x >= 3", "x >= 3"),    # not an "=" to split at
 ])
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
