@@ -8,6 +8,7 @@ values of each function (logged separately, so a user sees which one moves).
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -42,12 +43,24 @@ class CombinedReward:
         values: dict[str, list[float]] = {}
         for label, weight, fn in self.parts:
             vals = fn(samples, responses)
+            _check_finite(f"reward {label!r}", vals, responses)
             values[label] = vals
             total = [t + weight * v for t, v in zip(total, vals)]
+        _check_finite("the weighted sum of the rewards", total, responses)
         return total, values
 
     def describe(self) -> dict[str, float]:
         return {label: weight for label, weight, _ in self.parts}
+
+
+def _check_finite(what: str, vals: list[float], responses: list[str]) -> None:
+    """Refuse NaN and inf: one of them makes its group's advantages NaN, then the loss, and
+    after the optimizer step every weight of the policy."""
+    bad = next((i for i, v in enumerate(vals) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise ConfigError(f"{what} is {vals[bad]} for sample {bad} of the batch (response "
+                          f"{responses[bad][:80]!r}); a reward must be a finite number for every response, "
+                          f"an empty or unparsable one too")
 
 
 def _reward_fn(spec, base_dir) -> BatchFn:
@@ -76,6 +89,8 @@ def build_reward(specs, base_dir: str | Path | None = None) -> CombinedReward:
             fn = _reward_fn(spec, base_dir)
         except ValueError as e:   # options that do not fit: a config mistake, said at start-up
             raise ConfigError(f"rewards[{i}] ({spec.name}): {e}") from None
+        if not math.isfinite(spec.weight):   # inf * 0 is NaN: every reward would be poisoned
+            raise ConfigError(f"rewards[{i}] ({spec.name}): weight must be a finite number, got {spec.weight}")
         label = spec.name if spec.name != "python" else f"python:{spec.path.rsplit(':', 1)[-1]}"
         if label in {p[0] for p in parts}:
             label = f"{label}#{len(parts)}"

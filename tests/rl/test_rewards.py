@@ -142,3 +142,27 @@ def test_a_verifier_no_row_can_satisfy_is_refused():
         check_reward_fields([RewardConfig(name="math")], code_rows, "d.jsonl")
     check_reward_fields([RewardConfig(name="math"), RewardConfig(name="code")],
                         code_rows + [Sample(prompt="1+1=", answer="2")], "d.jsonl")
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_a_non_finite_reward_is_refused_naming_the_function_and_sample(tmp_path, bad):
+    # NaN made its group's advantages NaN, then the loss, then every weight after the step
+    from opd.cli import _user_error
+    from opd.config import ConfigError
+
+    (tmp_path / "mine.py").write_text(f"def ratio(sample, text):\n    return len(text) / 4 if text else float({bad!r})\n")
+    reward = build_reward([RewardConfig(name="math"), RewardConfig(name="python", path="mine.py:ratio")],
+                          base_dir=tmp_path)
+    samples = [Sample(prompt="q", answer="4")] * 3
+    assert reward(samples, ["4", "12a", "abcd"])[0] == [1.25, 0.75, 1.0]
+    with pytest.raises(ConfigError, match=rf"reward 'python:ratio' is {bad} for sample 1 of the batch "
+                                          r"\(response ''\); a reward must be a finite number") as e:
+        reward(samples, ["4", "", "abcd"])
+    assert _user_error(e.value)       # opd rl prints it as one line, without a traceback
+
+
+def test_a_non_finite_weight_is_refused():
+    from opd.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rewards\[1\] \(format\): weight must be a finite number, got inf"):
+        build_reward([RewardConfig(name="math"), RewardConfig(name="format", weight=float("inf"))])
