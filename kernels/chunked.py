@@ -69,7 +69,7 @@ def _tiles(src, opts: DistillOptions):
         chunk = min(LOGITS_CHUNK, opts.vocab_size)
         rows = max(1, TILE_ELEMENTS // chunk)
     else:
-        rows = min(n_rows, LINEAR_ROWS)
+        rows = max(1, min(n_rows, LINEAR_ROWS))     # zero rows: no tiles, not a division by 0
         chunk = max(64, LINEAR_TILE_ELEMENTS // rows)
     for r0 in range(0, n_rows, rows):
         for c0 in range(0, opts.vocab_size, chunk):

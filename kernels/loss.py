@@ -188,8 +188,9 @@ def _reduce(rows: torch.Tensor, mask: torch.Tensor | None, temperature: float,
     if reduction == "sum":
         return rows.sum()
     if reduction == "mean":
-        count = rows.new_tensor(rows.shape[0]) if mask is None else mask.sum().clamp(min=1).to(rows.dtype)
-        return rows.sum() / count
+        # Over zero rows (none at all, or all masked) the mean is 0 with a zero gradient, not 0/0.
+        count = mask.sum() if mask is not None else rows.new_tensor(rows.shape[0])
+        return rows.sum() / count.clamp(min=1).to(rows.dtype)
     raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
@@ -234,7 +235,7 @@ def distill_loss(student_logits: torch.Tensor, teacher, *, beta: float = 0.0,
     beta: 0 forward KL(teacher||student), 1 reverse KL(student||teacher), between: TRL's
       generalized JSD. scale_by_t2 multiplies the loss by temperature**2.
     mask [N] bool: rows with False give neither loss nor gradient; "mean" averages over the
-      True rows. reduction: "mean" | "sum" | "none" (per row [N], fp32).
+      True rows (0, with a zero gradient, over no rows at all). reduction: "mean" | "sum" | "none" (per row [N], fp32).
     vocab_size: columns >= vocab_size (LM-head padding) are -inf on both sides.
     impl: "auto" (triton on CUDA, torch otherwise) | "triton" | "torch" | "reference".
     Memory: beyond the inputs, the gradient [N, V] plus O(N + chunk) state.

@@ -8,6 +8,7 @@ may be no worse than PyTorch's own reference computed in that dtype, plus BF16_E
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -130,3 +131,44 @@ TRITON_CASES = [
     Case(impl="triton", teacher="topk", beta=0.5, fused=True, dtype="bfloat16", N=20),
 ]
 
+
+
+# ---- edge cases: each returns {"case", "ok", ...}; torch tests call them, Triton runs them
+# in kernels_triton_cases.py. Values are checked exactly or against numbers written out here.
+
+def _zero_rows_teacher(kind: str, n: int, v: int):
+    if kind == "full":
+        return torch.randn(n, v)
+    ids = torch.stack([torch.randperm(v)[:3] for _ in range(n)]) if n else torch.zeros(0, 3, dtype=torch.long)
+    lp = torch.log(torch.tensor([0.5, 0.2, 0.1])).expand(n, 3)
+    return TopKTeacher(ids, lp, torch.full((n,), math.log(0.2)))
+
+
+def mean_of_no_rows(impl: str) -> dict:
+    """The "mean" over zero rows (no rows at all, or every row masked) is 0 with a zero gradient.
+
+    Without a mask it used to be 0 / 0 = NaN (and the chunked fused path divided by zero rows
+    per block); with an all-False mask it was already 0.
+    """
+    torch.manual_seed(0)
+    v, h = 16, 4
+    out, ok = {}, True
+    for kind in ("full", "topk"):
+        for beta in (0.0, 0.5, 1.0):
+            for n, mask in ((0, None), (3, torch.zeros(3, dtype=torch.bool))):
+                teacher = _zero_rows_teacher(kind, n, v)
+                x = torch.randn(n, v).requires_grad_()
+                loss = distill_loss(x, teacher, beta=beta, mask=mask, impl=impl)
+                loss.backward()
+                hid, w = torch.randn(n, h).requires_grad_(), torch.randn(v, h).requires_grad_()
+                fused = fused_linear_distill_loss(hid, w, teacher, beta=beta, mask=mask, impl=impl)
+                fused.backward()
+                name = f"{kind}-beta={beta}-n={n}-mask={mask is not None}"
+                out[name] = [loss.item(), fused.item()]
+                ok = ok and out[name] == [0.0, 0.0] and \
+                    all(bool((g == 0).all()) for g in (x.grad, hid.grad, w.grad)) and \
+                    x.grad.shape == (n, v) and w.grad.shape == (v, h)
+    return {"case": f"mean_of_no_rows-{impl}", "ok": ok, "losses": out}
+
+
+EDGE_CHECKS = [mean_of_no_rows]

@@ -2,7 +2,7 @@
 
 TRITON_INTERPRET must be set before triton is imported, and must not leak into other
 test folders, so this file is a script: `python kernels_triton_cases.py` prints one JSON
-result per case (kernels_cases.check) on stdout.
+result per case (kernels_cases.check, then each of kernels_cases.EDGE_CHECKS) on stdout.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import sys  # noqa: E402
 import warnings  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels_cases import TRITON_CASES, check  # noqa: E402
+from kernels_cases import EDGE_CHECKS, TRITON_CASES, check  # noqa: E402
 
 
 if __name__ == "__main__":
     warnings.simplefilter("ignore")   # numpy warns about inf - inf in masked-out lanes
     for case in TRITON_CASES:
         print(json.dumps(check(case)), flush=True)
+    for edge in EDGE_CHECKS:
+        print(json.dumps(edge("triton")), flush=True)

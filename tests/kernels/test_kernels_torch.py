@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from kernels_cases import Case, check  # noqa: E402
+from kernels_cases import EDGE_CHECKS, Case, check  # noqa: E402
 
 from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl  # noqa: E402
 from opd.kernels import chunked  # noqa: E402
@@ -170,3 +170,9 @@ def test_topk_ids_outside_the_vocabulary_are_refused(impl, bad_id, vocab_size):
     # In range at the edges (0 and vocab_size - 1) is accepted.
     ok = TopKTeacher(torch.tensor([[0, 1, (vocab_size or 12) - 1], [2, 3, 4]]), lp, teacher.tail_logmass)
     assert torch.isfinite(distill_loss(s, ok, vocab_size=vocab_size, impl="torch"))
+
+
+@pytest.mark.parametrize("impl", ["torch", "reference"])
+@pytest.mark.parametrize("edge", EDGE_CHECKS, ids=lambda f: f.__name__)
+def test_edge_cases(edge, impl):
+    _assert(edge(impl))

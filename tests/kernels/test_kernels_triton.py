@@ -15,7 +15,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from kernels_cases import TRITON_CASES  # noqa: E402
+from kernels_cases import EDGE_CHECKS, TRITON_CASES  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -33,4 +33,10 @@ def results():
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: c.name())
 def test_triton_matches_reference(results, case):
     row = results[case.name()]
+    assert row["ok"], row
+
+
+@pytest.mark.parametrize("edge", EDGE_CHECKS, ids=lambda f: f.__name__)
+def test_triton_edge_cases(results, edge):
+    row = results[f"{edge.__name__}-triton"]
     assert row["ok"], row
