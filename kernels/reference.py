@@ -54,11 +54,15 @@ def log_probs(student_logits: torch.Tensor, teacher, opts: DistillOptions):
 
 
 def distill_rows(student_logits, teacher, mask, opts: DistillOptions) -> torch.Tensor:
-    log_s, log_t = log_probs(student_logits, teacher, opts)
-    rows = divergence(log_s, log_t, opts.beta)
-    if mask is not None:
-        rows = torch.where(mask, rows, torch.zeros_like(rows))
-    return rows
+    if mask is None:
+        return divergence(*log_probs(student_logits, teacher, opts), opts.beta)
+    # Masked rows never reach the divergence. Zeroing their loss after it is not enough: a
+    # masked row whose divergence is inf sends 0 * inf = NaN back into its gradient. Only the
+    # kept rows are computed; the others get loss 0 and, through the indexing, gradient 0.
+    keep = mask.nonzero().squeeze(1)                                              # [n_kept]
+    kept = TopKTeacher(*(part[keep] for part in teacher)) if isinstance(teacher, TopKTeacher) else teacher[keep]
+    rows = divergence(*log_probs(student_logits[keep], kept, opts), opts.beta)   # [n_kept]
+    return rows.new_zeros(mask.shape[0]).index_copy(0, keep, rows)
 
 
 def fused_linear_rows(hidden, weight, teacher, mask, opts: DistillOptions) -> torch.Tensor:

@@ -171,4 +171,47 @@ def mean_of_no_rows(impl: str) -> dict:
     return {"case": f"mean_of_no_rows-{impl}", "ok": ok, "losses": out}
 
 
-EDGE_CHECKS = [mean_of_no_rows]
+def masked_rows_with_infinite_divergence(impl: str) -> dict:
+    """A masked row whose divergence is +inf gives no loss and exactly 0 gradient, not NaN.
+
+    Rows 1 and 3 are masked and infinite: beta=0 has the student -inf where the teacher has
+    mass, beta=1 the teacher -inf (a banned token; for top-k, a -inf log-prob at one of its
+    ids) where the student has mass. The reference zeroed such rows after the divergence,
+    so 0 * inf = NaN reached their gradient. Expected: the loss and gradients of a run on
+    the unmasked rows alone (same sum, so the same values), and 0 on the masked rows.
+    """
+    g = torch.Generator().manual_seed(3)
+    n, v = 4, 40
+    mask = torch.tensor([True, False, True, False])
+    out, ok = {}, True
+    for kind in ("full", "topk"):
+        for beta in (0.0, 1.0):
+            s, t = torch.randn(n, v, generator=g) * 2, torch.randn(n, v, generator=g) * 2
+            top = t.topk(3, dim=-1).indices
+            lp = torch.log_softmax(t, -1).gather(1, top)
+            tail = torch.log(-torch.expm1(lp.logsumexp(-1)))
+            for r in (1, 3):
+                if beta == 0.0:
+                    s[r, top[r]] = float("-inf")
+                elif kind == "full":
+                    t[r, :5] = float("-inf")
+                else:
+                    lp[r, 2] = float("-inf")
+            teacher = t if kind == "full" else TopKTeacher(top, lp, tail)
+            sub = t[mask] if kind == "full" else TopKTeacher(top[mask], lp[mask], tail[mask])
+            x = s.clone().requires_grad_()
+            loss = distill_loss(x, teacher, beta=beta, mask=mask, reduction="sum", impl=impl)
+            loss.backward()
+            x_sub = s[mask].clone().requires_grad_()
+            want = distill_loss(x_sub, sub, beta=beta, reduction="sum", impl=impl)
+            want.backward()
+            unmasked = distill_loss(s, teacher, beta=beta, reduction="none", impl=impl)
+            out[f"{kind}-beta={beta}"] = [loss.item(), want.item(), unmasked.tolist()]
+            ok = ok and bool(torch.isinf(unmasked[~mask]).all()) and bool(torch.isfinite(want)) and \
+                abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()) and \
+                bool((x.grad[~mask] == 0).all()) and \
+                torch.allclose(x.grad[mask], x_sub.grad, rtol=1e-5, atol=1e-7)
+    return {"case": f"masked_rows_with_infinite_divergence-{impl}", "ok": ok, "losses": out}
+
+
+EDGE_CHECKS = [mean_of_no_rows, masked_rows_with_infinite_divergence]
