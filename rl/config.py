@@ -65,7 +65,8 @@ class AlgorithmConfig:
     eps_low: float = field(0.2, help="clip the importance ratio below at 1 - eps_low", min=0.0)
     eps_high: float = field(0.28, help="clip above at 1 + eps_high (> eps_low is DAPO's clip-higher)", min=0.0)
     epochs: int = field(1, help="optimizer passes over each batch of rollouts (>1 makes the clip matter)", min=1)
-    minibatches: int = field(1, help="optimizer steps per epoch (the batch is split in this many parts)", min=1)
+    minibatches: int = field(1, help="optimizer steps per epoch (the batch is split in this many near-equal "
+                                     "parts; at most prompts_per_step x group_size)", min=1)
     micro_batch_size: int = field(16, help="sequences per forward/backward (gradient accumulation; memory only)", min=1)
     kl_beta: float = field(0.0, help="weight of the KL penalty to the reference (0 switches it and the "
                                      "reference forward pass off)", min=0.0)
@@ -125,6 +126,11 @@ class RLConfig:
                                         "new weights pushed to them by file after each step (docs/multi_machine.md)")
 
     def __post_init__(self):
+        batch = self.data.prompts_per_step * self.rollout.group_size
+        if self.algorithm.minibatches > batch:   # a part would be empty: fewer steps than promised
+            raise ValueError(f"algorithm.minibatches ({self.algorithm.minibatches}) is more than the "
+                             f"{batch} responses of a step (data.prompts_per_step {self.data.prompts_per_step} "
+                             f"x rollout.group_size {self.rollout.group_size}); each optimizer step needs one")
         if self.cluster.mode == "fork":
             raise ValueError("cluster.mode fork starts the teachers of `opd train`; opd rl has none "
                              "(use local or ray)")
