@@ -86,8 +86,15 @@ class ValidateConfig:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
+
+    Defined only for 1 <= k <= n and 0 <= c <= n (the config keeps k <= samples): outside that
+    there is no estimate, and the shortcut below would answer 1.0 even with no correct sample."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n correct samples, got c={c}, n={n}")
+    if n - c < k:   # every choice of k samples holds a correct one
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 

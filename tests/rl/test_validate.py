@@ -17,6 +17,19 @@ def test_pass_at_k_hand_computed():
     assert V.pass_at_k(4, 0, 2) == 0.0
     assert V.pass_at_k(4, 3, 2) == 1.0
     assert V.pass_at_k(10, 5, 3) == pytest.approx(1 - (5 * 4 * 3) / (10 * 9 * 8))
+    assert V.pass_at_k(4, 0, 4) == 0.0 and V.pass_at_k(4, 4, 4) == 1.0 and V.pass_at_k(4, 1, 4) == 1.0
+
+
+@pytest.mark.parametrize("n,c,k,error", [
+    (4, 0, 5, r"1 <= k <= n, got k=5, n=4"),      # answered 1.0 with no correct sample
+    (4, 1, 5, r"1 <= k <= n, got k=5, n=4"),
+    (4, 0, 0, r"1 <= k <= n, got k=0, n=4"),
+    (4, 5, 1, r"0 <= c <= n correct samples, got c=5, n=4"),   # answered 1.0
+    (4, -1, 1, r"0 <= c <= n correct samples, got c=-1, n=4"),
+])
+def test_pass_at_k_outside_its_domain_is_refused(n, c, k, error):
+    with pytest.raises(ValueError, match=error):
+        V.pass_at_k(n, c, k)
 
 
 class ScriptedEngine:
