@@ -7,7 +7,8 @@ student visited (top-k mode, temperature 1). Reported, per response token, avera
                       (a lower bound of the full-vocabulary forward KL)
     reverse_kl_topk   KL(student || teacher) over the same partition (a lower bound)
     reverse_kl_sampled  log p_student(x) - log p_teacher(x) at the sampled tokens x: an
-                      unbiased estimate of the full-vocabulary reverse KL
+                      unbiased estimate of the full-vocabulary reverse KL (n/a unless the
+                      responses are sampled at temperature 1, the distribution it scores)
     topk_overlap      |student's top-k ∩ teacher's top-k| / k (1: same k most likely tokens)
     teacher_tail_mass 1 - the teacher's top-k probability mass (what top-k mode cuts off)
     teacher_token_prob  mean teacher probability of the tokens the student sampled
@@ -101,7 +102,9 @@ def probe(student_dir: str | Path, teacher: str, prompts: list[str], *, k: int =
             "responses": len(rollouts), "tokens": int(logits.shape[0]), "k": k,
             "forward_kl_topk": float(distill_loss(logits, t, beta=0.0)),
             "reverse_kl_topk": float(distill_loss(logits, t, beta=1.0)),
-            "reverse_kl_sampled": float((student_lp - answer.token_logprob).mean()),
+            # mean of log S(x) - log T(x) is reverse KL only for x drawn from the S it scores (T = 1)
+            "reverse_kl_sampled": (float((student_lp - answer.token_logprob).mean()) if temperature == 1.0 else
+                                   f"n/a: responses sampled at temperature {temperature:g}, the estimate needs 1"),
             "topk_overlap": float(topk_overlap(logits, answer.ids).mean()),
             "teacher_tail_mass": float(answer.tail_logmass.exp().mean()),
             "teacher_token_prob": float(answer.token_logprob.exp().mean()),

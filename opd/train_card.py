@@ -25,7 +25,7 @@ def _teacher_facts(cfg, t, welcome, tail: list[float], share: float) -> dict:
                     f"sampled token (reverse-KL advantage), top-{t.k} for diagnostics"),
         "mean_teacher_tail_mass": ("0 (full vocabulary)" if t.mode == "full" else
                                    tail[0] / tail[1] if tail[1] else "not measured"),
-        "temperature": t.temperature, "divergence": divergence_words(t.beta), "beta": t.beta,
+        "temperature": t.temperature, "divergence": divergence_words(t.divergence_beta), "beta": t.divergence_beta,
         "t2_scaling": t.scale_by_t2, "loss_weight": t.weight, "sample_share": share,
     }
 

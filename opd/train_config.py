@@ -147,6 +147,16 @@ class TrainConfig:
         extra = [t.name for t in self.cluster.teachers if t.name not in names]
         if extra:
             raise ValueError(f"cluster.teachers {extra} are not teachers of merge.teachers ({names})")
+        # The sampled-token estimate (log S(x) - log T(x)) grad log S(x) is unbiased for reverse KL only
+        # when x is drawn from the S it scores: the teacher's temperature, no nucleus cut.
+        r = self.rollout
+        off = [t.name for t in self.merge.teachers if t.mode == "sampled" and (t.temperature != r.temperature
+                                                                                or r.top_p < 1)]
+        if off:
+            raise ValueError(f"merge.teachers {off}: mode sampled scores the student at the teacher's temperature, "
+                             f"but rollout samples at temperature {r.temperature}, top_p {r.top_p}; its reverse-KL "
+                             f"estimate is unbiased only for tokens drawn from the distribution it scores: set "
+                             f"rollout.temperature to the teacher's temperature and rollout.top_p to 1")
         if self.cluster.student.num_workers != 1:
             raise ValueError("cluster.student.num_workers: opd train trains the student in one process; "
                              "data-parallel workers are used from Python (RayCluster.data_parallel)")

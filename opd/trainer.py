@@ -737,7 +737,8 @@ class Trainer:
                 if isinstance(teacher, torch.Tensor) and teacher.shape[1] != logits.shape[1]:
                     v = min(teacher.shape[1], logits.shape[1])
                     teacher, logits = teacher[:, :v], logits[:, :v]
-                kl = distill_loss(logits, teacher, beta=spec.beta, temperature=spec.temperature, reduction="none")
+                kl = distill_loss(logits, teacher, beta=spec.divergence_beta, temperature=spec.temperature,
+                                  reduction="none")
                 d = self.eval_routes[rollouts[s].prompt_index].domain
                 tally.add_rows(d, "kl", kl)
                 tally.add_rows(d, "topk_overlap", topk_overlap(logits, self.teachers.topk_ids(spec, ans, idx)))

@@ -30,7 +30,7 @@ class TeacherSpec:
     k: int = field(32, help="top-k size (topk mode)", min=1)
     temperature: float = field(1.0, help="divides both sides' logits before the softmax", min=1e-3)
     beta: float = field(0.0, help="divergence: 0 forward KL(teacher||student), 1 reverse KL(student||teacher), "
-                                  "between: generalized JSD", min=0.0, max=1.0)
+                                  "between: generalized JSD (sampled mode: always reverse KL)", min=0.0, max=1.0)
     scale_by_t2: bool = field(False, help="multiply this teacher's loss by temperature^2")
     weight: float = field(1.0, help="loss weight lambda of this teacher's samples", min=0.0)
     curve_server_key: str | None = field(None, help="server public key file when the teacher uses CURVE")
@@ -39,6 +39,14 @@ class TeacherSpec:
         if not self.address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"teacher {self.name!r}: address {self.address!r} needs its transport, "
                              f"e.g. tcp://127.0.0.1:5555 or ipc:///tmp/teacher.sock")
+        if self.mode == "sampled" and 0 < self.beta < 1:
+            raise ValueError(f"teacher {self.name!r}: mode sampled trains reverse KL (the sampled-token estimate); "
+                             f"beta {self.beta} would not be used: remove it, or use mode topk or full for a JSD")
+
+    @property
+    def divergence_beta(self) -> float:
+        """The beta this teacher's loss follows: sampled mode is reverse KL whatever `beta` says."""
+        return 1.0 if self.mode == "sampled" else self.beta
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,11 @@ class MergeConfig:
             unknown = [t for t in rates if t not in names]
             if unknown:
                 raise ValueError(f"routing.pass_rates[{domain!r}] names {unknown}, which are not among {names}")
+            # -0.5 and 1.0 became weights -1 and 2: the second teacher's samples weighed double.
+            bad = {t: r for t, r in rates.items() if not 0.0 <= r <= 1.0}
+            if bad:
+                raise ValueError(f"routing.pass_rates[{domain!r}]: pass rates are shares of problems solved, in "
+                                 f"[0, 1]; got {bad}")
         domains = [d.domain for d in self.datasets]
         if not domains:
             raise ValueError("datasets: at least one prompt set is required")

@@ -102,6 +102,18 @@ def test_bad_config_names_file_line_and_key(tmp_path):
      r"one prompt set per domain .*\['math', 'code', 'math'\]"),
     ("  teachers: [{name: a, address: 'tcp://x:1'}]\n  datasets: [{domain: d, path: p.jsonl}]\n"
      "  routing: {weighting: pass_rate, pass_rates: {d: {b: 0.5}}}\n", r"pass_rates\['d'\] names \['b'\]"),
+    ("  teachers: [{name: a, address: 'tcp://x:1'}, {name: b, address: 'tcp://x:2'}]\n"
+     "  datasets: [{domain: d, path: p.jsonl}]\n  routing: {weighting: pass_rate, pass_rates: {d: {a: -0.5, b: 1.0}}}\n",
+     r"pass_rates\['d'\]: pass rates are shares of problems solved, in \[0, 1\]; got \{'a': -0.5\}"),
+    # Sampled mode scores the student at the teacher's temperature: its estimate was biased for
+    # responses drawn at another one or with a nucleus cut, and a JSD beta was ignored.
+    ("  teachers: [{name: a, address: 'tcp://x:1', mode: sampled}]\n  datasets: [{domain: d, path: p.jsonl}]\n"
+     "rollout: {temperature: 0.7}\n", r"merge.teachers \['a'\]: mode sampled scores the student at the teacher's "
+                                       r"temperature, but rollout samples at temperature 0.7, top_p 1.0"),
+    ("  teachers: [{name: a, address: 'tcp://x:1', mode: sampled}]\n  datasets: [{domain: d, path: p.jsonl}]\n"
+     "rollout: {top_p: 0.9}\n", r"rollout samples at temperature 1.0, top_p 0.9"),
+    ("  teachers: [{name: a, address: 'tcp://x:1', mode: sampled, beta: 0.5}]\n  datasets: [{domain: d, path: p.jsonl}]\n",
+     r"mode sampled trains reverse KL .*beta 0.5 would not be used"),
 ])
 def test_merge_mistakes_that_used_to_pass_silently_are_refused(tmp_path, merge, error):
     p = tmp_path / "bad.yaml"

@@ -206,6 +206,8 @@ def test_sampled_mode_sft_mix_and_accumulation_run(setup):
     assert all(r["staleness"] == 0 for r in rows)      # not pipelined: always the current weights
     card = json.loads((setup["root"] / "sampled" / "card.json").read_text())
     assert "lambda_sft=0.5" in card["objective"]["sft_mix"]
+    # Sampled mode trains reverse KL whatever `beta` (default 0) says; the card said forward KL.
+    assert card["teacher t"]["divergence"].startswith("reverse KL") and card["teacher t"]["beta"] == 1.0
 
 
 def test_tokenizer_mismatch_is_refused(setup, tmp_path):
@@ -297,6 +299,10 @@ def test_probe_measures_student_teacher_gap(setup, capsys):
     assert same["topk_overlap"] == pytest.approx(1.0)
     assert abs(same["forward_kl_topk"]) < 1e-4 and abs(same["reverse_kl_sampled"]) < 1e-4
     assert same["verdict"].startswith("compatible")
+    # At another sampling temperature the responses do not come from the distribution the
+    # sampled estimate scores: it is not reported as one.
+    warm = probe(teacher_dir, setup["address"], prompts[:2], k=8, max_new_tokens=4, temperature=0.7)
+    assert warm["reverse_kl_sampled"].startswith("n/a: responses sampled at temperature 0.7")
     diff = probe(setup["student"], setup["address"], prompts, k=8, max_new_tokens=8)
     assert diff["forward_kl_topk"] > 0.3 and diff["reverse_kl_sampled"] > 0.3
     assert diff["topk_overlap"] < same["topk_overlap"]
