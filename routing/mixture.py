@@ -4,8 +4,11 @@ Allocation is deterministic largest-remainder with a carried remainder: each bat
 d is owed `batch_size * ratio_d + carry_d` samples; every domain gets the floor of what it
 is owed, the slots left go to the largest fractional parts (ties to the earlier domain),
 and what was owed but not given is carried to the next batch. Over n batches every domain
-has received `n * batch_size * ratio_d` samples to within one, whatever the batch size,
-instead of drifting by sqrt(n) as a multinomial draw would. Within a domain, samples come
+has received `n * batch_size * ratio_d` samples to within about one, whatever the batch size,
+instead of drifting by sqrt(n) as a multinomial draw would: within 0.5 for two domains and
+0.83 for three, a little over one with more (1.03 for five, 1.27 for ten), the worst over
+3000 random ratio sets and batch sizes of 59 batches each. (Tijdeman's rule would bound it
+below one for any number of domains.) Within a domain, samples come
 from an `opd.data.Cycler` (shuffled epochs); the batch's order is shuffled with a seed
 derived from (seed, batch index), so `state()` / `load_state()` reproduce a run exactly.
 """
