@@ -46,8 +46,13 @@ def log_probs(student_logits: torch.Tensor, teacher, opts: DistillOptions):
     if not isinstance(teacher, TopKTeacher):
         t = teacher[:, : opts.vocab_size].to(s.dtype) / opts.temperature
         return log_s, torch.log_softmax(t, dim=-1)
-    # Student tail: log-sum-exp over the columns that are not among the teacher's ids.
-    tail = torch.logsumexp(s.scatter(1, teacher.ids, float("-inf")), dim=-1) - torch.logsumexp(s, dim=-1)
+    # Student tail: log-sum-exp over the columns that are not among the teacher's ids. Where
+    # those are all -inf (banned), it is -inf; logsumexp's gradient there would be
+    # exp(-inf - (-inf)) = NaN, so such rows take it over zeros and put the -inf back.
+    rest = s.scatter(1, teacher.ids, float("-inf"))
+    empty = torch.isneginf(rest).all(-1)                                           # [N]
+    lse_rest = torch.logsumexp(torch.where(empty[:, None], torch.zeros_like(rest), rest), dim=-1)
+    tail = torch.where(empty, float("-inf"), lse_rest) - torch.logsumexp(s, dim=-1)
     log_s_b = torch.cat([log_s.gather(1, teacher.ids), tail[:, None]], dim=1)
     log_t_b = torch.cat([teacher.logprobs, teacher.tail_logmass[:, None]], dim=1).to(s.dtype)
     return log_s_b, log_t_b

@@ -214,4 +214,40 @@ def masked_rows_with_infinite_divergence(impl: str) -> dict:
     return {"case": f"masked_rows_with_infinite_divergence-{impl}", "ok": ok, "losses": out}
 
 
-EDGE_CHECKS = [mean_of_no_rows, masked_rows_with_infinite_divergence]
+def topk_covering_the_student(impl: str) -> dict:
+    """A top-k teacher whose ids are every column the student can produce is the full teacher.
+
+    Three columns per row are banned (-inf logits on both sides, as under a constrained
+    decoder); the teacher's k ids are all the others. Both tails are empty (the teacher's
+    -inf, the student's a log-sum-exp over -inf logits only), so values and gradients must
+    equal those of the full teacher (reference, fp64). The reference's log-sum-exp over only
+    -inf logits used to send NaN into their gradient (exp(-inf - (-inf))).
+    """
+    g = torch.Generator().manual_seed(5)
+    n, v, vocab = 3, 40, 37                    # 3 padding columns
+    s = torch.randn(n, v, generator=g, dtype=torch.float64) * 2
+    t = torch.randn(n, v, generator=g, dtype=torch.float64) * 2
+    order = torch.stack([torch.randperm(vocab, generator=g) for _ in range(n)])
+    banned, ids = order[:, :3], order[:, 3:]
+    s.scatter_(1, banned, float("-inf"))
+    t.scatter_(1, banned, float("-inf"))
+    lp = torch.log_softmax(t[:, :vocab], -1).gather(1, ids)
+    teacher = TopKTeacher(ids, lp.float(), torch.full((n,), float("-inf")))
+    out, ok = {}, True
+    for beta in (0.0, 0.5, 1.0):
+        runs = []
+        for name, dtype, tch in ((impl, torch.float32, teacher), ("reference", torch.float64, teacher),
+                                 ("reference", torch.float64, t.float().double())):
+            x = s.to(dtype).clone().requires_grad_()
+            rows = distill_loss(x, tch, beta=beta, reduction="none", vocab_size=vocab, impl=name)
+            rows.sum().backward()
+            runs.append((rows.detach().double(), x.grad.double()))
+        (rows, grad), (ref_rows, ref_grad), (want, want_grad) = runs
+        out[f"beta={beta}"] = {"rows": rows.tolist(), "want": want.tolist()}
+        ok = ok and all(bool(torch.isfinite(a).all()) for a in (rows, grad, ref_rows, ref_grad)) and \
+            _rel_err(rows, want) <= RTOL_FP32 and _rel_err(grad, want_grad) <= RTOL_FP32 and \
+            _rel_err(ref_rows, want) <= 1e-6 and _rel_err(ref_grad, want_grad) <= 1e-6
+    return {"case": f"topk_covering_the_student-{impl}", "ok": ok, "values": out}
+
+
+EDGE_CHECKS = [mean_of_no_rows, masked_rows_with_infinite_divergence, topk_covering_the_student]
