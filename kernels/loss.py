@@ -23,6 +23,10 @@ S_b for the student's bucket mass. Every divergence has
 
 so a kernel needs per row only (log-sum-exp of the student, of its tail, L, c) to write the
 gradient in one streaming pass. The raw-logit gradient is dL/ds / temperature.
+
+Reverse KL reads a top-k teacher's tail log-mass of -inf as TAIL_LOGMASS_FLOOR = log 2^-24
+where the student's tail has mass (otherwise L = +inf and B_tail = inf - inf = NaN); see
+`reverse_kl_teacher_tail`. Every implementation does the same.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ import torch
 FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
 DIVERGENCE_NAMES = {FORWARD_KL: "forward_kl", REVERSE_KL: "reverse_kl", JSD: "jsd"}
 IMPLS = ("auto", "triton", "torch", "reference")
+
+# What reverse KL reads a top-k teacher's tail log-mass of -inf as: fp32's resolution below 1,
+# 2^-24 (teachers/backend.py FP32_TAIL_LOGMASS reports a tail its fp32 sum cannot resolve as
+# the same value). See reverse_kl_teacher_tail.
+TAIL_LOGMASS_FLOOR = math.log(2.0 ** -24)   # -16.64 nats
 
 
 class TopKTeacher(NamedTuple):
@@ -102,6 +111,29 @@ def bucket_terms(log_student: torch.Tensor, log_teacher: torch.Tensor, beta: flo
     return loss, zero, coef_b
 
 
+def reverse_kl_teacher_tail(tail_logmass: torch.Tensor, beta: float) -> torch.Tensor:
+    """The teacher's tail log-mass [R] as the tail bucket reads it: -inf -> TAIL_LOGMASS_FLOOR
+    under reverse KL (beta = 1); unchanged otherwise.
+
+    Reverse KL's tail term S_tail (log S_tail - log T_tail) is +inf for T_tail = 0 and
+    S_tail > 0, and its gradient coefficient log S_tail - log T_tail - L is inf - inf = NaN.
+    A -inf tail is almost always fp32 rounding: the top-k probabilities summed to 1 (a peaked
+    teacher's top log-prob comes back as 0), which hides a tail of up to about 2^-24. Reading
+    it as 2^-24, the largest tail that rounding hides, gives the smallest reverse KL
+    consistent with what the teacher sent (large, finite, finite gradient), in keeping with
+    the top-k divergence being a lower bound of the full one. Where the teacher's tail is
+    truly empty (its k span its vocabulary but not the student's), reverse KL is truly
+    infinite and this reports S_tail (log S_tail + 16.64) instead.
+    Nothing else changes: finite tails (even below the floor), rows where the student has no
+    tail either (the term is 0 at S_tail = 0 whatever T_tail is), forward KL and JSD (finite
+    with T_tail = 0: M >= (1 - beta) S).
+    """
+    if DistillOptions(beta=beta).divergence != REVERSE_KL:
+        return tail_logmass
+    return torch.where(torch.isneginf(tail_logmass), torch.full_like(tail_logmass, TAIL_LOGMASS_FLOOR),
+                       tail_logmass)
+
+
 def topk_rows(student_at_ids: torch.Tensor, lse: torch.Tensor, lse_tail: torch.Tensor,
               teacher: TopKTeacher, beta: float):
     """Top-k teacher: divergence over the partition {k ids, one tail bucket}, per row.
@@ -109,9 +141,12 @@ def topk_rows(student_at_ids: torch.Tensor, lse: torch.Tensor, lse_tail: torch.T
     student_at_ids [R, k]: scaled student logits at the teacher's ids; lse / lse_tail [R]:
     log-sum-exp of the scaled student logits over all columns / over the columns outside
     the ids. Returns (loss [R], coef_topk [R, k] = dL/ds at the ids, A_tail [R], B_tail [R]).
+    The teacher's tail goes through `reverse_kl_teacher_tail` (-inf read as 2^-24 under
+    reverse KL). Shared by the chunked and Triton paths.
     """
     log_s = torch.cat([student_at_ids - lse[:, None], (lse_tail - lse)[:, None]], dim=1)
-    log_t = torch.cat([teacher.logprobs.float(), teacher.tail_logmass.float()[:, None]], dim=1)
+    tail_t = reverse_kl_teacher_tail(teacher.tail_logmass.float(), beta)                   # [R]
+    log_t = torch.cat([teacher.logprobs.float(), tail_t[:, None]], dim=1)
     loss, a, b = bucket_terms(log_s, log_t, beta)
     # top-k buckets hold one column each: S_i / S_b = 1.
     coef_topk = a[:, :-1] + b[:, :-1] * log_s[:, :-1].exp()
@@ -232,6 +267,8 @@ def distill_loss(student_logits: torch.Tensor, teacher, *, beta: float = 0.0,
         log-sum-exp over the other columns, never by subtraction). By the chain rule of KL
         (data processing) this is a lower bound of the full-vocabulary divergence, equal to
         it only when the two tails have the same shape. Nothing is renormalized over the k.
+        Reverse KL reads a teacher tail of -inf as 2^-24 (TAIL_LOGMASS_FLOOR) where the
+        student's tail has mass: large but finite, never +inf with a NaN gradient.
     beta: 0 forward KL(teacher||student), 1 reverse KL(student||teacher), between: TRL's
       generalized JSD. scale_by_t2 multiplies the loss by temperature**2.
     mask [N] bool: rows with False give neither loss nor gradient; "mean" averages over the

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .loss import DistillOptions, TopKTeacher
+from .loss import REVERSE_KL, TAIL_LOGMASS_FLOOR, DistillOptions, TopKTeacher
 
 
 def _kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,11 @@ def log_probs(student_logits: torch.Tensor, teacher, opts: DistillOptions):
     lse_rest = torch.logsumexp(torch.where(empty[:, None], torch.zeros_like(rest), rest), dim=-1)
     tail = torch.where(empty, float("-inf"), lse_rest) - torch.logsumexp(s, dim=-1)
     log_s_b = torch.cat([log_s.gather(1, teacher.ids), tail[:, None]], dim=1)
-    log_t_b = torch.cat([teacher.logprobs, teacher.tail_logmass[:, None]], dim=1).to(s.dtype)
+    # Reverse KL reads a teacher tail of -inf as 2^-24 (kernels/loss.py reverse_kl_teacher_tail).
+    t_tail = teacher.tail_logmass
+    if opts.divergence == REVERSE_KL:
+        t_tail = torch.where(torch.isneginf(t_tail), TAIL_LOGMASS_FLOOR, t_tail)
+    log_t_b = torch.cat([teacher.logprobs, t_tail[:, None]], dim=1).to(s.dtype)
     return log_s_b, log_t_b
 
 

@@ -250,4 +250,60 @@ def topk_covering_the_student(impl: str) -> dict:
     return {"case": f"topk_covering_the_student-{impl}", "ok": ok, "values": out}
 
 
-EDGE_CHECKS = [mean_of_no_rows, masked_rows_with_infinite_divergence, topk_covering_the_student]
+def _bucket_loss(log_s: torch.Tensor, log_t: torch.Tensor, beta: float) -> torch.Tensor:
+    """The divergence over buckets [R, B], written in probabilities (M = beta T + (1-beta) S)."""
+    S, T = log_s.exp(), log_t.exp()
+    if beta == 0.0:
+        return torch.where(T > 0, T * (log_t - log_s), 0.0).sum(-1)
+    if beta == 1.0:
+        return torch.where(S > 0, S * (log_s - log_t), 0.0).sum(-1)
+    log_m = (beta * T + (1 - beta) * S).log()
+    return (torch.where(T > 0, beta * T * (log_t - log_m), 0.0)
+            + torch.where(S > 0, (1 - beta) * S * (log_s - log_m), 0.0)).sum(-1)
+
+
+def neg_inf_teacher_tail(impl: str) -> dict:
+    """A top-k teacher's tail of -inf: reverse KL reads it as 2**-24, finite loss and gradient.
+
+    Row 0 is vLLM's peaked teacher: top log-prob 0, the top k sum to 1 in fp32, tail -inf,
+    while the student has tail mass. Reverse KL used to be +inf with a NaN gradient (inf - inf);
+    now the tail reads as loss.TAIL_LOGMASS_FLOOR = log 2**-24. Row 1 has a finite tail of -40
+    nats, below that value: it must stay -40. Row 2 is ordinary. Row 3 has tail -inf and a
+    student with no tail either (-inf logits outside the ids): nothing changes there. Forward
+    KL and JSD (finite with a zero teacher tail) are unchanged. Per-row values are checked
+    against the formula over buckets in fp64; values and gradients against the reference.
+    """
+    g = torch.Generator().manual_seed(4)
+    n, v, floor = 4, 40, math.log(2.0 ** -24)
+    s = torch.randn(n, v, generator=g, dtype=torch.float64) * 2
+    ids = torch.stack([torch.randperm(v, generator=g)[:4] for _ in range(n)])
+    lp = torch.tensor([[0.0, -20.0, -21.0, -22.0]] * 2 + [[-0.7, -1.6, -2.3, -2.3]] * 2)
+    tail = torch.tensor([float("-inf"), -40.0, math.log(0.1), float("-inf")])
+    s[3, torch.ones(v, dtype=torch.bool).scatter(0, ids[3], False)] = float("-inf")   # no student tail
+    teacher = TopKTeacher(ids, lp, tail)
+    log_s = torch.log_softmax(s, -1)
+    rest = log_s.scatter(1, ids, float("-inf"))
+    s_tail = torch.where(torch.isneginf(rest).all(-1), float("-inf"), rest.logsumexp(-1))
+    log_s_b = torch.cat([log_s.gather(1, ids), s_tail[:, None]], 1)
+    out, ok = {}, True
+    for beta in (0.0, 0.5, 1.0):
+        read_tail = torch.where(torch.isneginf(tail), floor, tail) if beta == 1.0 else tail
+        want = _bucket_loss(log_s_b, torch.cat([lp, read_tail[:, None]], 1).double(), beta)
+        got = {}
+        for name, dtype in ((impl, torch.float32), ("reference", torch.float64)):
+            x = s.to(dtype).clone().requires_grad_()
+            rows = distill_loss(x, teacher, beta=beta, reduction="none", impl=name)
+            rows.sum().backward()
+            got[name] = rows.detach().double(), x.grad.double()
+        (rows, grad), (ref_rows, ref_grad) = got[impl], got["reference"]
+        out[f"beta={beta}"] = {"rows": rows.tolist(), "want": want.tolist()}
+        ok = ok and bool(torch.isfinite(rows).all() and torch.isfinite(grad).all()) and \
+            _rel_err(rows, want) <= RTOL_FP32 and _rel_err(ref_rows, want) <= 1e-12 and \
+            _rel_err(grad, ref_grad) <= RTOL_FP32
+    # The floor only ever replaces +inf: row 0 reads S_tail (log S_tail - log 2**-24) > 0.
+    ok = ok and out["beta=1.0"]["want"][0] > 0
+    return {"case": f"neg_inf_teacher_tail-{impl}", "ok": ok, "values": out}
+
+
+EDGE_CHECKS = [mean_of_no_rows, masked_rows_with_infinite_divergence, topk_covering_the_student,
+               neg_inf_teacher_tail]
