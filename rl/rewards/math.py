@@ -8,7 +8,7 @@ Extraction, first that applies:
 A `-` is a sign only where it cannot be a binary minus: not after a digit, a letter or `)`
 ("pages 12-15" ends in 15, not -15).
 Comparison: equal after light normalisation (spaces, `$`, a trailing period, thousands
-commas), or numerically equal (integers, decimals, `a/b` and signed `\\frac{a}{b}` fractions)
+commas, the typeset minus U+2212, a leading `x=`, a trailing `\\%`, `\\frac34`), or numerically equal (integers, decimals, `a/b` and signed `\\frac{a}{b}` fractions)
 within 1e-6 relative.
 """
 
@@ -61,18 +61,22 @@ def extract_answer(text: str) -> str | None:
 
 
 def normalize(ans: str) -> str:
-    s = ans.strip().replace("$", "").replace(" ", "")
+    s = ans.strip().replace("$", "").replace(" ", "").replace("\u2212", "-")   # U+2212, the typeset minus
     s = s.rstrip(".")
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")
     if s.startswith("\\text{") and s.endswith("}"):
         s = s[len("\\text{"):-1]
+    # Written-out forms of one answer: "x=5" for 5, "50\%" for 50, "\frac34" for \frac{3}{4}.
+    s = re.sub(r"^[A-Za-z]=(?!=)", "", s)
+    s = re.sub(r"\\?%$", "", s)
+    s = re.sub(r"\\([dt]?frac)(\d)(\d)$", r"\\\1{\2}{\3}", s)
     return s
 
 
 def to_number(ans: str) -> Fraction | None:
     s = normalize(ans)
-    m = re.fullmatch(r"(-?\d+(?:\.\d+)?|-?\.\d+)(?:/(\d+))?", s)
+    m = re.fullmatch(r"([+-]?\d+(?:\.\d+)?|[+-]?\.\d+)(?:/(\d+))?", s)
     if m is None:
         # -\frac{1}{2} as well as \frac{-1}{2}: the sign usually stands before the fraction
         frac = re.fullmatch(r"([+-]?)\\(?:d|t)?frac\{(-?\d+)\}\{(\d+)\}", s)

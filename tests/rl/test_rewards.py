@@ -50,6 +50,10 @@ def test_extract_answer(text, expected):
     # a sign before \frac (it was only allowed inside the numerator)
     ("-\\frac{1}{2}", "-1/2", True), ("-\\dfrac{3}{4}", "-0.75", True), ("-0.5", "-\\tfrac{1}{2}", True),
     ("-\\frac{-1}{2}", "0.5", True), ("+\\frac{1}{2}", "0.5", True), ("-\\frac{1}{2}", "1/2", False),
+    # written-out forms of the same answer, as MATH-style references and responses write them
+    ("\\frac34", "0.75", True), ("\\dfrac12", "\\frac{1}{2}", True), ("x=5", "5", True), ("x = -3", "-3", True),
+    ("50\\%", "50", True), ("12%", "12", True), ("+5", "5", True), ("\u22123", "-3", True),
+    ("x=5", "6", False), ("x==5", "5", False), ("\\frac34", "0.34", False),
 ])
 def test_answers_match(pred, ref, ok):
     assert answers_match(pred, ref) is ok
