@@ -42,8 +42,8 @@ DIVERGENCE_NAMES = {FORWARD_KL: "forward_kl", REVERSE_KL: "reverse_kl", JSD: "js
 IMPLS = ("auto", "triton", "torch", "reference")
 
 # What reverse KL reads a top-k teacher's tail log-mass of -inf as: fp32's resolution below 1,
-# 2^-24 (teachers/backend.py FP32_TAIL_LOGMASS reports a tail its fp32 sum cannot resolve as
-# the same value). See reverse_kl_teacher_tail.
+# 2^-24 (teachers/backend.py `tail_logmass_from_topk` reports a tail its fp32 sum cannot
+# resolve as this value too). See reverse_kl_teacher_tail.
 TAIL_LOGMASS_FLOOR = math.log(2.0 ** -24)   # -16.64 nats
 
 

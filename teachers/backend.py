@@ -18,6 +18,8 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from opd.kernels.loss import TAIL_LOGMASS_FLOOR
+
 
 @dataclass(frozen=True)
 class ScoreRequest:
@@ -98,17 +100,12 @@ class TeacherBackend(abc.ABC):
         pass
 
 
-# The smallest tail an fp32 log-softmax resolves: below half an ulp of 1 (2**-24), 1 + tail
-# rounds to 1, the top token's log-prob to 0 and the top k sum to 1.
-FP32_TAIL_LOGMASS = math.log(2.0 ** -24)   # -16.64 nats
-
-
 def tail_logmass_from_topk(topk_logprobs: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """log(1 - sum_j exp(lp_j)) per row, stably, for backends that only see the top k.
 
     With s = logsumexp(lp) <= 0 the tail is log(-expm1(s)); -expm1 keeps precision when
     the top k hold almost all the mass. A top k that spans the vocabulary has no tail (-inf).
-    Otherwise a tail under FP32_TAIL_LOGMASS is below what the teacher's fp32 log-softmax
+    Otherwise a tail under TAIL_LOGMASS_FLOOR (2**-24, half an ulp of 1) is below what the teacher's fp32 log-softmax
     resolves (a peaked teacher's top token comes back as log-prob 0 and the formula gives
     log 0): it lies somewhere in [0, 2**-24] and is reported as 2**-24, its upper bound.
     -inf there made reverse KL infinite, S·(log S - log T) with T = 0, and its gradient NaN,
@@ -118,4 +115,4 @@ def tail_logmass_from_topk(topk_logprobs: torch.Tensor, vocab_size: int) -> torc
     tail = torch.log(-torch.expm1(s))
     if topk_logprobs.shape[-1] >= vocab_size:
         return torch.full_like(tail, -math.inf)
-    return tail.clamp(min=FP32_TAIL_LOGMASS)
+    return tail.clamp(min=TAIL_LOGMASS_FLOOR)

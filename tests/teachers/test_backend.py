@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from opd.kernels import TopKTeacher, distill_loss
-from opd.teachers.backend import FP32_TAIL_LOGMASS, tail_logmass_from_topk
+from opd.kernels.loss import TAIL_LOGMASS_FLOOR
+from opd.teachers.backend import tail_logmass_from_topk
 
 
 def _topk(logits: torch.Tensor, k: int):
@@ -32,7 +33,7 @@ def test_a_tail_below_fp32_resolution_is_its_upper_bound_and_reverse_kl_stays_fi
     logits = torch.zeros(2, 100)
     logits[:, 0] = 30.0
     vals, ids, exact = _topk(logits, k=1)
-    assert vals[0, 0].item() == 0.0 and exact[0].item() < FP32_TAIL_LOGMASS
+    assert vals[0, 0].item() == 0.0 and exact[0].item() < TAIL_LOGMASS_FLOOR
     tail = tail_logmass_from_topk(vals, vocab_size=100)
     assert tail.tolist() == [pytest.approx(math.log(2.0 ** -24), abs=1e-6)] * 2
     # The student spreads mass outside the teacher's top token: reverse KL is large but finite
