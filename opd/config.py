@@ -207,6 +207,26 @@ def check_device(device: str, *, auto: bool = False) -> None:
         raise ValueError(f"device {device!r}: expected {'auto, ' if auto else ''}cpu, cuda or cuda:N")
 
 
+def check_top_p(top_p: float, key: str) -> None:
+    """Nucleus sampling keeps the smallest set of tokens whose mass reaches top_p: 0 keeps none
+    (the hf engine fell back to greedy, vLLM refused it at the first rollout)."""
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{key} {top_p}: expected a value in (0, 1] (1: no nucleus cut; for greedy "
+                         f"decoding set the temperature to 0)")
+
+
+# Modules vLLM 0.32 cannot load a LoRA adapter on (it supports the blocks' linear projections):
+# the engine died at its first rollout, after the run had started.
+VLLM_NO_LORA = ("lm_head", "embed_tokens")
+
+
+def check_vllm_lora(target_modules: list[str], key: str) -> None:
+    bad = sorted(m for m in target_modules if m in VLLM_NO_LORA)
+    if bad:
+        raise ValueError(f"{key}: rollout.engine vllm cannot load a LoRA adapter on {bad} (vLLM adapts the "
+                         f"blocks' linear projections only); use rollout.engine hf, or other target_modules")
+
+
 def positive_int(text: str) -> int:
     """argparse type of counts given on the command line (--steps, --max-k, ...): a value
     given there skips the config's range checks, so 0 or -3 would be taken as is."""

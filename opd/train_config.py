@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from opd.cluster import ClusterConfig
-from opd.config import check_device, field, load_yaml, near
+from opd.config import check_device, check_top_p, check_vllm_lora, field, load_yaml, near
 from opd.lora import LoraSpec
 from opd.routing.config import MergeConfig
 
@@ -52,6 +52,9 @@ class RolloutConfig:
     vllm_max_model_len: int = field(2048, help="vllm engine: longest prompt + response it holds", min=16)
     vllm_gpu_memory_utilization: float = field(0.3, help="vllm engine: share of GPU memory it may take",
                                                min=0.01, max=1.0)
+
+    def __post_init__(self):
+        check_top_p(self.top_p, "rollout.top_p")
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,8 @@ class TrainConfig:
         # The sampled-token estimate (log S(x) - log T(x)) grad log S(x) is unbiased for reverse KL only
         # when x is drawn from the S it scores: the teacher's temperature, no nucleus cut.
         r = self.rollout
+        if r.engine == "vllm" and self.student.lora is not None:
+            check_vllm_lora(self.student.lora.target_modules, "student.lora.target_modules")
         off = [t.name for t in self.merge.teachers if t.mode == "sampled" and (t.temperature != r.temperature
                                                                                 or r.top_p < 1)]
         if off:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opd.cluster import ClusterConfig
-from opd.config import check_device, field
+from opd.config import check_device, check_top_p, check_vllm_lora, field
 from opd.lora import LoraSpec
 
 
@@ -46,6 +46,9 @@ class RolloutConfig:
     actor_cpus: float = field(1.0, help="cluster.mode ray: CPUs reserved per rollout actor (its torch threads)",
                               min=0.0)
     actor_gpus: float = field(0.0, help="cluster.mode ray: GPUs reserved per rollout actor", min=0.0)
+
+    def __post_init__(self):
+        check_top_p(self.top_p, "rollout.top_p")
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ class RLConfig:
             raise ValueError(f"algorithm.minibatches ({self.algorithm.minibatches}) is more than the "
                              f"{batch} responses of a step (data.prompts_per_step {self.data.prompts_per_step} "
                              f"x rollout.group_size {self.rollout.group_size}); each optimizer step needs one")
+        if self.rollout.engine == "vllm" and self.model.lora is not None:
+            check_vllm_lora(self.model.lora.target_modules, "model.lora.target_modules")
         if self.cluster.mode == "fork":
             raise ValueError("cluster.mode fork starts the teachers of `opd train`; opd rl has none "
                              "(use local or ray)")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from opd.config import ConfigError, describe, field, load_yaml, near
+from opd.config import ConfigError, check_top_p, describe, field, load_yaml, near
 from opd.fingerprint import check_model_dir, load_model_tokenizer
 from opd.rl.train import HelpFormatter
 
@@ -72,6 +72,7 @@ class ValidateConfig:
     out_dir: str = field("runs/validate", help="where report.md and report.json go")
 
     def __post_init__(self):
+        check_top_p(self.top_p, "top_p")
         bad = [k for k in self.k if k < 1 or k > self.samples]
         if bad:
             raise ValueError(f"every k must be in 1..samples ({self.samples}), got {bad}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opd.config import ConfigError
+from opd.config import ConfigError, from_dict
 from opd.train_config import TrainConfig, load_train_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,3 +140,31 @@ def test_counts_given_on_the_command_line_are_checked_like_the_configs(capsys):
         with pytest.raises(SystemExit) as e:
             main(cmd)
         assert e.value.code == 2 and "must be at least 1, got" in capsys.readouterr().err, cmd
+
+
+def test_settings_an_engine_cannot_take_are_refused_with_the_config():
+    # top_p 0 made the hf engine greedy and vLLM refuse at the first rollout; a LoRA adapter on
+    # the LM head killed the vLLM engine at the first rollout (it adapts the blocks' projections).
+    from opd.rl.config import RLConfig
+    from opd.rl.validate import ValidateConfig
+
+    train = {"student": {"path": "s"}, "merge": {"teachers": [{"name": "a", "address": "tcp://x:1"}],
+                                                 "datasets": [{"domain": "d", "path": "p.jsonl"}]}}
+    rl = {"model": {"path": "m"}, "data": {"train": "t"}}
+    head = {"rank": 4, "target_modules": ["q_proj", "lm_head"]}
+    for cfg, cls, error in [
+        ({**train, "rollout": {"top_p": 0.0}}, TrainConfig, r"rollout.top_p 0.0: expected a value in \(0, 1\]"),
+        ({**rl, "rollout": {"top_p": 0.0}}, RLConfig, r"rollout.top_p 0.0: expected a value in \(0, 1\]"),
+        ({"models": [{"name": "b", "path": "m"}], "sets": [{"domain": "d", "path": "p"}], "top_p": 0.0},
+         ValidateConfig, r"top_p 0.0: expected"),
+        ({**train, "student": {"path": "s", "lora": head}, "rollout": {"engine": "vllm"}}, TrainConfig,
+         r"student.lora.target_modules: rollout.engine vllm cannot load a LoRA adapter on \['lm_head'\]"),
+        ({**rl, "model": {"path": "m", "lora": head}, "rollout": {"engine": "vllm"}}, RLConfig,
+         r"model.lora.target_modules: rollout.engine vllm cannot load a LoRA adapter on \['lm_head'\]"),
+    ]:
+        with pytest.raises(ConfigError, match=error):
+            from_dict(cfg, cls)
+    # the same adapter with the hf engine, and the blocks' projections with vLLM, are fine
+    assert from_dict({**train, "student": {"path": "s", "lora": head}}, TrainConfig).student.lora.rank == 4
+    assert from_dict({**rl, "model": {"path": "m", "lora": {"rank": 4}}, "rollout": {"engine": "vllm"}},
+                     RLConfig).rollout.engine == "vllm"
