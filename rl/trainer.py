@@ -14,7 +14,8 @@ Each step:
 Deviation from DeepSeekMath's GRPO worth knowing: the importance ratio is taken against
 the rollout engine's raw log-probs (what `Rollout.logprobs` holds), not a recomputed
 forward pass; with the hf engine these are the same weights, so the first epoch's ratio
-is 1 up to float noise. See docs/grpo.md.
+is 1 up to float noise. For that the policy's dropout is off (`disable_dropout`): the
+engines sample without it. See docs/grpo.md.
 
 With `cluster.mode: ray` step 1 runs on `rollout.actors` Ray actors (opd/cluster_rollout.py),
 each with its own copy of the policy; after step 5 the trainable weights are written to
@@ -72,8 +73,24 @@ def load_policy(cfg: RLConfig):
     model.to(resolve_device(cfg.model.device))
     if cfg.model.lora is not None:
         model = add_lora(model, cfg.model.lora, cfg.model.path)
+    disable_dropout(model)
     model.train()
     return model, tokenizer
+
+
+def disable_dropout(model) -> None:
+    """Every dropout of the policy off, in train mode too. The importance ratio compares the
+    policy with the rollout engine's dropout-free log-probs: with LoRA dropout 0.05, 39 % of
+    a first epoch's tokens were clipped (ratios 0.2-2.5) where every ratio should be 1."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):   # transformers' attention
+            module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
 
 
 def make_engine(cfg: RLConfig, model, tokenizer):
@@ -434,7 +451,8 @@ class GRPOTrainer:
         c = self.cfg
         write_card(self.out, "GRPO training card", {
             "model": {"start": c.model.path, "training": "LoRA" if self.is_lora else "full fine-tuning",
-                      **({"lora": to_dict(c.model.lora)} if self.is_lora else {}), "dtype": c.model.dtype},
+                      **({"lora": to_dict(c.model.lora)} if self.is_lora else {}), "dtype": c.model.dtype,
+                      "dropout": "off (the ratio is taken against dropout-free rollouts)"},
             "objective": {"advantage estimator": c.algorithm.advantage, "group size G": c.rollout.group_size,
                           "prompts per step P": c.data.prompts_per_step, "eps_low": c.algorithm.eps_low,
                           "eps_high": c.algorithm.eps_high, "epochs per batch": c.algorithm.epochs,
