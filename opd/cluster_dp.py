@@ -77,10 +77,10 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: f
     raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {name!r}")
 
 
-def load_student(model_dir: str, device: str = "cpu") -> torch.nn.Module:
+def load_student(model_dir: str, device: str = "cpu", dtype: str = "float32") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     return model.to(device).train()
 
 

@@ -29,7 +29,8 @@ class RolloutWorkerDiedError(RuntimeError):
 class RolloutWorker:
     """One rollout engine (used as a Ray actor)."""
 
-    def __init__(self, model_dir: str, *, threads: int = 1, batch_size: int = 64, device: str = "cpu"):
+    def __init__(self, model_dir: str, *, threads: int = 1, batch_size: int = 64, device: str = "cpu",
+                 dtype: str = "float32"):
         import torch
         from transformers import AutoTokenizer
 
@@ -37,7 +38,9 @@ class RolloutWorker:
         from opd.rollout.hf import HFRolloutEngine
 
         torch.set_num_threads(max(1, threads))
-        self.model = load_student(model_dir, device).eval()
+        # The trainer's dtype: rollout log-probs of an fp32 copy of a bf16 policy put the GRPO
+        # ratio off 1 (max |log ratio| 0.12) before any update.
+        self.model = load_student(model_dir, device, dtype).eval()
         self.engine = HFRolloutEngine(self.model, AutoTokenizer.from_pretrained(str(model_dir)), batch_size=batch_size)
         self.generated = 0   # samples this actor produced (a pool's spread is visible from outside)
 
@@ -77,14 +80,15 @@ class RolloutPool:
 
     @classmethod
     def start(cls, model_dir: str, num_workers: int, *, num_cpus_per_worker: float = 1.0,
-              num_gpus_per_worker: float = 0.0, batch_size: int = 64) -> "RolloutPool":
+              num_gpus_per_worker: float = 0.0, batch_size: int = 64, dtype: str = "float32") -> "RolloutPool":
         """Start the actors (asynchronously: the first call waits for them to load)."""
         import ray
 
         actor_cls = ray.remote(RolloutWorker)
         device = "cuda" if num_gpus_per_worker > 0 else "cpu"
         return cls([actor_cls.options(num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker).remote(
-            str(model_dir), threads=max(1, int(num_cpus_per_worker)), batch_size=batch_size, device=device)
+            str(model_dir), threads=max(1, int(num_cpus_per_worker)), batch_size=batch_size, device=device,
+            dtype=dtype)
             for _ in range(num_workers)])
 
     def _gather(self, refs: list) -> list:

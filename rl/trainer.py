@@ -295,7 +295,8 @@ class GRPOTrainer:
         try:
             self.cluster = RayCluster.start(self.cfg.cluster, start_teachers=False)
             pool = self.cluster.rollout_pool(self.cfg.model.path, r.actors, num_cpus_per_worker=r.actor_cpus,
-                                             num_gpus_per_worker=r.actor_gpus, batch_size=r.batch_size)
+                                             num_gpus_per_worker=r.actor_gpus, batch_size=r.batch_size,
+                                             dtype=self.cfg.model.dtype)
             engine = PoolEngine(pool, self.out / "rollout_weights.safetensors")
             if self.start_step:   # the actors loaded model.path; the policy is the checkpoint's
                 engine.sync_weights(self.model)

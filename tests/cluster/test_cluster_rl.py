@@ -112,3 +112,31 @@ def test_unsupported_ray_combinations_are_config_errors(tmp_path, change, words)
         cfg[key] = {**cfg[key], **value}
     with pytest.raises(ConfigError, match=words):
         from_dict(cfg, RLConfig)
+
+
+def test_rollout_actors_hold_the_policy_in_its_dtype(tmp_path, tiny_model_dir, ray_cluster):
+    # They loaded fp32 whatever model.dtype said: against a bf16 policy the first ratio was off
+    # 1 before any update (up to exp(0.12) on a peaked model).
+    from opd.rl.grpo import token_logprobs
+    from opd.rl.trainer import GRPOTrainer, collate, response_logits
+    from opd.rollout import SamplingParams
+
+    cfg = write_config(tmp_path, tiny_model_dir)
+    cfg["model"]["dtype"] = "bfloat16"
+    cfg["rollout"]["actors"] = 1
+    cfg["data"]["train"] = str(tmp_path / "train.jsonl")
+    cfg["rewards"][0]["path"] = str(tmp_path / "bytesum.py") + ":bytesum"
+    cfg["run"]["out_dir"] = str(tmp_path / "run")
+    trainer = GRPOTrainer(from_dict(cfg, RLConfig))
+    try:
+        batch = collate(trainer.engine.generate([[65, 66, 67], [70, 71]], SamplingParams(max_new_tokens=4, n=2,
+                                                                                           seed=0)), trainer.pad_id)
+        with torch.no_grad():
+            policy = token_logprobs(response_logits(trainer.model, batch).float(), batch.response_B_T)
+    finally:
+        trainer.engine.close()
+        trainer.close_cluster()
+    mask = batch.mask_B_T.bool()
+    gap = (batch.old_logprobs_B_T[mask] - policy[mask]).abs().max()
+    # 0 here (same dtype, same ops); an fp32 actor gave 1.4e-3 on this tiny model
+    assert trainer.model.dtype == torch.bfloat16 and gap < 2e-4, gap
