@@ -154,6 +154,46 @@ def claim_run_dir(out: str | Path, *, resume: bool, overwrite: bool) -> None:
             p.unlink(missing_ok=True)
 
 
+def _flatten(value, key: str = "") -> dict[str, object]:
+    """{dotted key: leaf} of a config dict; a list of named entries is keyed by name
+    (merge.teachers.math.k), so reordering a list is not a change."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{key}.{k}" if key else str(k)))
+        return out
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
+        out = {}
+        for v in value:
+            out.update(_flatten(v, f"{key}.{v['name']}"))
+        return out
+    return {key: value}
+
+
+def resume_changes(saved: dict | None, now: dict, fixed: tuple[str, ...], free: tuple[str, ...] = ()) -> list[str]:
+    """The config keys (dotted) that differ between a checkpoint's config and the resuming
+    one. A changed key matching a `fixed` pattern (fnmatch, e.g. "merge.teachers.*.k") makes
+    the checkpoint another run's, unless it also matches a `free` pattern (a teacher's
+    address may move): refused. The others are returned, for the card: a resumed run's card
+    must say what the steps before the resume were trained with. `saved` None: a checkpoint
+    from before configs were saved in it; nothing to compare."""
+    import fnmatch
+
+    if saved is None:
+        return []
+    a, b = _flatten(saved), _flatten(now)
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k, "(unset)") != b.get(k, "(unset)"))
+    clash = [k for k in changed if any(fnmatch.fnmatchcase(k, p) for p in fixed)
+             and not any(fnmatch.fnmatchcase(k, p) for p in free)]
+    if clash:
+        shown = ", ".join(f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in clash[:6])
+        raise CheckpointError(f"--resume: the checkpoint was trained with other settings that define the run "
+                              f"({shown}{', ...' if len(clash) > 6 else ''}); a resumed run continues the "
+                              f"same objective. Restore them, or start a new run (--overwrite or another "
+                              f"out_dir) from the checkpoint's model/")
+    return changed
+
+
 def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
     """Load weights, optimizer, scheduler and RNG from `path`; return state.json's dict."""
     path = Path(path)

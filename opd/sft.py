@@ -234,25 +234,19 @@ def eval_loss(model, sets: list[list], pad_id: int, batch_size: int) -> list[flo
 
 # What a resumed run must share with the checkpointed one to continue it: another value of any
 # of these makes the checkpoint's weights, optimizer or data positions belong to another run.
-_SAME_RUN = ("model", "tiny", "train", "batch_size", "max_length", "seed")
+_SAME_RUN = ("model", "tiny", "tiny.*", "train", "batch_size", "max_length", "seed")
 
 
 def _resume(out: Path, cfg: SFTConfig, model, opt, sampler) -> tuple[int, list[str]]:
     """Load the newest checkpoint under OUT/checkpoints: (its step, the config keys changed since)."""
-    from opd.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from opd.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, resume_changes
 
     ckpt = latest_checkpoint(out / "checkpoints")
     if ckpt is None:
         raise CheckpointError(f"--resume: no complete checkpoint under {out / 'checkpoints'} (set checkpoint_every "
                               f"to write them)")
-    saved = json.loads((ckpt / "state.json").read_text())["config"]
-    now = to_dict(cfg)
-    changed = sorted(k for k in now if now[k] != saved.get(k))
-    clash = [k for k in changed if k in _SAME_RUN]
-    if clash:
-        raise CheckpointError(f"--resume: {ckpt} was written with other {', '.join(clash)} "
-                              f"({', '.join(f'{k}: {saved.get(k)!r}' for k in clash)}); it cannot continue "
-                              f"this config. Restore them, or start afresh with --overwrite")
+    saved = json.loads((ckpt / "state.json").read_text()).get("config")
+    changed = resume_changes(saved, to_dict(cfg), _SAME_RUN)
     state = load_checkpoint(ckpt, model=model, optimizer=opt)
     sampler.load_state(state["sampler"])
     return int(state["step"]), changed

@@ -125,7 +125,7 @@ def test_an_interrupted_run_resumes_exactly(tmp_path, monkeypatch, capsys):
     (tmp_path / "b2.yaml").write_text("out_dir: b\n" + base.replace("batch_size: 4", "batch_size: 5"))
     capsys.readouterr()
     assert main(["sft", str(tmp_path / "b2.yaml"), "--resume"]) == 1
-    assert "written with other batch_size (batch_size: 4)" in capsys.readouterr().err
+    assert "trained with other settings that define the run (batch_size: 4 -> 5)" in capsys.readouterr().err
 
     assert main(["sft", str(tmp_path / "b.yaml"), "--resume"]) == 0
     rows_a = [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
