@@ -81,6 +81,11 @@ class SFTConfig:
             raise ValueError("set exactly one of `model` (a model directory) or `tiny` (a fresh tiny model)")
         if not self.train:
             raise ValueError("`train` needs at least one data set")
+        # The mixture draws each batch's set by ratio: with every ratio 0 there is nothing to
+        # draw from (MixtureSampler failed with a traceback once the model had loaded).
+        if not any(s.ratio > 0 for s in self.train):
+            raise ValueError(f"every train[].ratio is 0 ({', '.join(s.path for s in self.train)}): at least one "
+                             f"training set needs a ratio above 0")
 
 
 def resolve(cfg_path: Path, p: str | None) -> Path | None:

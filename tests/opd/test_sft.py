@@ -137,3 +137,25 @@ def test_an_interrupted_run_resumes_exactly(tmp_path, monkeypatch, capsys):
     card = (tmp_path / "b" / "card.md").read_text()
     assert "resumed_at_step" in card and "changed_since_checkpoint" in card
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step_*")) == ["step_000003", "step_000006"]
+
+
+def test_all_zero_ratios_are_refused_at_load(tmp_path, monkeypatch, capsys):
+    # With every train[].ratio 0 the mixture has nothing to draw from: the model loaded, then
+    # MixtureSampler raised a ValueError traceback. Refused with the config file's line instead.
+    import opd.sft as sft
+    from opd.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the config was refused")
+
+    monkeypatch.setattr(sft, "_build_model", no_model)
+    (tmp_path / "sft.yaml").write_text("out_dir: run\nmodel: m\n"
+                                       "train: [{path: a.jsonl, ratio: 0}, {path: b.jsonl, ratio: 0.0}]\n")
+    assert main(["sft", str(tmp_path / "sft.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'sft.yaml'}:1: SFTConfig: every train[].ratio is 0 (a.jsonl, b.jsonl)" in err
+    assert not (tmp_path / "run").exists()
+    # One set with a share above 0 is enough.
+    cfg = from_dict({"out_dir": "x", "model": "m", "train": [{"path": "a.jsonl", "ratio": 0},
+                                                            {"path": "b.jsonl", "ratio": 0.5}]}, SFTConfig)
+    assert [s.ratio for s in cfg.train] == [0.0, 0.5]
