@@ -26,6 +26,20 @@ READY = "opd-teacher ready"
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
+def positive_float(text: str) -> float:
+    """argparse type of the intervals (--heartbeat-s, --peer-timeout-s): 0 or less turned
+    heartbeats off, or dropped every client at once as silent."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local model directory (transformers format)")
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
@@ -36,21 +50,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-k", type=positive_int, default=64, help="largest k a top-k request may ask for")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model weights dtype")
-    p.add_argument("--max-positions", type=int, default=None, help="longest sequence accepted; None: the model's max_position_embeddings")
+    p.add_argument("--max-positions", type=positive_int, default=None,
+                   help="longest sequence accepted (at most the model's); None: the model's max_position_embeddings")
     p.add_argument("--max-tokens-per-request", type=positive_int, default=32768, help="larger SCORE requests get TOO_LONG")
     p.add_argument("--max-inflight-tokens", type=positive_int, default=131072,
                    help="accepted, unfinished tokens; past this a request gets BUSY (retryable)")
     p.add_argument("--batch-tokens", type=positive_int, default=16384, help="top-k requests grouped into one forward pass")
-    p.add_argument("--heartbeat-s", type=float, default=1.0, help="heartbeat interval clients are told to use")
-    p.add_argument("--peer-timeout-s", type=float, default=10.0, help="a client silent this long loses its requests in flight (CANCELLED)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads; None: torch's choice")
+    p.add_argument("--heartbeat-s", type=positive_float, default=1.0, help="heartbeat interval clients are told to use")
+    p.add_argument("--peer-timeout-s", type=positive_float, default=10.0, help="a client silent this long loses its requests in flight (CANCELLED)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads; None: torch's choice")
     p.add_argument("--curve-secret-key", type=Path, default=None,
                    help="server secret key file (NAME.key_secret from `opd keys generate`): enables CURVE")
     p.add_argument("--curve-allow", type=Path, default=None,
                    help="client public key file (NAME.key) or a directory of them: the allow-list")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback bind without CURVE (anyone who reaches the port may use the teacher)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="server log verbosity: INFO also logs each refused request (code and reason), WARNING "
+                        "only cancelled requests and refused keys")
 
 
 def is_loopback(address: str) -> bool:

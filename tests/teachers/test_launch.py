@@ -168,3 +168,28 @@ def test_serve_teacher_refuses_a_taken_port_a_missing_model_or_key_before_any_lo
     assert main(["serve-teacher", "--model", str(tmp_path / "none"), "--curve-secret-key", str(tmp_path / "k"),
                  "--curve-allow", str(tmp_path)]) == 2
     assert "k: no such key file" in capsys.readouterr().err
+
+
+def test_serve_teacher_refuses_non_positive_limits_and_documents_its_log_level(capsys):
+    # --max-positions -5 was accepted and then every request failed TOO_LONG ("the model takes
+    # at most -5"); a heartbeat or peer timeout of 0 turned heartbeats off or dropped every client.
+    from opd.cli import build_parser, main
+
+    for option, value, expect in [("--max-positions", "-5", "must be at least 1, got -5"),
+                                  ("--max-positions", "0", "must be at least 1, got 0"),
+                                  ("--threads", "-2", "must be at least 1, got -2"),
+                                  ("--heartbeat-s", "0", "must be a finite number above 0, got 0"),
+                                  ("--peer-timeout-s", "-1", "must be a finite number above 0, got -1"),
+                                  ("--peer-timeout-s", "nan", "must be a finite number above 0, got nan")]:
+        with pytest.raises(SystemExit) as e:
+            main(["serve-teacher", "--model", "unused", option, value])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {option}: {expect}" in err, (option, value, err)
+    args = build_parser("serve-teacher").parse_args(["serve-teacher", "--model", "m", "--max-positions", "64",
+                                                     "--heartbeat-s", "0.5", "--threads", "2"])
+    assert (args.max_positions, args.heartbeat_s, args.threads, args.peer_timeout_s) == (64, 0.5, 2, 10.0)
+    with pytest.raises(SystemExit):
+        main(["serve-teacher", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--log-level {DEBUG,INFO,WARNING,ERROR} server log verbosity" in text and "(default: INFO)" in text
