@@ -129,6 +129,8 @@ def fit(texts: list[str], labels: list[str], *, ngram_range: tuple[int, int] = (
     """Fit a classifier on (text, label) pairs. Deterministic: full-batch, zero initialization."""
     if len(texts) != len(labels) or not texts:
         raise ValueError(f"need equal, non-zero numbers of texts and labels, got {len(texts)} and {len(labels)}")
+    if epochs < 1 or max_features < 1:   # 0 epochs or features fitted the priors only: every prompt alike
+        raise ValueError(f"need epochs >= 1 and max_features >= 1, got epochs {epochs}, max_features {max_features}")
     label_set = sorted(set(labels))
     if len(label_set) < 2:
         raise ValueError(f"need at least two labels to route between, got {label_set}")

@@ -16,6 +16,19 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from opd.config import positive_int
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type of --limit (0: no limit): a negative limit printed nothing."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no limit) or more, got {value}")
+    return value
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="route_command", metavar="ACTION", required=True)
@@ -25,13 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--out", required=True, type=Path, help="classifier JSON to write (a classifier rule's `path`)")
     f.add_argument("--holdout", type=float, default=0.2, help="share held out to measure accuracy (0: none)")
     f.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
-    f.add_argument("--epochs", type=int, default=150, help="full-batch optimizer steps")
-    f.add_argument("--max-features", type=int, default=20000, help="most frequent n-gram/word features kept")
+    f.add_argument("--epochs", type=positive_int, default=150, help="full-batch optimizer steps")
+    f.add_argument("--max-features", type=positive_int, default=20000,
+                   help="most frequent n-gram/word features kept")
     e = sub.add_parser("explain", help="print the route and reason of every sample of a file",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     e.add_argument("--config", required=True, type=Path, help="merge config (or train config with `merge:`)")
     e.add_argument("--data", required=True, type=Path, help="JSONL prompts to route")
-    e.add_argument("--limit", type=int, default=0, help="print at most this many samples (0: all); counts cover all")
+    e.add_argument("--limit", type=_non_negative_int, default=0,
+                   help="print at most this many samples (0: all); counts cover all")
     e.add_argument("--json", action="store_true", help="one JSON object per sample instead of text")
 
 

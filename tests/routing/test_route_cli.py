@@ -101,3 +101,27 @@ def test_route_fit_then_explain(tmp_path, capsys):
     assert re.search(r"code\s+classifier .*classifier p=0\.\d\d for code -> teacher code", lines[1])
     assert re.search(r"general\s+classifier", lines[2])
     assert "by rule:    classifier 2, domain_field 1" in printed
+
+
+def test_route_fit_and_explain_refuse_non_positive_counts(tmp_path, capsys):
+    # `--epochs -3 --max-features 0` wrote a classifier with no features that gives every prompt
+    # the priors, and exited 0.
+    from opd.routing.classifier import fit
+
+    rows = [{"prompt": x, "domain": y} for x, y in labelled_prompts(20, seed=5)]
+    write_jsonl(tmp_path / "labelled.jsonl", rows)
+    fit_args = ["route", "fit", "--data", str(tmp_path / "labelled.jsonl"), "--out", str(tmp_path / "r.json")]
+    for option, value in [("--epochs", "-3"), ("--epochs", "0"), ("--max-features", "0")]:
+        with pytest.raises(SystemExit) as e:
+            main([*fit_args, option, value])
+        assert e.value.code == 2
+        assert f"argument {option}: must be at least 1, got {value}" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+    with pytest.raises(ValueError, match="need epochs >= 1 and max_features >= 1, got epochs 0"):
+        fit(["a", "b"], ["x", "y"], epochs=0)
+    with pytest.raises(ValueError, match="max_features 0"):
+        fit(["a", "b"], ["x", "y"], max_features=0)
+    assert len(fit(["ab", "cd"], ["x", "y"], epochs=1, max_features=2).vocab) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["route", "explain", "--config", "c.yaml", "--data", "d.jsonl", "--limit", "-1"])
+    assert e.value.code == 2 and "argument --limit: must be 0 (no limit) or more, got -1" in capsys.readouterr().err
