@@ -122,6 +122,29 @@ def test_shipped_configs_load_and_paths_are_relative_to_the_config():
     assert all(Path(s.path).is_absolute() for s in v.sets)
 
 
+def test_the_validate_example_names_what_make_demo_writes():
+    # docs/grpo.md's `opd validate configs/validate_demo.yaml` failed after `make demo`: its
+    # student-after was runs/demo/merge_math_code/model, the demo writes runs/demo/merge/model.
+    from pathlib import Path
+
+    from opd.config import load_yaml
+    from opd.rl.validate import ValidateConfig, resolve_paths
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    runs = (configs.parent / "runs" / "demo").resolve()
+    example = resolve_paths(load_yaml(configs / "validate_demo.yaml", ValidateConfig), configs)
+    demo = resolve_paths(load_yaml(configs / "demo" / "validate.yaml", ValidateConfig), configs / "demo")
+    paths = {m.name: Path(m.path).resolve() for m in example.models}
+    assert paths["student-after"] == runs / "merge" / "model"
+    assert paths["student-before"] == runs / "student"        # scripts/demo.py: the base's copy
+    for m in demo.models:                                      # the demo stage's own models
+        if m.name in paths:
+            assert paths[m.name] == Path(m.path).resolve(), m.name
+    assert [(s.domain, Path(s.path).resolve()) for s in example.sets] == \
+        [(s.domain, Path(s.path).resolve()) for s in demo.sets]
+    assert Path(example.out_dir).resolve() == runs / "validate"
+
+
 @pytest.mark.parametrize("name,options,error", [
     ("math", {"tolerance": 0.1}, r"rewards\[0\] \(math\): reward 'math_reward': options \['tolerance'\] do not fit; "
                                  r"it takes none"),       # was ignored: math_reward took **_options
