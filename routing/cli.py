@@ -5,6 +5,8 @@
         then refits on everything and saves the JSON file a `classifier` rule points at.
     opd route explain --config configs/merge_math_code.yaml --data prompts.jsonl
         prints each sample's teacher, the rule that decided and why, then the counts.
+        Rows without `domain` get the domain `opd train` gives them: that of the config's
+        data set (or eval set) whose file --data is, or --domain.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     e.add_argument("--config", required=True, type=Path, help="merge config (or train config with `merge:`)")
     e.add_argument("--data", required=True, type=Path, help="JSONL prompts to route")
+    e.add_argument("--domain", default=None,
+                   help="domain of the rows without a `domain` field; None: the domain of the config's data set "
+                        "or eval set whose file --data is (as `opd train` loads it), else none")
     e.add_argument("--limit", type=_non_negative_int, default=0,
                    help="print at most this many samples (0: all); counts cover all")
     e.add_argument("--json", action="store_true", help="one JSON object per sample instead of text")
@@ -95,7 +100,11 @@ def _explain(args) -> int:
 
     cfg = load_merge_config(args.config)
     router = Router(cfg.routing, cfg.teachers, base_dir=args.config.resolve().parent)
-    samples, _ = load_jsonl(args.data, on_error="stop")
+    default, why = _default_domain(cfg, args)
+    if default is None and why.startswith("error: "):
+        print(why, file=sys.stderr)
+        return 2
+    samples, _ = load_jsonl(args.data, on_error="stop", default_domain=default)
     failed = 0
     for i, s in enumerate(samples):
         show = not args.limit or i < args.limit
@@ -115,10 +124,37 @@ def _explain(args) -> int:
             print(f"{i:5d}  {r.teacher:<10} {r.rule:<13} {preview(s.prompt, 40)!r:<44} {r.reason}")
     st = router.stats()
     out = sys.stderr if args.json else sys.stdout
+    print(f"domain default: {why}", file=out)
     print(f"routed {len(samples) - failed} of {len(samples)}", file=out)
     print("by rule:    " + ", ".join(f"{k} {v}" for k, v in sorted(st["rule"].items())), file=out)
     print("by teacher: " + ", ".join(f"{k} {v}" for k, v in sorted(st["teacher"].items())), file=out)
     return 1 if failed else 0
+
+
+def _default_domain(cfg, args) -> tuple[str | None, str]:
+    """(the domain rows without one get, a line saying where it comes from). `opd train`
+    loads each data set and eval set with its `domain` as the rows' default, so a file of the
+    config is explained with that domain; "error: ..." when the file is two domains' set."""
+    if args.domain is not None:
+        if not args.domain.strip():
+            return None, "error: --domain is empty; name a domain, or leave it out"
+        return args.domain, f"{args.domain!r} for rows without `domain` (--domain)"
+    data = args.data.resolve()
+    found = {}   # domain -> the config key of the first set with this file
+    for i, d in enumerate(cfg.datasets):
+        for key, path in (("path", d.path), ("eval_path", d.eval_path)):
+            if path and Path(path).resolve() == data:
+                found.setdefault(d.domain, f"datasets[{i}].{key}")
+    if len(found) > 1:
+        sets = ", ".join(f"{k} (domain {dom!r})" for dom, k in found.items())
+        return None, (f"error: {args.data} is the file of {sets}: `opd train` routes its rows once per set; "
+                      f"pass --domain to explain one of them")
+    if found:
+        (domain, key), = found.items()
+        return domain, (f"{domain!r} for rows without `domain` ({args.data} is the config's {key}, as `opd train` "
+                        f"loads it)")
+    return None, (f"none ({args.data} is none of the config's data sets or eval sets; --domain sets one for "
+                  f"rows without `domain`)")
 
 
 def run(args) -> int:

@@ -83,7 +83,7 @@ def test_route_fit_then_explain(tmp_path, capsys):
         "  - {name: math, address: 'tcp://127.0.0.1:5601', domains: [math]}\n"
         "  - {name: code, address: 'tcp://127.0.0.1:5602', domains: [code]}\n"
         "  - {name: general, address: 'tcp://127.0.0.1:5603', domains: [general]}\n"
-        "datasets:\n  - {domain: math, path: prompts.jsonl}\n"
+        "datasets:\n  - {domain: math, path: math.jsonl}\n"
         "routing:\n  rules:\n    - {kind: domain_field}\n"
         "    - {kind: classifier, path: router.json, min_confidence: 0.5}\n"
         "    - {kind: fallback, teacher: general}\n")
@@ -91,6 +91,7 @@ def test_route_fit_then_explain(tmp_path, capsys):
         {"prompt": "Compute 17*3.", "domain": "math"},
         {"prompt": "Implement is_prime in Python with a loop."},
         {"prompt": "Write a short poem about tea."}])
+    write_jsonl(tmp_path / "cfg" / "math.jsonl", [{"prompt": "Compute 2+2."}])
     assert load_merge_config(tmp_path / "cfg" / "merge.yaml").routing.rules[1].path == str(out)
     code = main(["route", "explain", "--config", str(tmp_path / "cfg" / "merge.yaml"),
                  "--data", str(tmp_path / "cfg" / "prompts.jsonl")])
@@ -101,6 +102,59 @@ def test_route_fit_then_explain(tmp_path, capsys):
     assert re.search(r"code\s+classifier .*classifier p=0\.\d\d for code -> teacher code", lines[1])
     assert re.search(r"general\s+classifier", lines[2])
     assert "by rule:    classifier 2, domain_field 1" in printed
+    assert "domain default: none (" in printed     # prompts.jsonl is no data set of the config
+
+
+def test_route_explain_gives_rows_the_domain_opd_train_gives(tmp_path, capsys):
+    # `opd train` loads each data set (and eval set) with its `domain` as the default of rows
+    # without one; explain did not, and showed the fallback teacher for rows that training sends
+    # to the domain's teacher.
+    from opd.routing.merge import load_datasets
+
+    (tmp_path / "merge.yaml").write_text(
+        "teachers:\n"
+        "  - {name: tmath, address: 'tcp://127.0.0.1:5601', domains: [math]}\n"
+        "  - {name: tcode, address: 'tcp://127.0.0.1:5602', domains: [code]}\n"
+        "datasets:\n"
+        "  - {domain: code, path: data/code.jsonl, eval_path: data/code_eval.jsonl}\n"
+        "  - {domain: math, path: data/math.jsonl}\n"
+        "routing:\n  rules: [{kind: domain_field}, {kind: fallback, teacher: tmath}]\n")
+    write_jsonl(tmp_path / "data" / "code.jsonl", [{"prompt": "f(x): square x"}, {"prompt": "1+1=", "domain": "math"},
+                                                   {"prompt": "f(x): times 5"}])
+    write_jsonl(tmp_path / "data" / "code_eval.jsonl", [{"prompt": "f(x): add 1"}])
+    write_jsonl(tmp_path / "data" / "math.jsonl", [{"prompt": "2+2="}])
+    write_jsonl(tmp_path / "other.jsonl", [{"prompt": "f(x): square x"}])
+    config = ["route", "explain", "--config", str(tmp_path / "merge.yaml"), "--json", "--data"]
+
+    def explain(data, *extra):
+        code = main([*config, str(data), *extra])
+        captured = capsys.readouterr()
+        rows = [json.loads(line) for line in captured.out.splitlines()]
+        return code, [(r["teacher"], r["rule"]) for r in rows], captured.err
+
+    # The data set's file, named another way than in the config: its rows go where training sends them.
+    code, routes, err = explain(tmp_path / "data" / ".." / "data" / "code.jsonl")
+    assert code == 0 and routes == [("tcode", "domain_field"), ("tmath", "domain_field"), ("tcode", "domain_field")]
+    assert "domain default: 'code' for rows without `domain` (" in err and "the config's datasets[0].path" in err
+    cfg = load_merge_config(tmp_path / "merge.yaml")
+    router = Router(cfg.routing, cfg.teachers, base_dir=tmp_path)
+    assert [(r.teacher, r.rule) for r in map(router.route, load_datasets(cfg)["code"])] == routes
+    code, routes, err = explain(tmp_path / "data" / "code_eval.jsonl")
+    assert routes == [("tcode", "domain_field")] and "datasets[0].eval_path" in err
+    # A file of no data set keeps no domain (the fallback decides), unless --domain gives one.
+    code, routes, err = explain(tmp_path / "other.jsonl")
+    assert code == 0 and routes == [("tmath", "fallback")] and "domain default: none (" in err
+    code, routes, err = explain(tmp_path / "other.jsonl", "--domain", "code")
+    assert routes == [("tcode", "domain_field")]
+    assert "domain default: 'code' for rows without `domain` (--domain)" in err
+    code, routes, err = explain(tmp_path / "data" / "code.jsonl", "--domain", "math")   # --domain wins
+    assert routes == [("tmath", "domain_field"), ("tmath", "domain_field"), ("tmath", "domain_field")]
+    # A file that is the set of two domains is routed once per set by training: pick one.
+    (tmp_path / "merge.yaml").write_text((tmp_path / "merge.yaml").read_text().replace("data/math.jsonl",
+                                                                                       "data/code.jsonl"))
+    code, routes, err = explain(tmp_path / "data" / "code.jsonl")
+    assert code == 2 and routes == []
+    assert "datasets[0].path (domain 'code'), datasets[1].path (domain 'math')" in err and "--domain" in err
 
 
 def test_route_fit_and_explain_refuse_non_positive_counts(tmp_path, capsys):
