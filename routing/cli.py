@@ -34,8 +34,10 @@ def _non_negative_int(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="route_command", metavar="ACTION", required=True)
-    f = sub.add_parser("fit", help="fit the text classifier on a labelled prompt file (prompt + domain)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    fit_help = "fit the text classifier on a labelled prompt file (prompt + domain)"
+    f = sub.add_parser("fit", help=fit_help, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description=fit_help + ": holds out a share to report accuracy, then refits on every "
+                                   "row and writes the JSON file a `classifier` routing rule points at")
     f.add_argument("--data", required=True, type=Path, help="JSONL with `prompt` and `domain` on every line")
     f.add_argument("--out", required=True, type=Path, help="classifier JSON to write (a classifier rule's `path`)")
     f.add_argument("--holdout", type=float, default=0.2, help="share held out to measure accuracy (0: none)")
@@ -43,8 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--epochs", type=positive_int, default=150, help="full-batch optimizer steps")
     f.add_argument("--max-features", type=positive_int, default=20000,
                    help="most frequent n-gram/word features kept")
-    e = sub.add_parser("explain", help="print the route and reason of every sample of a file",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    explain_help = "print the route and reason of every sample of a file"
+    e = sub.add_parser("explain", help=explain_help, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description=explain_help + " as `opd train` routes it (rows without `domain` get the "
+                                   "domain of the config's data set whose file --data is, or --domain), then "
+                                   "the counts per rule and teacher")
     e.add_argument("--config", required=True, type=Path, help="merge config (or train config with `merge:`)")
     e.add_argument("--data", required=True, type=Path, help="JSONL prompts to route")
     e.add_argument("--domain", default=None,

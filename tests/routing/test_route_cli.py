@@ -179,3 +179,11 @@ def test_route_fit_and_explain_refuse_non_positive_counts(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["route", "explain", "--config", "c.yaml", "--data", "d.jsonl", "--limit", "-1"])
     assert e.value.code == 2 and "argument --limit: must be 0 (no limit) or more, got -1" in capsys.readouterr().err
+
+
+def test_route_actions_have_descriptions(capsys):
+    for action, expect in [("fit", "fit the text classifier on a labelled prompt file (prompt + domain): holds out"),
+                           ("explain", "print the route and reason of every sample of a file as `opd train` routes")]:
+        with pytest.raises(SystemExit):
+            main(["route", action, "--help"])
+        assert expect in " ".join(capsys.readouterr().out.split())
