@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from opd.cluster import ClusterConfig
+from opd.cluster import ClusterConfig, StudentWorkers, TeacherReplicas
 from opd.config import check_device, check_top_p, check_vllm_lora, field
 from opd.lora import LoraSpec
 
@@ -115,6 +115,28 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class RLClusterConfig(ClusterConfig):
+    """`opd train`'s cluster section (opd.cluster.ClusterConfig, so RayCluster takes it as it
+    is) with the help `opd rl --help` prints: opd rl has no teachers and one training process,
+    so `mode: fork` (opd train starts its teachers) is refused, and so are teachers and more
+    than one student worker (RLConfig.__post_init__)."""
+    mode: Literal["local", "fork", "ray"] = field(
+        "local", help="local: rollouts sampled in this process (rollout.engine); ray: rollout.actors Ray actors "
+                      "sample them (hf engine), the new weights pushed to them after each step. fork is opd "
+                      "train's (it starts the teachers) and is refused: opd rl has none")
+    bind: Literal["auto", "loopback", "node_ip"] = field(
+        "auto", help="opd train's teacher servers only; not used by opd rl")
+    teachers: list[TeacherReplicas] = field(default_factory=list,
+                                            help="opd train's teacher replicas; opd rl has no teachers: leave it "
+                                                 "empty (refused otherwise)")
+    student: StudentWorkers = field(default_factory=StudentWorkers,
+                                    help="opd train's data-parallel workers; opd rl trains in one process: "
+                                         "num_workers must stay 1 (rollout.actors sets the rollout actors)")
+    request_timeout_s: float = field(120.0, help="opd train's teacher replica pools; not used by opd rl", min=0.1)
+    recheck_s: float = field(2.0, help="opd train's teacher replica pools; not used by opd rl", min=0.05)
+
+
+@dataclass(frozen=True)
 class RLConfig:
     model: ModelConfig = field(help="the policy being trained")
     data: DataConfig = field(help="prompts")
@@ -124,9 +146,10 @@ class RLConfig:
                                         help="reward functions, summed with their weights")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer")
     run: RunConfig = field(default_factory=RunConfig, help="steps, evaluation, checkpoints, output")
-    cluster: ClusterConfig = field(default_factory=ClusterConfig,
-                                   help="local (default), or ray: rollout.actors rollout engines as Ray actors, "
-                                        "new weights pushed to them by file after each step (docs/multi_machine.md)")
+    cluster: RLClusterConfig = field(default_factory=RLClusterConfig,
+                                     help="local (default), or ray: rollout.actors rollout engines as Ray actors, "
+                                          "new weights pushed to them by file after each step "
+                                          "(docs/multi_machine.md)")
 
     def __post_init__(self):
         batch = self.data.prompts_per_step * self.rollout.group_size
