@@ -23,6 +23,7 @@ its backward); the first step uses 1.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from concurrent.futures import Future
@@ -32,8 +33,8 @@ from pathlib import Path
 import torch
 
 from opd import distill
-from opd.checkpoint import (claim_run_dir, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint,
-                            save_final_model, set_rng_state)
+from opd.checkpoint import (claim_run_dir, latest_checkpoint, load_checkpoint, resume_changes, rng_state,
+                            save_checkpoint, save_final_model, set_rng_state)
 from opd.config import to_dict
 from opd.data import Cycler, Sample, encode_prompt, load_jsonl
 from opd.diagnostics import DomainTally, topk_overlap
@@ -49,6 +50,16 @@ from opd.train_teachers import Answer, TeacherSet, TrainError
 __all__ = ["Batch", "Route", "Trainer", "TrainError"]
 
 MAX_NONFINITE_IN_A_ROW = 3   # steps skipped for a NaN/inf gradient before the run stops
+
+# Config keys a resumed run must share with its checkpoint (opd.checkpoint.resume_changes):
+# they define the objective, so another value would make the card's one description of the
+# run false for the steps before the resume. Other keys (steps, lr, evaluation, where the
+# teachers listen, ...) may change and are listed in the card.
+RESUME_FIXED = ("student.path", "student.dtype", "student.lora", "student.lora.*", "merge.teachers.*",
+                "merge.datasets", "merge.routing.*", "merge.sft", "merge.sft.*", "merge.domain_weights*",
+                "merge.normalize*", "loss.*", "rollout.temperature", "rollout.top_p", "rollout.samples_per_prompt",
+                "rollout.prompts_per_step", "rollout.max_new_tokens", "run.seed")
+RESUME_FREE = ("merge.teachers.*.address", "merge.teachers.*.curve_server_key", "loss.impl", "loss.fused_linear")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -163,6 +174,7 @@ class Trainer:
 
         cfg = self.cfg
         claim_run_dir(self.out, resume=bool(self.resume), overwrite=self.overwrite)
+        self.resume_from = self._resume_checkpoint()
         self.specs = {t.name: t for t in cfg.merge.teachers}
         # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
         tokenizer = load_tokenizer(cfg.student)
@@ -316,14 +328,27 @@ class Trainer:
 
         return HFRolloutEngine(self.model, self.tok, batch_size=cfg.rollout.batch_size)
 
-    def _maybe_resume(self) -> int | None:
+    def _resume_checkpoint(self) -> Path | None:
+        """The checkpoint --resume continues, its config checked against this one before anything
+        loads: a key that defines the objective must be the same (RESUME_FIXED), the others
+        changed are said in the card."""
         if not self.resume:
             return None
         ckpt = Path(self.resume) if not isinstance(self.resume, bool) else latest_checkpoint(self.out / "checkpoints")
         if ckpt is not None and ckpt.name == "checkpoints":
             ckpt = latest_checkpoint(ckpt)
-        if ckpt is None:
+        if ckpt is None or not (ckpt / "state.json").is_file():
             raise TrainError(f"--resume: no complete checkpoint under {self.out / 'checkpoints'}")
+        saved = json.loads((ckpt / "state.json").read_text()).get("config")
+        changed = resume_changes(saved, to_dict(self.cfg), RESUME_FIXED, RESUME_FREE)
+        if changed:
+            self.warnings.append(f"resumed from {ckpt.name}; changed since that checkpoint: {', '.join(changed)}")
+        return ckpt
+
+    def _maybe_resume(self) -> int | None:
+        ckpt = self.resume_from
+        if ckpt is None:
+            return None
         state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         # The optimizer comes back with the rate the checkpointed run's schedule set for its
         # next step. With another run.steps (`--resume --steps N`) the schedule is another one:

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from opd.checkpoint import latest_checkpoint
+from opd.checkpoint import CheckpointError, latest_checkpoint
 from opd.config import from_dict
 from opd.data import write_jsonl
 from opd.metrics import read_metrics
@@ -326,6 +326,16 @@ def test_a_run_extended_with_resume_follows_the_new_schedule_from_its_first_new_
     cosine4 = [1e-2 * 0.5 * (1 + math.cos(math.pi * s / 4)) for s in range(4)]
     assert [lrs[s] for s in (1, 2)] == pytest.approx([1e-2, 1e-2 * 0.5 * (1 + math.cos(math.pi / 2))])
     assert [lrs[s] for s in (3, 4)] == pytest.approx(cosine4[2:])
+    warnings = json.loads((setup["root"] / "extend_cosine" / "card.json").read_text())["run"]["warnings"]
+    assert "resumed from step_000002; changed since that checkpoint: run.steps" in warnings
+
+    # A key that defines the objective cannot change on resume: the card, one description of
+    # the run, said k=4 and reverse KL for steps trained with k=8 and forward KL.
+    teacher = replace(cfg.merge.teachers[0], k=4, beta=1.0, address="tcp://127.0.0.1:9")
+    moved = replace(cfg, run=replace(cfg.run, steps=5), merge=replace(cfg.merge, teachers=[teacher]))
+    with pytest.raises(CheckpointError, match=r"trained with other settings that define the run "
+                                              r"\(merge.teachers.t.beta: 0.0 -> 1.0, merge.teachers.t.k: 8 -> 4\)"):
+        Trainer(moved, resume=True).run()   # refused before any load; the new address alone is fine
 
 
 def test_prompts_too_long_for_the_teacher_are_refused_or_left_out_at_load(setup):
