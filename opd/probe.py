@@ -31,6 +31,20 @@ import torch
 from opd.config import positive_int
 
 
+def _float_at_least(low: float, *, strict: bool, what: str):
+    """argparse type of a finite float above (`strict`) or at least `low`."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'above' if strict else 'of at least'} "
+                                             f"{low:g}{what}, got {text}")
+        return value
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--student", required=True, type=Path, help="student model directory")
     p.add_argument("--teacher", required=True, help="teacher server address, e.g. tcp://127.0.0.1:5601")
@@ -38,10 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=16, help="prompts used (the first N)")
     p.add_argument("--k", type=positive_int, default=16, help="top-k of overlap and tail mass")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="length limit of the student's responses")
-    p.add_argument("--temperature", type=float, default=1.0, help="student sampling temperature")
+    p.add_argument("--temperature", type=_float_at_least(0.0, strict=False, what=" (0: greedy)"), default=1.0,
+                   help="student sampling temperature (0: greedy; the sampled reverse-KL estimate needs 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="cpu", help="device of the student")
-    p.add_argument("--timeout-s", type=float, default=30.0, help="teacher answer timeout")
+    p.add_argument("--timeout-s", type=_float_at_least(0.0, strict=True, what=""), default=30.0,
+                   help="teacher answer timeout in seconds")
     p.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
 
 
@@ -120,9 +136,6 @@ def run(args: argparse.Namespace) -> int:
     from opd.data import DataError, load_jsonl
     from opd.teachers.client import TeacherError
 
-    if args.temperature < 0:
-        print(f"error: --temperature must be >= 0 (0: greedy), got {args.temperature}", file=sys.stderr)
-        return 2
     try:
         samples, _ = load_jsonl(args.prompts)
         report = probe(args.student, args.teacher, [s.prompt for s in samples[:args.num_prompts]], k=args.k,

@@ -37,3 +37,20 @@ def test_a_bug_keeps_its_traceback_and_ctrl_c_is_a_line(monkeypatch, capsys):
     monkeypatch.setattr(opd.routing.cli, "run", lambda args: open("/no/such/file"))
     with pytest.raises(FileNotFoundError):
         main(["route", "explain", "--config", "c.yaml", "--data", "x.jsonl"])
+
+
+def test_probe_refuses_a_timeout_or_temperature_it_cannot_use(capsys):
+    # --timeout-s -1 was accepted, and every teacher answer then failed TIMEOUT.
+    base = ["probe", "--student", "s", "--teacher", "tcp://127.0.0.1:1", "--prompts", "p.jsonl"]
+    for option, value, expect in [("--timeout-s", "-1", "must be a finite number above 0, got -1"),
+                                  ("--timeout-s", "0", "must be a finite number above 0, got 0"),
+                                  ("--timeout-s", "inf", "must be a finite number above 0, got inf"),
+                                  ("--temperature", "-0.5", "must be a finite number of at least 0 (0: greedy), "
+                                                            "got -0.5"),
+                                  ("--temperature", "nan", "must be a finite number of at least 0 (0: greedy), "
+                                                           "got nan")]:
+        with pytest.raises(SystemExit) as e:
+            main([*base, option, value])
+        assert e.value.code == 2
+        assert f"argument {option}: {expect}" in capsys.readouterr().err
+
