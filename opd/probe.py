@@ -13,6 +13,10 @@ student visited (top-k mode, temperature 1). Reported, per response token, avera
     teacher_tail_mass 1 - the teacher's top-k probability mass (what top-k mode cuts off)
     teacher_token_prob  mean teacher probability of the tokens the student sampled
 
+The report also gives the settings that change these numbers: the student's sampling
+temperature, seed and max_new_tokens, the k asked for and the k used (a teacher answers at
+most its max_k: a larger --k is lowered, with a notice), and the teacher's temperature (1).
+
 Low overlap predicts failure: the teacher puts its mass where the student does not look,
 so on-policy states carry little signal the student can follow. The verdict is plain text
 built from overlap and tail mass (thresholds in `verdict`).
@@ -29,6 +33,9 @@ from pathlib import Path
 import torch
 
 from opd.config import positive_int
+
+# The teacher scores at temperature 1: the distribution it would be distilled from in top-k mode.
+TEACHER_TEMPERATURE = 1.0
 
 
 def _float_at_least(low: float, *, strict: bool, what: str):
@@ -96,7 +103,10 @@ def probe(student_dir: str | Path, teacher: str, prompts: list[str], *, k: int =
         if welcome.tokenizer_fingerprint != fp:
             raise ValueError(f"teacher at {teacher} uses tokenizer fingerprint {welcome.tokenizer_fingerprint}, "
                              f"the student ({student_dir}) {fp}: they cannot be distilled token by token")
-        k = min(k, welcome.max_k)
+        k_requested, k = k, min(k, welcome.max_k)
+        if k < k_requested:
+            print(f"note: the teacher at {teacher} answers top-k for k up to {welcome.max_k} (its --max-k): "
+                  f"k {k_requested} lowered to {k}", file=sys.stderr, flush=True)
         model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32).to(device).eval()
         engine = HFRolloutEngine(model, tok)
         ids = [encode_prompt(tok, p) for p in prompts]
@@ -105,7 +115,8 @@ def probe(student_dir: str | Path, teacher: str, prompts: list[str], *, k: int =
         rollouts = [r for r in rollouts if r.response_ids]
         if not rollouts:
             raise ValueError("the student produced only empty responses")
-        answer = client.score_topk([r.ids for r in rollouts], [len(r.prompt_ids) for r in rollouts], k)
+        answer = client.score_topk([r.ids for r in rollouts], [len(r.prompt_ids) for r in rollouts], k,
+                                   temperature=TEACHER_TEMPERATURE)
         with torch.no_grad():
             packed = pack([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
                           tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
@@ -115,7 +126,9 @@ def probe(student_dir: str | Path, teacher: str, prompts: list[str], *, k: int =
         report = {
             "student": str(student_dir), "teacher": welcome.teacher, "teacher_model": welcome.model_id,
             "teacher_model_fingerprint": welcome.model_fingerprint, "tokenizer_fingerprint": fp,
-            "responses": len(rollouts), "tokens": int(logits.shape[0]), "k": k,
+            "student_temperature": temperature, "seed": seed, "max_new_tokens": max_new_tokens,
+            "teacher_temperature": TEACHER_TEMPERATURE, "k_requested": k_requested, "k": k,
+            "responses": len(rollouts), "tokens": int(logits.shape[0]),
             "forward_kl_topk": float(distill_loss(logits, t, beta=0.0)),
             "reverse_kl_topk": float(distill_loss(logits, t, beta=1.0)),
             # mean of log S(x) - log T(x) is reverse KL only for x drawn from the S it scores (T = 1)
@@ -146,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     width = max(len(k) for k in report)
     for key, value in report.items():
-        shown = f"{value:.4f}" if isinstance(value, float) and math.isfinite(value) else value
+        measured = isinstance(value, float) and math.isfinite(value) and not key.endswith("_temperature")
+        shown = f"{value:.4f}" if measured else f"{value:g}" if isinstance(value, float) else value
         print(f"{key:<{width}}  {shown}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

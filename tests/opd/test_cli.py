@@ -54,3 +54,36 @@ def test_probe_refuses_a_timeout_or_temperature_it_cannot_use(capsys):
         assert e.value.code == 2
         assert f"argument {option}: {expect}" in capsys.readouterr().err
 
+
+def test_probe_says_when_it_lowers_k_and_reports_its_settings(tiny_model_dir, tiny_teacher_dir, tmp_path, capsys):
+    # A --k above the teacher's max_k was capped silently, and the report left out the settings
+    # its numbers depend on (the k used, the student's temperature, seed and length).
+    import json
+
+    from opd.data import write_jsonl
+    from opd.teachers.hf_backend import HFBackend
+    from opd.teachers.server import serving_in_thread
+
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(3)])
+    backend = HFBackend(tiny_teacher_dir, name="t", max_k=4)
+    try:
+        with serving_in_thread(backend) as server:
+            assert main(["probe", "--student", str(tiny_model_dir), "--teacher", server.address, "--prompts",
+                         str(tmp_path / "p.jsonl"), "--num-prompts", "2", "--k", "8", "--max-new-tokens", "3",
+                         "--temperature", "0.7", "--seed", "5", "--json", str(tmp_path / "r.json")]) == 0
+    finally:
+        backend.close()
+    captured = capsys.readouterr()
+    assert f"note: the teacher at {server.address} answers top-k for k up to 4 (its --max-k): k 8 lowered to 4" \
+        in captured.err
+    shown = dict(line.split(None, 1) for line in captured.out.splitlines())
+    assert {key: shown[key] for key in ("student_temperature", "seed", "max_new_tokens", "teacher_temperature",
+                                        "k_requested", "k")} == {
+        "student_temperature": "0.7", "seed": "5", "max_new_tokens": "3", "teacher_temperature": "1",
+        "k_requested": "8", "k": "4"}
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert {key: report[key] for key in ("student_temperature", "seed", "max_new_tokens", "teacher_temperature",
+                                         "k_requested", "k")} == {
+        "student_temperature": 0.7, "seed": 5, "max_new_tokens": 3, "teacher_temperature": 1.0,
+        "k_requested": 8, "k": 4}
+    assert report["responses"] == 2 and 0 < report["topk_overlap"] <= 1
