@@ -84,6 +84,12 @@ class ValidateConfig:
             raise ValueError(f"one held-out set per domain, got domains {domains}")
         if self.grpo is not None and self.grpo.model not in names:
             raise ValueError(f"grpo.model {self.grpo.model!r} is not one of the models {names}")
+        from opd.rl.rewards.code import limits_from
+
+        try:   # a value the sandbox cannot use failed only at the first code answer (a float memory_mb: all 0)
+            limits_from(self.code)
+        except ValueError as e:
+            raise ValueError(f"code: {e}") from None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -24,12 +24,42 @@ def extract_code(response: str) -> str:
     return (python or [body for _, body in blocks])[-1]
 
 
+# What each option must be. A value of another kind failed late or silently: a float
+# memory_mb made the sandbox child's setrlimit raise, so every answer scored 0 as a crash.
+_COUNTS = ("memory_mb", "max_file_mb", "max_processes", "workers")
+DEFAULT_WORKERS = 2
+
+
+def check_code_options(options: dict) -> None:
+    """ValueError naming the option whose value the sandbox cannot use."""
+    import math
+
+    for key in _COUNTS:
+        v = options.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"option {key}: expected a whole number >= 1, got {v!r}")
+    t = options.get("timeout_s", 1.0)
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0:
+        raise ValueError(f"option timeout_s: expected a number of seconds > 0, got {t!r}")
+    a = options.get("allow_subprocess", False)
+    if not isinstance(a, bool):
+        raise ValueError(f"option allow_subprocess: expected true or false, got {a!r}")
+
+
 def limits_from(options: dict) -> SandboxLimits:
     known = {"timeout_s", "memory_mb", "max_file_mb", "max_processes", "allow_subprocess"}
     unknown = set(options) - known - {"workers"}
     if unknown:
         raise ValueError(f"unknown code reward option(s) {sorted(unknown)}; expected {sorted(known | {'workers'})}")
+    check_code_options(options)
     return SandboxLimits(**{k: v for k, v in options.items() if k in known})
+
+
+def code_options_used(options: dict) -> dict:
+    """Every option of the code reward with the value it runs with (the defaults filled in)."""
+    import dataclasses
+
+    return {**dataclasses.asdict(limits_from(options)), "workers": options.get("workers", DEFAULT_WORKERS)}
 
 
 def code_reward(sample, response: str, **options) -> float:
@@ -42,7 +72,7 @@ def code_reward_batch(samples, responses: list[str], **options) -> list[float]:
     """Score many responses, `workers` sandboxes at a time (default 2)."""
     limits = limits_from(options)
     jobs = [(i, extract_code(r), s.tests) for i, (s, r) in enumerate(zip(samples, responses)) if s.tests]
-    results = run_many([(c, t) for _, c, t in jobs], limits, workers=int(options.get("workers", 2)))
+    results = run_many([(c, t) for _, c, t in jobs], limits, workers=int(options.get("workers", DEFAULT_WORKERS)))
     rewards = [0.0] * len(responses)
     for (i, _, _), res in zip(jobs, results):
         rewards[i] = res.reward

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from opd.config import ConfigError
-from opd.rl.rewards.code import code_reward_batch, limits_from
+from opd.rl.rewards.code import code_options_used, code_reward_batch
 from opd.rl.rewards.math import math_reward
 from opd.rl.rewards.shaping import format_reward, length_penalty
 from opd.rl.rewards.user import load_user_reward
@@ -34,9 +35,44 @@ def _per_item(fn: Callable, options: dict) -> BatchFn:
     return lambda samples, responses: [float(fn(s, r, **options)) for s, r in zip(samples, responses)]
 
 
+def _options_used(fn: Callable, options: dict) -> dict:
+    """The keyword options fn runs with: its defaults, then the configured ones."""
+    defaults = {name: p.default for name, p in list(inspect.signature(fn).parameters.items())[2:]
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **options}
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_format(options: dict) -> None:
+    pattern = options["pattern"]
+    if not isinstance(pattern, str):
+        raise ValueError(f"option pattern: expected a regular expression (a string), got {pattern!r}")
+    try:
+        re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ValueError(f"option pattern {pattern!r} is not a valid regular expression: {e}") from None
+
+
+def _check_length(options: dict, given: dict) -> None:
+    def shown(key):
+        return f"{options[key]!r}" + ("" if key in given else " (the default)")
+
+    for key in ("soft_max", "hard_max"):
+        if not _is_number(options[key]) or options[key] < 0:
+            raise ValueError(f"option {key}: expected a number of characters >= 0, got {options[key]!r}")
+    if options["hard_max"] <= options["soft_max"]:
+        raise ValueError(f"option hard_max {shown('hard_max')} must be greater than option soft_max "
+                         f"{shown('soft_max')}: the penalty falls from 0 at soft_max to -1 at hard_max")
+
+
 @dataclass
 class CombinedReward:
     parts: list[tuple[str, float, BatchFn]]  # (label, weight, batch function)
+    # label -> the options each function runs with, its defaults filled in (for the card)
+    options: dict[str, dict] = field(default_factory=dict)
 
     def __call__(self, samples: list, responses: list[str]) -> tuple[list[float], dict[str, list[float]]]:
         total = [0.0] * len(responses)
@@ -49,8 +85,10 @@ class CombinedReward:
         _check_finite("the weighted sum of the rewards", total, responses)
         return total, values
 
-    def describe(self) -> dict[str, float]:
-        return {label: weight for label, weight, _ in self.parts}
+    def describe(self) -> dict[str, dict]:
+        """{label: {"weight": w, option: value, ...}}: each function's weight and the options it
+        runs with (the defaults included), as the card records them."""
+        return {label: {"weight": weight, **self.options.get(label, {})} for label, weight, _ in self.parts}
 
 
 def _check_finite(what: str, vals: list[float], responses: list[str]) -> None:
@@ -63,30 +101,37 @@ def _check_finite(what: str, vals: list[float], responses: list[str]) -> None:
                           f"an empty or unparsable one too")
 
 
-def _reward_fn(spec, base_dir) -> BatchFn:
+def _reward_fn(spec, base_dir) -> tuple[BatchFn, dict]:
+    """(batch function, the options it runs with). Unknown options and values the function
+    cannot use are refused here, at start-up: they failed at the first step's rewards, after
+    the model load and the first rollout (a bad regex, hard_max <= soft_max)."""
     opts = dict(spec.options)
     if spec.name == "math":
-        return _per_item(math_reward, opts)
+        return _per_item(math_reward, opts), _options_used(math_reward, opts)
     if spec.name == "code":
-        limits_from(opts)   # unknown options refused now, not at the first step
-        return lambda samples, responses, o=opts: code_reward_batch(samples, responses, **o)
+        used = code_options_used(opts)   # unknown options and bad values refused now
+        return (lambda samples, responses, o=opts: code_reward_batch(samples, responses, **o)), used
     if spec.name == "format":
-        return _per_item(format_reward, opts)
+        fn, used = _per_item(format_reward, opts), _options_used(format_reward, opts)
+        _check_format(used)
+        return fn, used
     if spec.name == "length":
-        return _per_item(length_penalty, opts)
+        fn, used = _per_item(length_penalty, opts), _options_used(length_penalty, opts)
+        _check_length(used, opts)
+        return fn, used
     if spec.name == "python":
         path = spec.path
         user_fn = load_user_reward(path, None if Path(path.rsplit(":", 1)[0]).is_file() else base_dir)
-        return _per_item(user_fn, opts)
+        return _per_item(user_fn, opts), {"path": path, **_options_used(user_fn, opts)}
     raise ValueError(f"unknown reward {spec.name!r}")
 
 
 def build_reward(specs, base_dir: str | Path | None = None) -> CombinedReward:
     """specs: RewardConfig items (name, weight, options, path)."""
-    parts = []
+    parts, options = [], {}
     for i, spec in enumerate(specs):
         try:
-            fn = _reward_fn(spec, base_dir)
+            fn, used = _reward_fn(spec, base_dir)
         except ValueError as e:   # options that do not fit: a config mistake, said at start-up
             raise ConfigError(f"rewards[{i}] ({spec.name}): {e}") from None
         if not math.isfinite(spec.weight):   # inf * 0 is NaN: every reward would be poisoned
@@ -95,9 +140,10 @@ def build_reward(specs, base_dir: str | Path | None = None) -> CombinedReward:
         if label in {p[0] for p in parts}:
             label = f"{label}#{len(parts)}"
         parts.append((label, float(spec.weight), fn))
+        options[label] = used
     if not parts:
         raise ValueError("at least one reward function is needed")
-    return CombinedReward(parts)
+    return CombinedReward(parts, options)
 
 
 # The sample field each built-in verifier scores against; a row without it scores 0.

@@ -6,7 +6,7 @@ from opd.data import Sample
 from opd.rl.config import RewardConfig
 from opd.rl.rewards import build_reward, extract_answer, extract_code, verify
 from opd.rl.rewards.math import answers_match
-from opd.rl.rewards.shaping import format_reward, length_penalty
+from opd.rl.rewards.shaping import DEFAULT_FORMAT, format_reward, length_penalty
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -102,7 +102,7 @@ def test_combined_with_user_function(tmp_path):
     assert parts["format"] == [1.0, 0.0, 0.0]
     assert parts["python:short"] == [0.0, 1.0, 0.0]
     assert total == [1.5, 3.0, 0.0]
-    assert reward.describe() == {"math": 1.0, "format": 0.5, "python:short": 2.0}
+    assert {k: v["weight"] for k, v in reward.describe().items()} == {"math": 1.0, "format": 0.5, "python:short": 2.0}
 
 
 def test_shipped_configs_load_and_paths_are_relative_to_the_config():
@@ -156,6 +156,54 @@ def test_reward_options_that_do_not_fit_are_refused_at_start_up(name, options, e
 
     with pytest.raises(ConfigError, match=error):
         build_reward([RewardConfig(name=name, options=options)])
+
+
+@pytest.mark.parametrize("name,options,error", [
+    # both failed at the first step's rewards, after the model load and the first rollout,
+    # with a traceback (re.error, ValueError) and a card for a run that never trained
+    ("format", {"pattern": "("}, r"rewards\[0\] \(format\): option pattern '\(' is not a valid regular "
+                                 r"expression: missing \), unterminated subpattern at position 0"),
+    ("length", {"soft_max": 10, "hard_max": 5}, r"rewards\[0\] \(length\): option hard_max 5 must be greater "
+                                                r"than option soft_max 10"),
+    ("length", {"hard_max": 100}, r"option hard_max 100 must be greater than option soft_max 512 \(the default\)"),
+    ("format", {"pattern": 5}, r"option pattern: expected a regular expression \(a string\), got 5"),
+    ("length", {"soft_max": "ten"}, r"option soft_max: expected a number of characters >= 0, got 'ten'"),
+    # a float memory_mb made the sandbox child's setrlimit raise: every answer scored 0, silently
+    ("code", {"memory_mb": 512.5}, r"rewards\[0\] \(code\): option memory_mb: expected a whole number >= 1, "
+                                   r"got 512.5"),
+    ("code", {"timeout_s": 0}, r"option timeout_s: expected a number of seconds > 0, got 0"),
+    ("code", {"workers": 0}, r"option workers: expected a whole number >= 1, got 0"),
+    ("code", {"allow_subprocess": "yes"}, r"option allow_subprocess: expected true or false, got 'yes'"),
+])
+def test_reward_option_values_that_cannot_work_are_refused_at_start_up(name, options, error):
+    from opd.config import ConfigError
+
+    with pytest.raises(ConfigError, match=error):
+        build_reward([RewardConfig(name=name, options=options)])
+
+
+def test_the_validation_code_options_are_checked_with_the_config():
+    from opd.config import ConfigError, from_dict
+    from opd.rl.validate import ValidateConfig
+
+    with pytest.raises(ConfigError, match=r"code: option memory_mb: expected a whole number >= 1, got 512.5"):
+        from_dict({"models": [{"name": "a", "path": "x"}], "sets": [{"domain": "code", "path": "y"}],
+                   "code": {"memory_mb": 512.5}}, ValidateConfig)
+
+
+def test_the_reward_description_has_every_option_each_function_runs_with(tmp_path):
+    (tmp_path / "mine.py").write_text("def short(sample, text, limit=3):\n    return float(len(text) <= limit)\n")
+    reward = build_reward([RewardConfig(name="math"), RewardConfig(name="format", weight=0.5),
+                           RewardConfig(name="length", weight=0.1, options={"hard_max": 2000}),
+                           RewardConfig(name="code", options={"timeout_s": 2.0}),
+                           RewardConfig(name="python", path="mine.py:short", options={"limit": 5})], base_dir=tmp_path)
+    d = reward.describe()
+    assert d["math"] == {"weight": 1.0}
+    assert d["format"] == {"weight": 0.5, "pattern": DEFAULT_FORMAT}             # the default, as used
+    assert d["length"] == {"weight": 0.1, "soft_max": 512, "hard_max": 2000}
+    assert d["code"] == {"weight": 1.0, "timeout_s": 2.0, "memory_mb": 512, "max_file_mb": 16, "max_processes": 64,
+                         "allow_subprocess": False, "workers": 2}
+    assert d["python:short"] == {"weight": 1.0, "path": "mine.py:short", "limit": 5}
 
 
 def test_a_verifier_no_row_can_satisfy_is_refused():

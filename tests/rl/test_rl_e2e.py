@@ -199,3 +199,24 @@ def test_every_reward_kind_runs_in_the_loop_with_eval(tmp_path, tiny_model_dir, 
                 "eval/reward", "eval/accuracy"):
         assert key in last, key
     assert last["reward/length"] <= 0.0
+
+
+@pytest.mark.parametrize("reward, error", [
+    ({"name": "format", "options": {"pattern": "("}}, r"rewards\[0\] \(format\): option pattern '\('"),
+    ({"name": "length", "options": {"soft_max": 10, "hard_max": 5}},
+     r"rewards\[0\] \(length\): option hard_max 5 must be greater than option soft_max 10"),
+])
+def test_reward_option_values_are_refused_before_the_model_loads(tmp_path, tiny_model_dir, monkeypatch, reward, error):
+    # They failed at the first step's rewards with a traceback (re.error, ValueError), after the
+    # model load and the first rollout, leaving a card for a run that never trained.
+    from opd.cli import _user_error
+    from opd.config import ConfigError
+    from opd.rl import trainer as rl_trainer
+    from opd.rl.trainer import GRPOTrainer
+
+    monkeypatch.setattr(rl_trainer, "load_policy", lambda cfg: pytest.fail("the model was loaded"))
+    cfg = from_dict({**to_dict(make_config(tmp_path, tiny_model_dir)), "rewards": [reward]}, RLConfig)
+    with pytest.raises(ConfigError, match=error) as e:
+        GRPOTrainer(cfg)
+    assert _user_error(e.value)                      # opd rl prints it as one line, exit 1
+    assert not (tmp_path / "run" / "card.md").exists()
