@@ -41,9 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     parser.add_argument("--cases", nargs="+", default=["kl_full", "fused_kl_full"], choices=sorted(CASES),
                         help="cases to run")
-    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS,
+                        help="implementations side by side: reference (naive, kernels/reference.py), opd (this "
+                             "project's: chunked PyTorch on CPU, Triton on CUDA), liger (Liger-Kernel, if installed)")
     parser.add_argument("--quick", action="store_true", help=f"small shapes {QUICK} (smoke test)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of the student's logits (fused cases: hidden states and LM head) and of a "
+                             "full teacher's logits; top-k teacher answers stay float32")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--device", default="auto", help="cpu | cuda | auto")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per (case, provider)")

@@ -270,13 +270,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # 3 runs of 60 steps per system: one step of the tiny models is 0.06-0.1 s, and shorter runs
     # (2 of 18) gave ratios to TRL between 1.32x and 1.74x on this 2-core box.
     p.add_argument("--steps", type=int, default=60, help="steps per run (the first --warmup are dropped)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the timings")
     p.add_argument("--rounds", type=int, default=3, help="runs per system, the systems taking turns; steps pooled")
     p.add_argument("--systems", nargs="+", default=["opd-full", "opd-topk", "trl-gkd"],
-                   choices=["opd-full", "opd-topk", "trl-gkd"])
+                   choices=["opd-full", "opd-topk", "trl-gkd"],
+                   help="systems timed: opd-full (teacher answers the full vocabulary), opd-topk (top-32 + tail), "
+                        "trl-gkd (TRL GKDTrainer, lmbda=1; skipped without trl)")
     p.add_argument("--trl-python", default=None, help="interpreter that has trl installed")
     p.add_argument("--vocab", type=int, default=None,
-                   help="pad both models' vocabulary to this many rows (default: the byte tokenizer's 260)")
+                   help="pad both models' vocabulary to this many rows; None: the byte tokenizer's 260")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every process (TRL's, opd's trainer, opd's teacher server)")
     p.add_argument("--teacher-launch", choices=["fork", "process"], default="fork",

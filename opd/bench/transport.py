@@ -477,10 +477,12 @@ def _fmt(r: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    p.add_argument("--transports", nargs="+", default=["tcp", "ipc"], choices=["tcp", "ipc"])
+    p.add_argument("--transports", nargs="+", default=["tcp", "ipc"], choices=["tcp", "ipc"],
+                   help="ZeroMQ transports measured: tcp on loopback (also against HTTP/JSON), ipc (a Unix socket)")
     p.add_argument("--ks", nargs="+", type=int, default=[1, 8, 64], help="top-k sizes")
     p.add_argument("--vocabs", nargs="+", type=int, default=[32768, 152064], help="full-mode vocabulary sizes")
-    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"],
+                   help="dtypes of the full-mode logits sent (top-k answers are always float32)")
     p.add_argument("--positions", nargs="+", type=int, default=[4096, 16384, 32768],
                    help="scored positions per top-k request (each size is a row): 4096 = 8 sequences x 512, "
                         "16384 = a training batch of 32 x 512, 32768 = the server's default "

@@ -43,3 +43,37 @@ def test_summary_says_why_a_kernel_row_was_not_run(tmp_path):
     text = summary(tmp_path, {}, quick=False)
     assert f"| liger | kl_full (forward_kl) | full | 2048 | 152064 | - | float32 | - | {LIGER_ON_CPU} |" in text
     assert "| opd | kl_full (forward_kl) | full | 2048 | 152064 | - | float32 | 1211 | 4697.4 |" in text
+
+
+def test_every_bench_option_says_what_it_is_and_its_default_once(capsys):
+    # --providers/--dtype, --transports/--dtypes and --warmup/--systems had no help, so --help
+    # showed neither what they do nor their default; --vocab said its default twice.
+    import argparse
+
+    import pytest
+
+    from opd.bench import SUBJECTS
+    from opd.cli import build_parser, main
+
+    parser = build_parser("bench")
+    bench = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    subjects = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(subjects) == set(SUBJECTS)
+    undocumented = [(name, a.option_strings[0]) for name, p in subjects.items() for a in p._actions
+                    if a.option_strings and a.help is None]
+    assert undocumented == []
+    for name, expect in [("kernels", "--providers {reference,opd,liger} [{reference,opd,liger} ...] implementations"),
+                         ("kernels", "dtype of the student's logits"),
+                         ("transport", "--transports {tcp,ipc} [{tcp,ipc} ...] ZeroMQ transports measured"),
+                         ("transport", "dtypes of the full-mode logits sent"),
+                         ("step", "--warmup WARMUP first steps of each run left out of the timings (default: 5)"),
+                         ("step", "systems timed: opd-full"),
+                         ("step", "--vocab VOCAB pad both models' vocabulary to this many rows; None: the byte "
+                                  "tokenizer's 260 (default: None) ")]:
+        with pytest.raises(SystemExit):
+            main(["bench", name, "--help"])
+        text = " ".join(capsys.readouterr().out.split()) + " "
+        assert expect in text, (name, expect)
+        assert text.count("(default:") == sum(1 for a in subjects[name]._actions
+                                              if a.option_strings and a.help not in (None, argparse.SUPPRESS)
+                                              and a.dest != "help")
