@@ -352,9 +352,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.describe or not args.config:
+    if args.describe:
         print(describe(SFTConfig))
-        return 0 if args.describe else 2
+        return 0
+    if not args.config:
+        print("opd sft: error: a config file is needed: opd sft CONFIG.yaml (e.g. configs/demo/sft_base.yaml; "
+              "--describe lists its keys)", file=sys.stderr)
+        return 2
     if args.resume and args.overwrite:
         print("opd sft: --resume continues the run in out_dir, --overwrite deletes it: pass one", file=sys.stderr)
         return 2

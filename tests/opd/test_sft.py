@@ -159,3 +159,16 @@ def test_all_zero_ratios_are_refused_at_load(tmp_path, monkeypatch, capsys):
     cfg = from_dict({"out_dir": "x", "model": "m", "train": [{"path": "a.jsonl", "ratio": 0},
                                                             {"path": "b.jsonl", "ratio": 0.5}]}, SFTConfig)
     assert [s.ratio for s in cfg.train] == [0.0, 0.5]
+
+
+def test_no_config_is_a_usage_error_and_describe_lists_the_keys(capsys):
+    # Without a config it printed the key list to stdout and exited 2 with no error message.
+    from opd.cli import main
+
+    assert main(["sft"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("opd sft: error: a config file is needed: opd sft CONFIG.yaml "
+                                 "(e.g. configs/demo/sft_base.yaml; --describe lists its keys)\n")
+    assert main(["sft", "--describe"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("out_dir (str, required): ") and "\ntrain:  training sets" in out
