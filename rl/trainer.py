@@ -432,7 +432,9 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Greedy responses to the held-out prompts: mean combined reward and verifier accuracy."""
+        """Greedy responses to the held-out prompts: the mean combined reward, the accuracy (the
+        share the verifier scores 1, as `opd validate` counts) and the mean verifier score
+        (partial credit for code: the share of tests passed)."""
         prompts = [encode_prompt(self.tokenizer, s.prompt) for s in self.eval_samples]
         rollouts = self.engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens, n=1))
         texts = [self.decode(r) for r in rollouts]
@@ -442,8 +444,9 @@ class GRPOTrainer:
         # defaults, a solution that needs more would fail here only.
         code = next((r.options for r in self.cfg.rewards if r.name == "code"), {})
         verified = [v for v in verify_batch(self.eval_samples, texts, **code) if v is not None]
-        if verified:
-            out["eval/accuracy"] = sum(verified) / len(verified)
+        if verified:   # the mean score was logged as accuracy: code's partial credit counted
+            out["eval/accuracy"] = sum(v >= 1.0 for v in verified) / len(verified)
+            out["eval/verifier_score"] = sum(verified) / len(verified)
         return out
 
     # -- outputs ---------------------------------------------------------------------------
@@ -486,7 +489,7 @@ class GRPOTrainer:
         out = {"steps": len(history), "reward_first": rewards[0], "reward_last": rewards[-1],
                "reward_first_quarter": sum(rewards[:k]) / k, "reward_last_quarter": sum(rewards[-k:]) / k}
         out["reward_rose"] = out["reward_last_quarter"] > out["reward_first_quarter"]
-        for key in ("eval/reward", "eval/accuracy"):
+        for key in ("eval/reward", "eval/accuracy", "eval/verifier_score"):
             vals = [h[key] for h in history if key in h]
             if vals:
                 out[key.replace("/", "_") + "_last"] = vals[-1]

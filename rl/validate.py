@@ -5,8 +5,11 @@ checkpoint) answers every held-out verifiable set; the domain verifier
 (`opd.rl.rewards.verify`) checks each answer. Per model and domain the report gives:
     pass@1, pass@k   unbiased estimates from n samples at the sampling temperature
                      (Chen et al. 2021: 1 - C(n-c, k) / C(n, k), c = fully correct samples)
-    score            mean verifier score (partial credit for code: share of tests passed)
-    greedy           accuracy of one temperature-0 answer (when `greedy: true`)
+    score            mean verifier score of those samples (partial credit for code: the
+                     share of tests passed)
+    greedy           accuracy of one temperature-0 answer per prompt: the share fully
+                     correct (verifier score 1, as pass@k counts; when `greedy: true`)
+    greedy_score     the mean verifier score of those greedy answers (partial credit)
 and, for students, the share of the matching teacher's accuracy they reach. Optionally a
 short low-learning-rate GRPO pass from one model reports whether reward still rises
 (if it does, the model has headroom that imitation did not capture).
@@ -62,7 +65,8 @@ class ValidateConfig:
     k: list[int] = field(default_factory=lambda: [1, 4], help="the k of pass@k (each <= samples)")
     temperature: float = field(0.7, help="sampling temperature for pass@k", min=0.0)
     top_p: float = field(1.0, help="nucleus sampling for pass@k", min=0.0, max=1.0)
-    greedy: bool = field(True, help="also report the accuracy of one greedy answer")
+    greedy: bool = field(True, help="also report the accuracy of one greedy answer per prompt (the share the "
+                                    "verifier scores 1) and its mean verifier score (greedy_score)")
     max_new_tokens: int = field(256, help="response length limit", min=1)
     engine: Literal["hf", "vllm"] = field("hf", help="rollout engine: hf (transformers) or vllm")
     batch_size: int = field(64, help="sequences sampled together (hf engine)", min=1)
@@ -148,7 +152,9 @@ def _answers(engine, tokenizer, samples, params) -> list[str]:
 
 
 def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list]) -> dict[str, dict]:
-    """{domain: {"pass@k": ..., "score": ..., "greedy": ..., "n_prompts": ...}} for one model."""
+    """{domain: {"pass@k": ..., "score": ..., "greedy": ..., "greedy_score": ..., "n_prompts": ...}} for one
+    model. `greedy` is an accuracy (the share of greedy answers the verifier scores 1, as pass@k
+    counts), `score` and `greedy_score` mean verifier scores (partial credit for code)."""
     from opd.rl.rewards import verify_batch
     from opd.rollout import SamplingParams
 
@@ -172,7 +178,10 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list]) -> dic
             if cfg.greedy:
                 g = _answers(engine, tok, samples, SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, n=1))
                 gs = [v if v is not None else 0.0 for v in verify_batch(samples, g, workers=workers, **code_opts)]
-                res["greedy"] = sum(gs) / len(gs)
+                # The share fully correct, as pass@k counts: the mean score gave code partial
+                # credit (0.667 for scores [1, 0, 0.333, 1, 1, 0, 1, 1]) and was called accuracy.
+                res["greedy"] = sum(v >= 1.0 for v in gs) / len(gs)
+                res["greedy_score"] = sum(gs) / len(gs)
                 res["example"] = {"prompt": samples[0].prompt[:200], "answer": g[0][:300]}
             out[domain] = res
     finally:
@@ -228,11 +237,16 @@ def teacher_shares(cfg: ValidateConfig, results: dict) -> dict:
 def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     domains = [s.domain for s in cfg.sets]
-    cols = [f"pass@{k}" for k in cfg.k] + ["score"] + (["greedy"] if cfg.greedy else [])
+    cols = [f"pass@{k}" for k in cfg.k] + ["score"] + (["greedy", "greedy_score"] if cfg.greedy else [])
     lines = ["# Validation report", "",
-             f"{cfg.samples} samples per prompt at temperature {cfg.temperature} (pass@k, unbiased), "
-             f"max {cfg.max_new_tokens} new tokens; `greedy` = one temperature-0 answer. "
-             f"Verifier: math answer match / share of code unit tests passed (sandboxed).", ""]
+             f"{cfg.samples} samples per prompt at temperature {cfg.temperature}, max {cfg.max_new_tokens} new "
+             f"tokens. Verifier: math answer match / share of code unit tests passed (sandboxed); an answer "
+             f"is correct when it scores 1 (every test passed).", "",
+             "- `pass@k`: unbiased, from the samples' correct answers",
+             "- `score`: the samples' mean verifier score (partial credit for code)",
+             *(["- `greedy`: accuracy of one temperature-0 answer per prompt (the share correct)",
+                "- `greedy_score`: those answers' mean verifier score (partial credit for code)"] if cfg.greedy else []),
+             ""]
     for domain in domains:
         n = next(iter(results.values()))[domain]["n_prompts"] if results else 0
         lines += [f"## {domain} ({n} held-out prompts)", "",

@@ -220,3 +220,23 @@ def test_reward_option_values_are_refused_before_the_model_loads(tmp_path, tiny_
         GRPOTrainer(cfg)
     assert _user_error(e.value)                      # opd rl prints it as one line, exit 1
     assert not (tmp_path / "run" / "card.md").exists()
+
+
+def test_eval_accuracy_is_the_share_fully_correct(tmp_path, tiny_model_dir, one_thread):
+    # eval/accuracy was the mean verifier score: a code answer passing 1 of 3 tests counted 1/3
+    from opd.rl.trainer import GRPOTrainer
+
+    tests = "assert f(1) == 1\nassert f(2) == 2\nassert f(3) == 3"
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"prompt": f"task {i}", "tests": tests}) + "\n"
+                                                 for i in range(4)))
+    cfg = make_config(tmp_path, tiny_model_dir, run={"steps": 1}, data={"eval": str(tmp_path / "eval.jsonl")})
+    trainer = GRPOTrainer(cfg)
+    answers = ["def f(x):\n    return x\n", "def f(x):\n    return 1\n", "def f(x):\n    return 0\n",
+               "def f(x):\n    return x\n"]                      # scores 1, 1/3, 0, 1
+    trainer.decode = lambda rollout: answers[rollout.prompt_index]
+    try:
+        out = trainer.evaluate()
+    finally:
+        trainer.engine.close()
+    assert out["eval/accuracy"] == pytest.approx(0.5)              # was 0.583
+    assert out["eval/verifier_score"] == pytest.approx((2 + 1 / 3) / 4)

@@ -73,10 +73,43 @@ def test_scores_pass_at_k_and_teacher_share(tmp_path, monkeypatch, tiny_model_di
     assert T["math"]["greedy"] == 1.0 and T["code"]["greedy"] == 1.0
     assert S["math"]["pass@1"] == pytest.approx(0.25) and S["math"]["pass@2"] == pytest.approx(0.5)
     assert S["code"]["score"] == pytest.approx(0.5) and S["code"]["pass@1"] == 0.0   # partial credit only in score
-    assert res["teacher_shares"]["shares"]["S"] == {"math": 0.0, "code": 0.5}
+    # greedy is an accuracy, as pass@k counts: one of two tests passed is wrong (it was 0.5)
+    assert S["code"]["greedy"] == 0.0 and S["code"]["greedy_score"] == pytest.approx(0.5)
+    assert res["teacher_shares"]["shares"]["S"] == {"math": 0.0, "code": 0.0}
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| S | student |" in md and "of the teacher" in md
     assert json.loads((tmp_path / "out" / "report.json").read_text())["results"]["T"]["math"]["pass@2"] == 1.0
+
+
+def test_greedy_is_the_share_fully_correct_and_the_mean_score_has_its_own_column(tmp_path, monkeypatch,
+                                                                                    tiny_model_dir):
+    # The audit's case: greedy code scores [1, 0, 1/3, 1, 1, 0, 1, 1] were reported as greedy
+    # 0.667 (the mean, partial credit) and called accuracy; 5 of the 8 answers are correct.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tests = "assert f(1) == 1\nassert f(2) == 2\nassert f(3) == 3"
+    answers = {"all": "def f(x):\n    return x\n", "none": "def f(x):\n    return 0\n",
+               "third": "def f(x):\n    return 1\n"}
+    kinds = ["all", "none", "third", "all", "all", "none", "all", "all"]
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"prompt": f"task {i}", "tests": tests}) + "\n"
+                                                 for i in range(8)))
+    script = {f"task {i}": [answers[k]] for i, k in enumerate(kinds)}
+    monkeypatch.setattr(V, "_engine", lambda cfg, path: (ScriptedEngine(tok, script), tok))
+    monkeypatch.setattr(V, "check_model_dir", lambda path, what: path)
+    cfg = from_dict({"models": [{"name": "S", "path": "s", "role": "student"}],
+                     "sets": [{"domain": "code", "path": str(tmp_path / "code.jsonl")}],
+                     "samples": 1, "k": [1], "out_dir": str(tmp_path / "out")}, V.ValidateConfig)
+    r = V.validate(cfg)["results"]["S"]["code"]
+    assert r["greedy"] == pytest.approx(5 / 8)                  # was 0.667
+    assert r["greedy_score"] == pytest.approx((5 + 1 / 3) / 8)  # the mean, under its own name
+    assert r["pass@1"] == pytest.approx(5 / 8)                  # greedy = sampled here: the same answers
+    report = json.loads((tmp_path / "out" / "report.json").read_text())["results"]["S"]["code"]
+    assert report["greedy"] == pytest.approx(0.625) and report["greedy_score"] == pytest.approx(0.6667, abs=1e-4)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| model | role | pass@1 | score | greedy | greedy_score |" in md
+    assert "| S | student | 0.625 | 0.667 | 0.625 | 0.667 |" in md
+    assert "`greedy`: accuracy of one temperature-0 answer per prompt (the share correct)" in md
 
 
 def test_config_refuses_k_above_samples():
