@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tqdm import tqdm
+
 from opd.config import ConfigError, check_top_p, describe, field, load_yaml, near
 from opd.fingerprint import check_model_dir, load_model_tokenizer
 from opd.rl.train import HelpFormatter
@@ -151,10 +153,11 @@ def _answers(engine, tokenizer, samples, params) -> list[str]:
     return texts
 
 
-def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list]) -> dict[str, dict]:
+def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=None) -> dict[str, dict]:
     """{domain: {"pass@k": ..., "score": ..., "greedy": ..., "greedy_score": ..., "n_prompts": ...}} for one
     model. `greedy` is an accuracy (the share of greedy answers the verifier scores 1, as pass@k
-    counts), `score` and `greedy_score` mean verifier scores (partial credit for code)."""
+    counts), `score` and `greedy_score` mean verifier scores (partial credit for code). `bar`: a
+    tqdm bar advanced by each set's prompts once they are scored."""
     from opd.rl.rewards import verify_batch
     from opd.rollout import SamplingParams
 
@@ -184,6 +187,8 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list]) -> dic
                 res["greedy_score"] = sum(gs) / len(gs)
                 res["example"] = {"prompt": samples[0].prompt[:200], "answer": g[0][:300]}
             out[domain] = res
+            if bar is not None:
+                bar.update(len(samples))
     finally:
         engine.close()
         del engine
@@ -292,9 +297,17 @@ def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
         check_model_dir(m.path, f"models[{m.name!r}].path")
     grpo = grpo_config(cfg, base_dir or Path.cwd(), out) if cfg.grpo is not None else None
     results = {}
-    for m in cfg.models:
-        print(f"[opd validate] {m.name}: {m.path}", file=sys.stderr)
-        results[m.name] = evaluate_model(cfg, m.path, sets)
+    # One bar over the whole evaluation (models x sets, counted in prompts), as the other commands
+    # have: a model's sets took minutes with one line per model and nothing in between.
+    bar = tqdm(total=len(cfg.models) * sum(len(v) for v in sets.values()), desc="validate", unit="prompt",
+               dynamic_ncols=True)
+    try:
+        for m in cfg.models:
+            tqdm.write(f"[opd validate] {m.name}: {m.path}", file=sys.stderr)
+            bar.set_postfix(model=m.name)
+            results[m.name] = evaluate_model(cfg, m.path, sets, bar=bar)
+    finally:
+        bar.close()
     extra: dict[str, Any] = {"teacher_shares": teacher_shares(cfg, results)}
     if grpo is not None:
         extra["grpo_check"] = grpo_check(cfg, *grpo)

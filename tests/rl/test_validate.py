@@ -112,6 +112,26 @@ def test_greedy_is_the_share_fully_correct_and_the_mean_score_has_its_own_column
     assert "`greedy`: accuracy of one temperature-0 answer per prompt (the share correct)" in md
 
 
+def test_a_progress_bar_counts_the_prompts_of_every_model_and_set(tmp_path, monkeypatch, tiny_model_dir, capsys):
+    # opd validate printed one line per model and nothing while its sets were evaluated
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    (tmp_path / "math.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+3=", "answer": "5"}\n')
+    (tmp_path / "code.jsonl").write_text(json.dumps({"prompt": "write inc", "tests": "assert inc(1) == 2"}) + "\n")
+    script = {"1+1=": ["2"], "2+3=": ["5"], "write inc": ["def inc(x):\n    return x + 1\n"]}
+    monkeypatch.setattr(V, "_engine", lambda cfg, path: (ScriptedEngine(tok, script), tok))
+    monkeypatch.setattr(V, "check_model_dir", lambda path, what: path)
+    cfg = from_dict({"models": [{"name": "A", "path": "a"}, {"name": "B", "path": "b"}],
+                     "sets": [{"domain": "math", "path": str(tmp_path / "math.jsonl")},
+                              {"domain": "code", "path": str(tmp_path / "code.jsonl")}],
+                     "samples": 1, "k": [1], "out_dir": str(tmp_path / "out")}, V.ValidateConfig)
+    V.validate(cfg)
+    err = capsys.readouterr().err
+    assert "validate: 100%" in err and "6/6" in err            # 2 models x (2 + 1) prompts
+    assert "[opd validate] A: a" in err and "[opd validate] B: b" in err
+
+
 def test_config_refuses_k_above_samples():
     with pytest.raises(ValueError, match="every k"):
         from_dict({"models": [{"name": "a", "path": "x"}], "sets": [{"domain": "m", "path": "y"}],
