@@ -2,8 +2,9 @@
 
 Token-level distillation compares distributions over the same token ids, so the student
 and every teacher must share one tokenizer. `tokenizer_fingerprint` hashes what defines
-the id space: the vocabulary (token -> id), the added/special tokens and their ids. Two
-backends loading the same directory report the same fingerprint.
+the id space: the vocabulary (token -> id), the added/special tokens and their ids, and the
+chat template every prompt is formatted with. Two backends loading the same directory
+report the same fingerprint.
 
 `model_fingerprint` identifies the weights a teacher serves, so a trainer notices when a
 teacher is restarted with another model.
@@ -23,16 +24,24 @@ SAMPLE_STRIDE = 64 << 20
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 (first 16 hex) of vocabulary, added tokens and special tokens of a HF tokenizer."""
+    """sha256 (first 16 hex) of what makes the student's token ids mean the same to a teacher:
+    the vocabulary with its added tokens, the special tokens (they are never split, so they
+    change how text encodes) and EOS/BOS, and the chat template, which formats every prompt
+    (`opd.data.encode_prompt`: a teacher trained on templated prompts would otherwise score
+    raw ones, or the other way round, without a word). The pad token is left out: each side
+    pads its own batches and no id the teacher scores depends on it."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    specials = sorted(set(tokenizer.all_special_tokens))
+    specials = set(tokenizer.all_special_tokens)
+    if tokenizer.pad_token not in (tokenizer.eos_token, tokenizer.bos_token, tokenizer.unk_token):
+        specials.discard(tokenizer.pad_token)
     payload = {
         "vocab": vocab,
-        "special": [(t, tokenizer.convert_tokens_to_ids(t)) for t in specials],
+        "special": [(t, tokenizer.convert_tokens_to_ids(t)) for t in sorted(specials)],
         "eos": tokenizer.eos_token_id,
         "bos": tokenizer.bos_token_id,
+        "chat_template": getattr(tokenizer, "chat_template", None),
     }
-    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class ModelDirError(ValueError):

@@ -190,18 +190,11 @@ def teacher_curve(cfg, i: int, spec):
 
 
 def _check_welcome(i: int, spec, where: str, welcome, student_fingerprint: str, student_path: str) -> None:
-    if welcome.tokenizer_fingerprint != student_fingerprint:
-        raise TrainError(
-            f"teacher {spec.name!r} at {where} uses tokenizer fingerprint "
-            f"{welcome.tokenizer_fingerprint}, the student ({student_path}) {student_fingerprint}: "
-            f"token-level distillation needs one shared vocabulary")
-    wanted = "full" if spec.mode == "full" else "topk"
-    if wanted not in welcome.modes:
-        raise TrainError(f"teacher {spec.name!r} serves modes {welcome.modes}, not {wanted!r} "
-                         f"(merge.teachers[{i}].mode: {spec.mode})")
-    if spec.mode != "full" and spec.k > welcome.max_k:
-        raise TrainError(f"merge.teachers[{i}].k = {spec.k} exceeds teacher {spec.name!r}'s max_k "
-                         f"{welcome.max_k}")
+    from opd.routing.checks import check_welcome
+
+    problems = check_welcome(spec, welcome, student_fingerprint, at=where)
+    if problems:
+        raise TrainError(f"merge.teachers[{i}] ({spec.name}), student {student_path}: " + "; ".join(problems))
 
 
 def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=None) -> dict:

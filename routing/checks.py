@@ -23,20 +23,27 @@ def _needed_mode(spec: TeacherSpec) -> str:
     return "topk" if spec.mode == "sampled" else spec.mode
 
 
-def check_welcome(spec: TeacherSpec, welcome, student_tokenizer_fingerprint: str) -> list[str]:
-    """Problems of one teacher's WELCOME against its spec and the student's tokenizer."""
-    where = f"teacher {spec.name!r} at {spec.address}"
+def check_welcome(spec: TeacherSpec, welcome, student_tokenizer_fingerprint: str, at: str | None = None) -> list[str]:
+    """Problems of one teacher's WELCOME against its spec and the student's tokenizer.
+    at: where it answered, when not spec.address (a pool of replicas)."""
+    where = f"teacher {spec.name!r} at {at or spec.address}"
     problems = []
     if welcome.tokenizer_fingerprint != student_tokenizer_fingerprint:
         problems.append(f"{where}: tokenizer fingerprint {welcome.tokenizer_fingerprint} differs from the "
                         f"student's {student_tokenizer_fingerprint}; a teacher must use the student's tokenizer "
-                        f"(the server loaded {welcome.model_id})")
+                        f"(vocabulary, special tokens and chat template; the server loaded {welcome.model_id})")
     mode = _needed_mode(spec)
     if mode not in welcome.modes:
         problems.append(f"{where}: mode {spec.mode!r} needs {mode!r}, the server offers {list(welcome.modes)}")
     if mode == "topk" and spec.k > welcome.max_k:
         problems.append(f"{where}: k={spec.k} exceeds the server's max_k={welcome.max_k} "
                         f"(lower `k` or start the server with --max-k {spec.k})")
+    # A vLLM teacher cannot score at another temperature: every request would come back
+    # UNSUPPORTED, the first one at the step-0 evaluation after the student has loaded.
+    if spec.temperature != 1.0 and not getattr(welcome, "supports_temperature", True):
+        problems.append(f"{where}: temperature {spec.temperature} is not answered by its {welcome.backend} "
+                        f"backend (it scores at temperature 1 only); set temperature 1 or serve the teacher "
+                        f"with --backend hf")
     return problems
 
 

@@ -89,6 +89,19 @@ def test_mode_support_is_checked():
     assert all(c.closed for c in clients)
 
 
+def test_a_temperature_the_backend_cannot_answer_is_refused():
+    # A vLLM teacher scores at temperature 1 only: every request came back UNSUPPORTED, the
+    # first at the step-0 evaluation, after the student had loaded.
+    def factory(address, timeout_s, curve):
+        return _FakeClient(_welcome(backend="vllm", supports_temperature=False))
+
+    warm = TeacherSpec(name="t", address="tcp://x:1", temperature=2.0)
+    with pytest.raises(TeacherCheckError, match=r"temperature 2.0 is not answered by its vllm backend"):
+        check_teachers([warm], "tok", timeout_s=1, client_factory=factory)
+    assert check_teachers([TeacherSpec(name="t", address="tcp://x:1")], "tok", timeout_s=1,
+                          client_factory=factory)["t"].backend == "vllm"
+
+
 def test_curve_teacher_without_client_key_is_refused():
     spec = TeacherSpec(name="t", address="tcp://x:1", curve_server_key="/keys/server.key")
     with pytest.raises(TeacherCheckError, match="uses CURVE"):
