@@ -11,6 +11,10 @@ Each step:
   6. metrics (reward, group std, share of all-equal groups, length, clip fraction, KL,
      entropy), a warning when most groups carry no signal, eval, checkpoint
 
+The card is written at the start and rewritten with the results at the end. A checkpoint
+holds the run's config: `--resume` with another value of a key that defines the objective
+(RESUME_FIXED) is refused, other changes are listed in the card.
+
 Deviation from DeepSeekMath's GRPO worth knowing: the importance ratio is taken against
 the rollout engine's raw log-probs (what `Rollout.logprobs` holds), not a recomputed
 forward pass; with the hf engine these are the same weights, so the first epoch's ratio
@@ -35,8 +39,8 @@ import torch
 from tqdm import tqdm
 
 from opd.card import write_card
-from opd.checkpoint import (CheckpointError, claim_run_dir, latest_checkpoint, load_checkpoint, save_checkpoint,
-                            save_final_model)
+from opd.checkpoint import (CheckpointError, claim_run_dir, latest_checkpoint, load_checkpoint, resume_changes,
+                            save_checkpoint, save_final_model)
 from opd.config import to_dict
 from opd.data import Cycler, encode_prompt, load_jsonl
 from opd.lora import add_lora
@@ -44,13 +48,50 @@ from opd.metrics import MetricsLogger, plot_metrics, read_metrics
 from opd.rl import grpo
 from opd.rl.config import RLConfig
 from opd.rl.rewards import build_reward, verify_batch
-from opd.rl.rewards.combine import check_reward_fields
+from opd.rl.rewards.combine import check_reward_fields, reward_labels
 from opd.rollout import SamplingParams
 
 PLOT_GROUPS = {
     "reward": ["reward"], "groups": ["groups"], "length": ["length"], "kl": ["kl"],
     "clip_fraction": ["clip_fraction"], "entropy": ["entropy"], "loss": ["loss"], "eval": ["eval"],
 }
+
+# Config keys a resumed run must share with its checkpoint (opd.checkpoint.resume_changes):
+# they define the objective, so another value would make the card's one description of the run
+# false for the steps before the resume (resumed with group_size 2 / temperature 0.3 after
+# steps trained with G=4 / T=1.0, the card said G=2, T=0.3). The others (run.steps, eval,
+# checkpoints, optim.lr, cluster, ...) may change and are listed in the card. model.device and
+# algorithm.micro_batch_size are free: where the weights sit and how a batch is split for
+# memory change nothing the policy learns.
+RESUME_FIXED = ("model.*", "rollout.group_size", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
+                "algorithm.*", "rewards", "rewards.*", "data.train", "data.prompts_per_step", "run.seed")
+RESUME_FREE = ("model.device", "algorithm.micro_batch_size")
+
+
+def _resume_view(config: dict | None) -> dict | None:
+    """The saved (or current) config as resume_changes compares it: the rewards keyed by their
+    label (math, python:fn, format#2, as the metrics name them), so that two rewards of one name
+    are two entries rather than one overwriting the other."""
+    if config is None:
+        return None
+    rewards = config.get("rewards") or []
+    labels = reward_labels([(r.get("name"), r.get("path")) for r in rewards])
+    return {**config, "rewards": {label: r for label, r in zip(labels, rewards)}}
+
+
+def _flat(value, key: str = "") -> dict:
+    """{dotted key: value} as resume_changes names the keys (for the card's old -> new values)."""
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{key}.{k}" if key else str(k)))
+        return out
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
+        out = {}
+        for v in value:
+            out.update(_flat(v, f"{key}.{v['name']}"))
+        return out
+    return {key: value}
 
 
 # ---- building blocks (model, engine, batch) -----------------------------------------------
@@ -185,6 +226,8 @@ class GRPOTrainer:
                              if cfg.data.eval else [])
         self.reward = build_reward(cfg.rewards, base_dir=config_dir)
         check_reward_fields(cfg.rewards, train_samples, cfg.data.train)
+        # --resume: the checkpoint's config checked against this one before the model loads.
+        ckpt = self.check_resume() if resume else None
         torch.manual_seed(cfg.run.seed)
         self.model, self.tokenizer = load_policy(cfg)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
@@ -201,27 +244,47 @@ class GRPOTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
         self.start_step = 0
-        if resume:
-            ckpt = latest_checkpoint(self.ckpt_dir)
-            if ckpt is None:
-                raise CheckpointError(f"--resume: no checkpoint under {self.ckpt_dir}")
+        self.last_flat_warning = -10**9
+        # The card's history, kept in every checkpoint: the flat-group warnings printed and the
+        # resumes (each with the config keys changed since its checkpoint).
+        self.warnings: list[str] = []
+        self.resumes: list[dict] = []
+        if ckpt is not None:
             state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
             self.data.load_state(state["data"])
             self.start_step = int(state["step"])
+            self.warnings = list(state.get("warnings", []))
+            self.last_flat_warning = int(state.get("last_flat_warning", self.last_flat_warning))
+            self.resumes = list(state.get("resumes", [])) + [
+                {"at_step": self.start_step, "checkpoint": ckpt.name, "changed": self.resume_changed}]
         self.cluster, self._ray_started = None, False
         self.engine = self.start_ray_engine() if cfg.cluster.mode == "ray" \
             else make_engine(cfg, self.model, self.tokenizer)
-        self.last_flat_warning = -10**9
+
+    def check_resume(self) -> Path:
+        """The checkpoint --resume continues. A key that defines the run (RESUME_FIXED) changed
+        since it was written is refused; the others are kept for the card as "KEY: OLD -> NEW"
+        (self.resume_changed; None for a checkpoint from before configs were saved in it)."""
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        if ckpt is None:
+            raise CheckpointError(f"--resume: no checkpoint under {self.ckpt_dir}")
+        saved = json.loads((ckpt / "state.json").read_text()).get("config")
+        now = _resume_view(to_dict(self.cfg))
+        changed = resume_changes(_resume_view(saved), now, RESUME_FIXED, RESUME_FREE)
+        old, new = _flat(_resume_view(saved) or {}), _flat(now)
+        self.resume_changed = None if saved is None else \
+            [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in changed]
+        return ckpt
 
     # -- the loop --------------------------------------------------------------------------
 
     def train(self) -> dict:
         cfg, P, G = self.cfg, self.cfg.data.prompts_per_step, self.cfg.rollout.group_size
         logger = MetricsLogger(self.out, resume_step=self.start_step if self.start_step else None)
-        self.write_card()
         # After --resume the summary covers the whole run: the steps before it from metrics.jsonl.
         history = [r for r in read_metrics(self.out / "metrics.jsonl")
                    if "reward/mean" in r and r.get("step", 0) <= self.start_step] if self.start_step else []
+        self.write_card()   # the settings now; rewritten with the results at the end
         bar = tqdm(range(self.start_step, cfg.run.steps), initial=self.start_step, total=cfg.run.steps,
                    desc="grpo", dynamic_ncols=True)
         try:
@@ -262,13 +325,15 @@ class GRPOTrainer:
                 if done == cfg.run.steps and self.eval_samples:
                     metrics.update(self.evaluate())
                 logger.log(done, metrics)
-                history.append(metrics)
+                history.append({"step": done, **metrics})
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", flat=f"{metrics['groups/all_equal']:.2f}",
                                 kl=f"{metrics['kl']:.4f}")
                 if (cfg.run.ckpt_every and done % cfg.run.ckpt_every == 0) or done == cfg.run.steps:
                     save_checkpoint(self.ckpt_dir, done, model=self.model, optimizer=self.optimizer,
-                                    scheduler=self.scheduler, state={"data": self.data.state()},
-                                    keep=cfg.run.keep_checkpoints)
+                                    scheduler=self.scheduler, keep=cfg.run.keep_checkpoints,
+                                    state={"data": self.data.state(), "config": to_dict(cfg),
+                                           "warnings": self.warnings, "last_flat_warning": self.last_flat_warning,
+                                           "resumes": self.resumes})
         finally:
             bar.close()
             logger.close()
@@ -278,6 +343,7 @@ class GRPOTrainer:
         self.save_final_model()
         summary = self.summary(history)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.write_card(history)
         return summary
 
     # -- Ray ---------------------------------------------------------------------------------
@@ -426,9 +492,11 @@ class GRPOTrainer:
             why = f"{counts} (the responses of a group get the same partial score or shaping reward)"
         else:
             why = "responses in a group get identical rewards"
-        tqdm.write(f"[opd rl] warning at step {step + 1}: {share:.0%} of groups got the same reward for all "
-                   f"{self.cfg.rollout.group_size} responses and carry no gradient; {why}, or the temperature "
-                   f"({self.cfg.rollout.temperature}) is too low for responses to differ. Reward will stay flat.")
+        text = (f"warning at step {step + 1}: {share:.0%} of groups got the same reward for all "
+                f"{self.cfg.rollout.group_size} responses and carry no gradient; {why}, or the temperature "
+                f"({self.cfg.rollout.temperature}) is too low for responses to differ. Reward will stay flat.")
+        self.warnings.append(text)   # for the card
+        tqdm.write(f"[opd rl] {text}")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -451,9 +519,12 @@ class GRPOTrainer:
 
     # -- outputs ---------------------------------------------------------------------------
 
-    def write_card(self) -> None:
+    def write_card(self, history: list[dict] | None = None) -> None:
+        """card.md / card.json: the settings, the resumes, and with `history` (every step's
+        metrics, the steps before a resume included) the results; without it, at the start,
+        the results section says the run is in progress."""
         c = self.cfg
-        write_card(self.out, "GRPO training card", {
+        facts = {
             "model": {"start": c.model.path, "training": "LoRA" if self.is_lora else "full fine-tuning",
                       **({"lora": to_dict(c.model.lora)} if self.is_lora else {}), "dtype": c.model.dtype,
                       "dropout": "off (the ratio is taken against dropout-free rollouts)"},
@@ -474,7 +545,40 @@ class GRPOTrainer:
             "optimizer": {"AdamW lr": c.optim.lr, "weight decay": c.optim.weight_decay,
                           "warmup steps": c.optim.warmup_steps, "max grad norm": c.algorithm.max_grad_norm},
             "run": {"steps": c.run.steps, "seed": c.run.seed, "out": str(self.out)},
-        })
+        }
+        if self.resumes:
+            facts["resumes"] = {
+                f"resumed at step {r['at_step']} ({r['checkpoint']})":
+                    "changed since the checkpoint: " + ("; ".join(r["changed"]) or "nothing")
+                    if r["changed"] is not None else
+                    "changed since the checkpoint: unknown (the checkpoint has no saved config)"
+                for r in self.resumes}
+        facts["results"] = self.results(history) if history is not None else \
+            {"status": f"in progress from step {self.start_step} (rewritten with the results when the run ends)"}
+        write_card(self.out, "GRPO training card", facts)
+
+    def results(self, history: list[dict]) -> dict:
+        """The card's results: rewards, evaluation, all-equal groups and the warnings printed."""
+        if not history:
+            return {"steps trained": 0}
+        rewards = [h["reward/mean"] for h in history]
+        flat = [h["groups/all_equal"] for h in history if "groups/all_equal" in h]
+        out = {"steps trained": len(history), "final reward": rewards[-1],
+               "mean reward": sum(rewards) / len(rewards)}
+        for key, label in (("eval/reward", "eval reward (greedy, held-out)"),
+                           ("eval/accuracy", "eval accuracy (share fully correct)"),
+                           ("eval/verifier_score", "eval verifier score (mean, partial credit)")):
+            vals = [(h["step"], h[key]) for h in history if key in h]
+            if vals:
+                out[label] = f"{vals[-1][1]:.4g} (step {vals[-1][0]})"
+        if flat:
+            out["all-equal groups, mean"] = sum(flat) / len(flat)
+            out["all-equal groups, last step"] = flat[-1]
+        out["flat-group warnings"] = (f"{len(self.warnings)} printed" + (", the last 10 below"
+                                      if len(self.warnings) > 10 else "")) if self.warnings else "none"
+        for i, text in enumerate(self.warnings[-10:]):
+            out[f"warning {len(self.warnings) - min(10, len(self.warnings)) + i + 1}"] = text
+        return out
 
     def save_final_model(self) -> None:
         """RUN/model: a full, loadable model directory (a LoRA adapter is merged into it)."""

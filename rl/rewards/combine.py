@@ -126,9 +126,20 @@ def _reward_fn(spec, base_dir) -> tuple[BatchFn, dict]:
     raise ValueError(f"unknown reward {spec.name!r}")
 
 
+def reward_labels(specs: list[tuple[str, str | None]]) -> list[str]:
+    """The label of each reward (name, path) as metrics and the card name it: the name, or
+    python:FUNCTION, with #INDEX added to a label already taken (two format rewards)."""
+    labels: list[str] = []
+    for name, path in specs:
+        label = name if name != "python" else f"python:{(path or '').rsplit(':', 1)[-1]}"
+        labels.append(f"{label}#{len(labels)}" if label in labels else label)
+    return labels
+
+
 def build_reward(specs, base_dir: str | Path | None = None) -> CombinedReward:
     """specs: RewardConfig items (name, weight, options, path)."""
     parts, options = [], {}
+    labels = reward_labels([(spec.name, spec.path) for spec in specs])
     for i, spec in enumerate(specs):
         try:
             fn, used = _reward_fn(spec, base_dir)
@@ -136,9 +147,7 @@ def build_reward(specs, base_dir: str | Path | None = None) -> CombinedReward:
             raise ConfigError(f"rewards[{i}] ({spec.name}): {e}") from None
         if not math.isfinite(spec.weight):   # inf * 0 is NaN: every reward would be poisoned
             raise ConfigError(f"rewards[{i}] ({spec.name}): weight must be a finite number, got {spec.weight}")
-        label = spec.name if spec.name != "python" else f"python:{spec.path.rsplit(':', 1)[-1]}"
-        if label in {p[0] for p in parts}:
-            label = f"{label}#{len(parts)}"
+        label = labels[i]
         parts.append((label, float(spec.weight), fn))
         options[label] = used
     if not parts:

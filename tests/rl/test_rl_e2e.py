@@ -1,6 +1,7 @@
 """GRPO end to end on the tiny random model: reward rises, resume continues, LoRA's reference is the base."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -240,3 +241,113 @@ def test_eval_accuracy_is_the_share_fully_correct(tmp_path, tiny_model_dir, one_
         trainer.engine.close()
     assert out["eval/accuracy"] == pytest.approx(0.5)              # was 0.583
     assert out["eval/verifier_score"] == pytest.approx((2 + 1 / 3) / 4)
+
+
+def _variant(cfg: RLConfig, **changes) -> RLConfig:
+    """cfg with dotted keys replaced ("rollout.group_size": 2) or top-level ones (rewards=[...])."""
+    d = to_dict(cfg)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = d
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return from_dict(d, RLConfig)
+
+
+def test_resume_refuses_another_objective_and_the_card_lists_what_changed(tmp_path, tiny_model_dir, one_thread,
+                                                                          monkeypatch):
+    # Resumed with group_size 2 / temperature 0.3 after steps trained with G=4 / T=1.0, the run
+    # was accepted silently and its card described the whole run as G=2, T=0.3.
+    from opd.checkpoint import CheckpointError
+    from opd.rl import trainer as rl_trainer
+    from opd.rl.trainer import GRPOTrainer
+
+    loads = []
+    load_policy = rl_trainer.load_policy
+    monkeypatch.setattr(rl_trainer, "load_policy", lambda cfg: (loads.append(1), load_policy(cfg))[1])
+    cfg = _variant(make_config(tmp_path, tiny_model_dir), **{
+        "rollout.group_size": 4, "rollout.temperature": 1.0, "data.prompts_per_step": 2, "algorithm.epochs": 1,
+        "run.steps": 2, "run.ckpt_every": 2})
+    GRPOTrainer(cfg).train()
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
+    assert state["config"] == to_dict(cfg)
+
+    digits = str(tmp_path / "digits.py") + ":digits"
+    for changes, said in [
+        ({"rollout.group_size": 2}, "rollout.group_size: 4 -> 2"),
+        ({"rollout.temperature": 0.3}, "rollout.temperature: 1.0 -> 0.3"),
+        ({"rollout.top_p": 0.9}, "rollout.top_p: 1.0 -> 0.9"),
+        ({"rollout.max_new_tokens": 6}, "rollout.max_new_tokens: 4 -> 6"),
+        ({"algorithm.kl_beta": 0.1}, "algorithm.kl_beta: 0.01 -> 0.1"),
+        ({"model.dtype": "bfloat16"}, "model.dtype: 'float32' -> 'bfloat16'"),
+        ({"data.prompts_per_step": 3}, "data.prompts_per_step: 2 -> 3"),
+        ({"run.seed": 5}, "run.seed: 0 -> 5"),
+        ({"rewards": [{"name": "python", "path": digits, "weight": 0.5}]}, "rewards.python:digits.weight: 1.0 -> 0.5"),
+        # a second reward of the same name is its own entry, not one overwriting the other
+        ({"rewards": [{"name": "python", "path": digits}, {"name": "python", "path": digits, "weight": 0.5}]},
+         "rewards.python:digits#1.name: '(unset)' -> 'python'"),
+    ]:
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            GRPOTrainer(_variant(cfg, **{"run.steps": 4, **changes}), resume=True)
+    assert loads == [1]                  # each refused before its model load
+
+    # Keys that do not define the objective may change; the card says which, old -> new.
+    resumed = GRPOTrainer(_variant(cfg, **{"run.steps": 4, "optim.lr": 0.005, "algorithm.micro_batch_size": 3}),
+                          resume=True)
+    resumed.train()
+    card = json.loads((tmp_path / "run" / "card.json").read_text())
+    assert card["resumes"] == {"resumed at step 2 (step_000002)": "changed since the checkpoint: "
+                               "algorithm.micro_batch_size: 16 -> 3; optim.lr: 0.01 -> 0.005; run.steps: 2 -> 4"}
+    assert card["objective"]["group size G"] == 4 and card["sampling"]["temperature"] == 1.0
+    assert "resumed at step 2 (step_000002)**: changed since the checkpoint: algorithm.micro_batch_size: 16 -> 3" \
+        in (tmp_path / "run" / "card.md").read_text()
+
+    # A checkpoint from before configs were saved in it: nothing to compare, and the card says so.
+    path = tmp_path / "run" / "checkpoints" / "step_000004" / "state.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "config"}))
+    GRPOTrainer(_variant(cfg, **{"run.steps": 5, "rollout.temperature": 0.3}), resume=True).train()
+    card = json.loads((tmp_path / "run" / "card.json").read_text())
+    assert list(card["resumes"]) == ["resumed at step 2 (step_000002)", "resumed at step 4 (step_000004)"]
+    assert card["resumes"]["resumed at step 4 (step_000004)"] == \
+        "changed since the checkpoint: unknown (the checkpoint has no saved config)"
+
+
+def test_the_card_is_rewritten_with_the_results_of_the_whole_run(tmp_path, tiny_model_dir, one_thread, capsys):
+    # The card was written at the start only: no reward, no evaluation, no warning, and the
+    # reward options it listed were the weights alone.
+    from opd.rl.trainer import GRPOTrainer
+
+    cfg = _variant(make_config(tmp_path, tiny_model_dir), **{
+        "rollout.group_size": 2, "data.prompts_per_step": 2, "data.eval": str(tmp_path / "train.jsonl"),
+        "data.eval_prompts": 2, "algorithm.epochs": 1, "run.steps": 3, "run.ckpt_every": 3, "run.flat_warning": 0.4})
+    cfg = _variant(cfg, rewards=[*to_dict(cfg)["rewards"],
+                                 {"name": "length", "weight": 0.1, "options": {"hard_max": 30, "soft_max": 20}}])
+    trainer = GRPOTrainer(cfg)
+    trainer.write_card()                 # what train() writes first: a run that stops leaves it so
+    assert json.loads((tmp_path / "run" / "card.json").read_text())["results"] == {
+        "status": "in progress from step 0 (rewritten with the results when the run ends)"}
+    trainer.train()
+    GRPOTrainer(_variant(cfg, **{"run.steps": 14}), resume=True).train()   # warnings from both sessions
+    printed = [line.split("[opd rl] ", 1)[1] for line in capsys.readouterr().out.splitlines()
+               if line.startswith("[opd rl] warning")]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    card = json.loads((tmp_path / "run" / "card.json").read_text())
+    res = card["results"]
+    assert res["steps trained"] == 14
+    assert res["final reward"] == pytest.approx(rows[-1]["reward/mean"])
+    assert res["mean reward"] == pytest.approx(sum(r["reward/mean"] for r in rows) / 14)
+    flat = [r["groups/all_equal"] for r in rows]
+    assert res["all-equal groups, mean"] == pytest.approx(sum(flat) / 14)
+    assert res["all-equal groups, last step"] == flat[-1]
+    assert res["eval reward (greedy, held-out)"] == f"{rows[-1]['eval/reward']:.4g} (step 14)"
+    assert res["eval accuracy (share fully correct)"] == f"{rows[-1]['eval/accuracy']:.4g} (step 14)"
+    assert len(printed) >= 2 and res["flat-group warnings"] == f"{len(printed)} printed"
+    assert [res[f"warning {i + 1}"] for i in range(len(printed))] == printed
+    assert any(w.startswith("warning at step 1") for w in printed) and \
+        any(int(w.split()[3].rstrip(":")) > 3 for w in printed)    # before and after the resume
+    assert card["rewards"]["length"] == {"weight": 0.1, "soft_max": 20, "hard_max": 30}
+    assert card["rewards"]["python:digits"] == {"weight": 1.0, "path": str(tmp_path / "digits.py") + ":digits"}
+    md = (tmp_path / "run" / "card.md").read_text()
+    assert "## results" in md and "- **length**: weight: 0.1; soft_max: 20; hard_max: 30" in md
