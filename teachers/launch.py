@@ -245,8 +245,14 @@ def fork_server(args: list[str], *, log_path: str | Path, timeout_s: float = 180
     os.close(write_fd)
     _live_forks.add(pid)
     proc = ForkedProcess(pid)
+    started = time.monotonic()
     line = _read_line(read_fd, timeout_s)
     if line is None or not line.startswith(READY):
+        if time.monotonic() - started < timeout_s:   # the pipe closed: the child is exiting, reap it
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         if proc.poll() is None:
             proc.kill()
             proc.wait()
