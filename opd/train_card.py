@@ -33,8 +33,9 @@ def _teacher_facts(cfg, t, welcome, tail: list[float], share: float) -> dict:
 def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_samples: dict[str, float],
                      tail_mass: dict[str, list[float]], staleness: list[int], prompts: dict[str, int],
                      eval_prompts: int, evals: list[dict], warnings: list[str], steps: int,
-                     skipped_lines: dict | None = None) -> None:
+                     skipped_lines: dict | None = None, trimmed: list[int] | None = None) -> None:
     """card.md + card.json in `out`. `student`: model/tokenizer fingerprints and trained parameter count;
+    `trimmed`: [response tokens trimmed after the answer, response tokens sampled] over the run;
     `skipped_lines`: {file: {loaded, skipped, first}} for files with malformed lines skipped."""
     total = sum(teacher_samples.values()) or 1.0
     st = staleness or [0]
@@ -56,7 +57,9 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
             "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
             "max_new_tokens": cfg.rollout.max_new_tokens, "samples_per_prompt": cfg.rollout.samples_per_prompt,
             "trimming": cfg.loss.trim + (f" (marker {cfg.loss.answer_end_marker!r})"
-                                         if cfg.loss.trim == "marker" else ""),
+                                         if cfg.loss.trim == "marker" else "")
+                        + (f"; {trimmed[0] / trimmed[1]:.1%} of the {trimmed[1]} response tokens sampled were "
+                           f"trimmed, not distilled" if trimmed and trimmed[1] else ""),
         },
         "objective": {
             "loss": "sum_d lambda_d * L_OPD^d + lambda_sft * L_SFT",

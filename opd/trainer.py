@@ -166,6 +166,7 @@ class Trainer:
         self.teacher_samples: dict[str, float] = {t.name: 0.0 for t in cfg.merge.teachers}
         self.tail_mass: dict[str, list[float]] = {t.name: [0.0, 0] for t in cfg.merge.teachers}  # [sum, rows]
         self.warnings: list[str] = []
+        self.trimmed = [0, 0]   # [response tokens trimmed after the answer, response tokens sampled]
         self.evals: list[dict] = []
 
     # -- setup ------------------------------------------------------------------------------
@@ -358,6 +359,7 @@ class Trainer:
             group["lr"] = base * at
         self.step = state["step"]
         self.version = state.get("version", self.step)   # fewer than steps when a step was skipped
+        self.trimmed = list(state.get("trimmed", [0, 0]))
         self.batches = state["batches"]
         self.sampler.load_state(state["sampler"])
         if self.sft is not None and state.get("sft") is not None:
@@ -655,7 +657,8 @@ class Trainer:
             prompts={d: len(v) for d, v in self.datasets.items()}, eval_prompts=len(self.eval_samples),
             evals=self.evals, warnings=self.warnings + self.launched.events, steps=self.step,
             skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
-                           for p, r in self.data_reports.items() if r.skipped})
+                           for p, r in self.data_reports.items() if r.skipped},
+            trimmed=self.trimmed)
         return {"step": self.step, "evals": self.evals, "out_dir": str(self.out)}
 
     def _skip_nonfinite_step(self, loss: float, domain_loss: dict[str, float]) -> None:
@@ -695,6 +698,10 @@ class Trainer:
             if f"diag/{d}/kl" in diag:
                 row[f"kl/{d}"] = diag[f"diag/{d}/kl"]
         row["response_len"] = sums["response_tokens"] / max(sums["responses"], 1)
+        if sums["response_tokens"]:   # dense supervision on the tail after an answer is noise: cut
+            row["trimmed_share"] = 1.0 - sums["tokens"] / sums["response_tokens"]
+        self.trimmed[0] += sums["response_tokens"] - sums["tokens"]
+        self.trimmed[1] += sums["response_tokens"]
         self._warn_lopsided({d: diag.get(f"diag/{d}/loss_share") for d in domains}, "loss share")
         return row
 
@@ -791,7 +798,8 @@ class Trainer:
 
     # -- checkpoint and card ----------------------------------------------------------------
     def _checkpoint(self) -> Path:
-        state = {"batches": self.batches, "version": self.version, "sampler": self.sampler.state(),
+        state = {"batches": self.batches, "version": self.version, "trimmed": self.trimmed,
+                 "sampler": self.sampler.state(),
                  "sft": self.sft.state() if self.sft is not None else None,
                  "normalizer": self.normalizer.state(), "multipliers": self.multipliers,
                  "staleness": self.staleness, "teacher_samples": self.teacher_samples,

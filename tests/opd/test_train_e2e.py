@@ -210,6 +210,27 @@ def test_sampled_mode_sft_mix_and_accumulation_run(setup):
     assert card["teacher t"]["divergence"].startswith("reverse KL") and card["teacher t"]["beta"] == 1.0
 
 
+def test_the_share_trimmed_after_the_answer_is_measured_per_step_and_for_the_run(setup):
+    # Only the mode was reported: how much of what the student sampled was cut went unsaid.
+    import re
+
+    cfg = _cfg(setup, "trimmed", steps=3, **{"loss.trim": "marker", "loss.answer_end_marker": "1"})
+    trainer = Trainer(cfg)
+    # The tiny random student seldom writes the marker; an answer "ending" after 5 tokens
+    # makes the counts certain (the cut itself: tests/opd/test_distill_rows.py).
+    trainer._trim = lambda response: min(len(response), 5)
+    trainer.run()
+    rows = [r for r in read_metrics(setup["root"] / "trimmed" / "metrics.jsonl") if "loss" in r]
+    sampled = [round(r["response_len"] * cfg.rollout.prompts_per_step) for r in rows]   # 1 sample per prompt
+    assert [r["trimmed_share"] for r in rows] == pytest.approx([1 - r["tokens"] / n for r, n in zip(rows, sampled)])
+    trimmed = sum(n - r["tokens"] for r, n in zip(rows, sampled))
+    assert 0 < trimmed < sum(sampled)
+    card = json.loads((setup["root"] / "trimmed" / "card.json").read_text())["trajectories"]["trimming"]
+    share, total = re.search(r"; ([\d.]+)% of the (\d+) response tokens sampled were trimmed", card).groups()
+    assert card.startswith("marker (marker '1')") and int(total) == sum(sampled)
+    assert float(share) == pytest.approx(100 * trimmed / sum(sampled), abs=0.05)
+
+
 def test_tokenizer_mismatch_is_refused(setup, tmp_path):
     from transformers import AutoTokenizer
 
