@@ -787,9 +787,13 @@ class Trainer:
         lens = [ro.response_ids for ro in rollouts]
         row["eval/response_len"] = sum(map(len, lens)) / len(lens)
         if accuracy:
-            row["eval/accuracy"] = sum(sum(v) for v in accuracy.values()) / sum(len(v) for v in accuracy.values())
+            # Accuracy counts fully correct answers (score 1); the mean verifier score, with a code
+            # answer's partial credit for the share of tests it passes, is its own metric.
+            n = sum(len(v) for v in accuracy.values())
+            row["eval/accuracy"] = sum(x >= 1.0 for v in accuracy.values() for x in v) / n
+            row["eval/verifier_score"] = sum(sum(v) for v in accuracy.values()) / n
             for d, v in accuracy.items():
-                row[f"eval/accuracy/{d}"] = sum(v) / len(v)
+                row[f"eval/accuracy/{d}"] = sum(x >= 1.0 for x in v) / len(v)
             if len(accuracy) > 1:
                 self._warn_lopsided({d: row[f"eval/accuracy/{d}"] for d in accuracy}, "eval accuracy")
         self.metrics.log(self.step, row)

@@ -231,6 +231,21 @@ def test_the_share_trimmed_after_the_answer_is_measured_per_step_and_for_the_run
     assert float(share) == pytest.approx(100 * trimmed / sum(sampled), abs=0.05)
 
 
+def test_eval_accuracy_counts_fully_correct_answers_and_the_score_is_its_own_metric(setup):
+    # eval/accuracy was the mean verifier score: a code answer passing 1 of 3 tests counted 1/3.
+    trainer = Trainer(_cfg(setup, "accuracy", steps=1, **{"run.eval_prompts": 4}))
+    scores = [1.0, 1 / 3, 0.0, 1.0]
+    trainer.setup()
+    trainer.verify = lambda samples, texts: scores[:len(texts)]
+    try:
+        trainer._evaluate()
+    finally:
+        trainer.close()
+    row = trainer.evals[-1]
+    assert row["eval/accuracy"] == pytest.approx(0.5) and row["eval/verifier_score"] == pytest.approx(7 / 12)
+    assert row["eval/accuracy/gen"] == pytest.approx(0.5)
+
+
 def test_tokenizer_mismatch_is_refused(setup, tmp_path):
     from transformers import AutoTokenizer
 
