@@ -172,7 +172,7 @@ def _flatten(value, key: str = "") -> dict[str, object]:
 
 def resume_changes(saved: dict | None, now: dict, fixed: tuple[str, ...], free: tuple[str, ...] = ()) -> list[str]:
     """The config keys (dotted) that differ between a checkpoint's config and the resuming
-    one. A changed key matching a `fixed` pattern (fnmatch, e.g. "merge.teachers.*.k") makes
+    one, as "key: old -> new". A changed key matching a `fixed` pattern (fnmatch, e.g. "merge.teachers.*.k") makes
     the checkpoint another run's, unless it also matches a `free` pattern (a teacher's
     address may move): refused. The others are returned, for the card: a resumed run's card
     must say what the steps before the resume were trained with. `saved` None: a checkpoint
@@ -191,7 +191,7 @@ def resume_changes(saved: dict | None, now: dict, fixed: tuple[str, ...], free: 
                               f"({shown}{', ...' if len(clash) > 6 else ''}); a resumed run continues the "
                               f"same objective. Restore them, or start a new run (--overwrite or another "
                               f"out_dir) from the checkpoint's model/")
-    return changed
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in changed]
 
 
 def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:

@@ -227,18 +227,29 @@ def check_vllm_lora(target_modules: list[str], key: str) -> None:
                          f"blocks' linear projections only); use rollout.engine hf, or other target_modules")
 
 
-def positive_int(text: str) -> int:
-    """argparse type of counts given on the command line (--steps, --max-k, ...): a value
-    given there skips the config's range checks, so 0 or -3 would be taken as is."""
+def number_arg(kind: type = int, low: float = 1, *, strict: bool = False, note: str = ""):
+    """argparse type of a number given on the command line (--steps, --max-k, --timeout-s, ...):
+    a value given there skips the config's range checks, so 0 or -3 would be taken as is.
+    `kind` int or float (finite); at least `low`, or above it when `strict`; `note` follows
+    the bound in the error ("(0: no limit)")."""
     import argparse
+    import math
 
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects {'a whole number' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not (math.isfinite(value) and (value > low if strict else value >= low)):
+            bound = f"above {low:g}" if strict else f"{'of ' if kind is float else ''}at least {low:g}"
+            raise argparse.ArgumentTypeError(f"must be {'a finite number ' if kind is float else ''}{bound}{note}, "
+                                             f"got {text}")
+        return value
+    return parse
+
+
+positive_int = number_arg(int, 1)
 
 
 def near(base: str | Path, p: str | None) -> str | None:

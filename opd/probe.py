@@ -32,24 +32,10 @@ from pathlib import Path
 
 import torch
 
-from opd.config import positive_int
+from opd.config import number_arg, positive_int
 
 # The teacher scores at temperature 1: the distribution it would be distilled from in top-k mode.
 TEACHER_TEMPERATURE = 1.0
-
-
-def _float_at_least(low: float, *, strict: bool, what: str):
-    """argparse type of a finite float above (`strict`) or at least `low`."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be a finite number {'above' if strict else 'of at least'} "
-                                             f"{low:g}{what}, got {text}")
-        return value
-    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,11 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=16, help="prompts used (the first N)")
     p.add_argument("--k", type=positive_int, default=16, help="top-k of overlap and tail mass")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="length limit of the student's responses")
-    p.add_argument("--temperature", type=_float_at_least(0.0, strict=False, what=" (0: greedy)"), default=1.0,
+    p.add_argument("--temperature", type=number_arg(float, 0, note=" (0: greedy)"), default=1.0,
                    help="student sampling temperature (0: greedy; the sampled reverse-KL estimate needs 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="cpu", help="device of the student")
-    p.add_argument("--timeout-s", type=_float_at_least(0.0, strict=True, what=""), default=30.0,
+    p.add_argument("--timeout-s", type=number_arg(float, 0, strict=True), default=30.0,
                    help="teacher answer timeout in seconds")
     p.add_argument("--json", type=Path, default=None, help="also write the report as JSON here")
 

@@ -79,21 +79,6 @@ def _resume_view(config: dict | None) -> dict | None:
     return {**config, "rewards": {label: r for label, r in zip(labels, rewards)}}
 
 
-def _flat(value, key: str = "") -> dict:
-    """{dotted key: value} as resume_changes names the keys (for the card's old -> new values)."""
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            out.update(_flat(v, f"{key}.{k}" if key else str(k)))
-        return out
-    if isinstance(value, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
-        out = {}
-        for v in value:
-            out.update(_flat(v, f"{key}.{v['name']}"))
-        return out
-    return {key: value}
-
-
 # ---- building blocks (model, engine, batch) -----------------------------------------------
 
 def resolve_device(device: str) -> torch.device:
@@ -271,9 +256,7 @@ class GRPOTrainer:
         saved = json.loads((ckpt / "state.json").read_text()).get("config")
         now = _resume_view(to_dict(self.cfg))
         changed = resume_changes(_resume_view(saved), now, RESUME_FIXED, RESUME_FREE)
-        old, new = _flat(_resume_view(saved) or {}), _flat(now)
-        self.resume_changed = None if saved is None else \
-            [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in changed]
+        self.resume_changed = None if saved is None else changed
         return ckpt
 
     # -- the loop --------------------------------------------------------------------------

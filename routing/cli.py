@@ -18,18 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from opd.config import positive_int
-
-
-def _non_negative_int(text: str) -> int:
-    """argparse type of --limit (0: no limit): a negative limit printed nothing."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (no limit) or more, got {value}")
-    return value
+from opd.config import number_arg, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--domain", default=None,
                    help="domain of the rows without a `domain` field; None: the domain of the config's data set "
                         "or eval set whose file --data is (as `opd train` loads it), else none")
-    e.add_argument("--limit", type=_non_negative_int, default=0,
+    e.add_argument("--limit", type=number_arg(int, 0, note=" (0: no limit)"), default=0,
                    help="print at most this many samples (0: all); counts cover all")
     e.add_argument("--json", action="store_true", help="one JSON object per sample instead of text")
 

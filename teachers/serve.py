@@ -20,24 +20,10 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from opd.config import positive_int
+from opd.config import number_arg, positive_int
 
 READY = "opd-teacher ready"
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
-
-
-def positive_float(text: str) -> float:
-    """argparse type of the intervals (--heartbeat-s, --peer-timeout-s): 0 or less turned
-    heartbeats off, or dropped every client at once as silent."""
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expects a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,8 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight-tokens", type=positive_int, default=131072,
                    help="accepted, unfinished tokens; past this a request gets BUSY (retryable)")
     p.add_argument("--batch-tokens", type=positive_int, default=16384, help="top-k requests grouped into one forward pass")
-    p.add_argument("--heartbeat-s", type=positive_float, default=1.0, help="heartbeat interval clients are told to use")
-    p.add_argument("--peer-timeout-s", type=positive_float, default=10.0, help="a client silent this long loses its requests in flight (CANCELLED)")
+    # 0 or less turned heartbeats off, or dropped every client at once as silent
+    seconds = number_arg(float, 0, strict=True)
+    p.add_argument("--heartbeat-s", type=seconds, default=1.0, help="heartbeat interval clients are told to use")
+    p.add_argument("--peer-timeout-s", type=seconds, default=10.0,
+                   help="a client silent this long loses its requests in flight (CANCELLED)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads; None: torch's choice")
     p.add_argument("--curve-secret-key", type=Path, default=None,
                    help="server secret key file (NAME.key_secret from `opd keys generate`): enables CURVE")

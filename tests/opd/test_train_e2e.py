@@ -363,7 +363,7 @@ def test_a_run_extended_with_resume_follows_the_new_schedule_from_its_first_new_
     assert [lrs[s] for s in (1, 2)] == pytest.approx([1e-2, 1e-2 * 0.5 * (1 + math.cos(math.pi / 2))])
     assert [lrs[s] for s in (3, 4)] == pytest.approx(cosine4[2:])
     warnings = json.loads((setup["root"] / "extend_cosine" / "card.json").read_text())["run"]["warnings"]
-    assert "resumed from step_000002; changed since that checkpoint: run.steps" in warnings
+    assert "resumed from step_000002; changed since that checkpoint: run.steps: 2 -> 4" in warnings
 
     # A key that defines the objective cannot change on resume: the card, one description of
     # the run, said k=4 and reverse KL for steps trained with k=8 and forward KL.

@@ -178,7 +178,7 @@ def test_route_fit_and_explain_refuse_non_positive_counts(tmp_path, capsys):
     assert len(fit(["ab", "cd"], ["x", "y"], epochs=1, max_features=2).vocab) == 2
     with pytest.raises(SystemExit) as e:
         main(["route", "explain", "--config", "c.yaml", "--data", "d.jsonl", "--limit", "-1"])
-    assert e.value.code == 2 and "argument --limit: must be 0 (no limit) or more, got -1" in capsys.readouterr().err
+    assert e.value.code == 2 and "argument --limit: must be at least 0 (0: no limit), got -1" in capsys.readouterr().err
 
 
 def test_route_actions_have_descriptions(capsys):
