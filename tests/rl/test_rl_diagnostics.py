@@ -14,7 +14,7 @@ from opd.rollout import Rollout
 def _trainer_stub():
     cfg = from_dict({"model": {"path": "m"}, "data": {"train": "t"}, "rollout": {"group_size": 4, "temperature": 0.3}},
                     RLConfig)
-    return SimpleNamespace(cfg=cfg, last_flat_warning=-10**9)
+    return SimpleNamespace(cfg=cfg, last_flat_warning=-10**9, warnings=[])
 
 
 def _metrics(rewards):
@@ -48,6 +48,7 @@ def test_flat_groups_warning(rewards, expect, capsys):
         assert expect in out and "temperature (0.3)" in out and "no gradient" in out
         GRPOTrainer.warn_if_flat(stub, 4, _metrics(rewards))       # not repeated every step
         assert capsys.readouterr().out == ""
+        assert len(stub.warnings) == 1 and expect in stub.warnings[0]   # kept for the card
 
 
 def test_bad_config_is_refused_with_file_and_line(tmp_path, capsys):
