@@ -91,23 +91,25 @@ class ReplicaPool:
         self._check_fatal()
         return self._welcome  # type: ignore[return-value]
 
-    def submit_topk(self, sequences, response_starts, k: int, temperature: float = 1.0) -> Future:
+    def submit_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
+                    vocab_limit: int = 0) -> Future:
         """Future of a TopKResult, answered by the least-loaded live replica (failing over if it dies)."""
         out: Future = Future()
         args = ([list(map(int, s)) if not hasattr(s, "tolist") else s.tolist() for s in sequences],
-                list(response_starts), k, temperature)
+                list(response_starts), k, temperature, vocab_limit)
         self._dispatch_topk(out, args, _tokens(sequences), tried=set())
         return out
 
-    def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0) -> TopKResult:
-        return self.submit_topk(sequences, response_starts, k, temperature).result()
+    def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
+                   vocab_limit: int = 0) -> TopKResult:
+        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
-                   chunk_rows: int | None = None, window: int = 4) -> Iterator[FullChunk]:
+                   chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0) -> Iterator[FullChunk]:
         """Full-vocabulary rows, streamed. The request goes to the least-loaded live replica now,
         so the teacher computes while the caller does; a replica dying mid-stream is replaced
         from the next unseen row."""
-        args = (sequences, response_starts, temperature, dtype, chunk_rows, window)
+        args = (sequences, response_starts, temperature, dtype, chunk_rows, window, vocab_limit)
         tokens = _tokens(sequences)
         rep, client = self._acquire(tokens, set())
         try:

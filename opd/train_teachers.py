@@ -293,6 +293,35 @@ def _mem_available() -> int | None:
     return None
 
 
+def _vocab_limits(specs: dict, welcome, student_path: str) -> tuple[dict[str, int], list[str]]:
+    """{teacher: vocab_limit} for teachers whose LM head has more rows than the student's (one
+    tokenizer, heads padded to other sizes: Qwen2.5's 0.5-3B have 151,936 rows, 7B and up
+    152,064). Such a teacher is asked for its distribution over the student's rows (protocol
+    2.2): a top-k answer naming a padding row stopped the run, and full answers were cut and
+    renormalised only in the unfused path. A teacher that cannot (vLLM, a server before 2.2)
+    is said in the card: its top-k answers still name the rows the student has, almost always."""
+    try:
+        from transformers import AutoConfig
+
+        rows = int(getattr(AutoConfig.from_pretrained(student_path), "vocab_size", 0) or 0)
+    except (OSError, ValueError):   # a peft adapter directory: no config of its own
+        return {}, []
+    limits, notes = {}, []
+    for name in specs:
+        w = welcome(name)
+        if not rows or w.vocab_size <= rows:
+            continue
+        if tuple(w.version) >= (2, 2) and w.backend != "vllm":
+            limits[name] = rows
+            notes.append(f"teacher {name!r} has {w.vocab_size} LM-head rows, the student {rows}: it scores over "
+                         f"the first {rows} (the rest are padding)")
+        else:
+            notes.append(f"teacher {name!r} has {w.vocab_size} LM-head rows, the student {rows}, and its "
+                         f"{w.backend} server (protocol {tuple(w.version)}) cannot leave out the rest: a top-k "
+                         f"answer naming one of them stops the run")
+    return limits, notes
+
+
 class TeacherSet:
     """The run's teachers: specs, checked clients and their WELCOMEs."""
 
@@ -301,6 +330,7 @@ class TeacherSet:
         self.specs = {t.name: t for t in cfg.merge.teachers}
         self.clients = connect_teachers(cfg, student_fingerprint, student_path, cluster)
         self._open_tokens = {name: 0 for name in self.specs}   # full mode: tokens of streams not yet ended
+        self.vocab_limit, self.vocab_notes = _vocab_limits(self.specs, self.welcome, student_path)
         full = [name for name, spec in self.specs.items() if spec.mode == "full"]
         self.memory_note = None   # a full-mode run that may take over half the memory: said, and in the card
         if full:
@@ -337,7 +367,8 @@ class TeacherSet:
             def send():
                 self._open_tokens[teacher] += tokens
                 return client.score_full(sequences, starts, temperature=spec.temperature,
-                                         dtype=self.cfg.loss.full_dtype, window=FULL_WINDOW)
+                                         dtype=self.cfg.loss.full_dtype, window=FULL_WINDOW,
+                                         vocab_limit=self.vocab_limit.get(teacher, 0))
 
             stream = RowStream(send, offsets[-1], lambda e: self._error(teacher, e), t0, on_done=done)
             fut: Future = Future()
@@ -353,7 +384,8 @@ class TeacherSet:
 
         outer: Future = Future()
         try:
-            inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature)
+            inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature,
+                                       vocab_limit=self.vocab_limit.get(teacher, 0))
         except TeacherError as e:  # e.g. FINGERPRINT_CHANGED seen at submit time: answers() reports it
             outer.set_exception(e)
             return outer

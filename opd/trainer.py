@@ -182,9 +182,10 @@ class Trainer:
         self.student_fp = tokenizer_fingerprint(tokenizer)
         self.cfg = cfg = self.launched.start(cfg)
         self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.launched.cluster)
-        if self.teachers.memory_note:
-            print(f"warning: {self.teachers.memory_note}", flush=True)
-            self.warnings.append(self.teachers.memory_note)
+        for note in [self.teachers.memory_note, *self.teachers.vocab_notes]:
+            if note:
+                print(f"warning: {note}", flush=True)
+                self.warnings.append(note)
         torch.manual_seed(cfg.run.seed)
         self.model, self.tok = load_student(cfg.student, cfg.run.seed, tokenizer)
         if cfg.loss.fused_linear and not head_form(self.model).fusable:

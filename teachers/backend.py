@@ -33,6 +33,8 @@ class ScoreRequest:
     temperature: float
     dtype: str                  # full mode: "float32" | "bfloat16" | "float16"
     chunk_rows: int             # full mode
+    vocab_limit: int = 0        # > 0: the distribution over the first vocab_limit columns (a student
+                                # whose LM head has fewer padding rows than the teacher's)
 
     @property
     def num_sequences(self) -> int:

@@ -159,29 +159,32 @@ class TeacherClient:
         return self._welcome  # type: ignore[return-value]
 
     def submit_topk(self, sequences: Sequence[Sequence[int]], response_starts: Sequence[int], k: int,
-                    temperature: float = 1.0) -> Future:
+                    temperature: float = 1.0, vocab_limit: int = 0) -> Future:
         """Future of a TopKResult. Several may be in flight at once. A batch over the teacher's
         max_tokens_per_request goes as several requests (whole sequences each), kept within its
-        max_inflight_tokens, and comes back as one result (`stats` None)."""
+        max_inflight_tokens, and comes back as one result (`stats` None). vocab_limit > 0: the
+        teacher's distribution over its first vocab_limit columns (protocol 2.2)."""
         welcome = self.info()
         lengths = [len(s) for s in sequences]
         parts = _split(lengths, welcome.max_tokens_per_request)
+        args = (k, temperature, vocab_limit)
         if len(parts) == 1:
-            return self._submit_topk(sequences, response_starts, k, temperature)
-        return _SplitBatch(lambda a, b: self._submit_topk(sequences[a:b], response_starts[a:b], k, temperature),
+            return self._submit_topk(sequences, response_starts, *args)
+        return _SplitBatch(lambda a, b: self._submit_topk(sequences[a:b], response_starts[a:b], *args),
                            [(a, b, sum(lengths[a:b])) for a, b in parts], welcome.max_inflight_tokens).future
 
-    def _submit_topk(self, sequences, response_starts, k: int, temperature: float) -> Future:
+    def _submit_topk(self, sequences, response_starts, k: int, temperature: float, vocab_limit: int) -> Future:
         ids, offsets = _pack(sequences)
         score = Score(request_id=0, mode="topk", response_starts=[int(s) for s in response_starts], k=int(k),
-                      temperature=float(temperature))
+                      temperature=float(temperature), vocab_limit=int(vocab_limit))
         return self._command("submit", _Call("topk", score, (ids, offsets)))
 
-    def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0) -> TopKResult:
-        return self.submit_topk(sequences, response_starts, k, temperature).result()
+    def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
+                   vocab_limit: int = 0) -> TopKResult:
+        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
-                   chunk_rows: int | None = None, window: int = 4) -> Iterator[FullChunk]:
+                   chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0) -> Iterator[FullChunk]:
         """Full-vocabulary rows, streamed: at most `window` chunks are ever buffered here.
         `chunk_rows` None: ~64 MiB chunks for this teacher's vocabulary (`default_chunk_rows`).
         A batch over the teacher's max_tokens_per_request is streamed as several requests, one
@@ -190,7 +193,7 @@ class TeacherClient:
         if chunk_rows is None:
             chunk_rows = default_chunk_rows(welcome.vocab_size, dtype)
         parts = _split([len(s) for s in sequences], welcome.max_tokens_per_request)
-        args = (temperature, dtype, chunk_rows, window)
+        args = (temperature, dtype, chunk_rows, window, vocab_limit)
         # The (first) request goes out now, so the teacher computes while the caller does.
         first = self._score_full(sequences[:parts[0][1]], response_starts[:parts[0][1]], *args)
         if len(parts) == 1:
@@ -207,10 +210,11 @@ class TeacherClient:
             shift += sum(len(s) - int(st) for s, st in zip(sequences[a:b], response_starts[a:b]))
 
     def _score_full(self, sequences, response_starts, temperature: float, dtype: str, chunk_rows: int,
-                    window: int) -> Iterator[FullChunk]:
+                    window: int, vocab_limit: int) -> Iterator[FullChunk]:
         ids, offsets = _pack(sequences)
         score = Score(request_id=0, mode="full", response_starts=[int(s) for s in response_starts],
-                      temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window))
+                      temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window),
+                      vocab_limit=int(vocab_limit))
         call = _Call("full", score, (ids, offsets), chunks=queue.Queue())
         self._command("submit", call)
         stream = self._iterate(call)

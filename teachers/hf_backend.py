@@ -113,15 +113,22 @@ class HFBackend(TeacherBackend):
     def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
         answers = []
         for req, (hidden, targets) in zip(reqs, self._request_rows(reqs)):
-            parts = [self._topk_chunk(hidden[a:a + self.row_chunk], targets[a:a + self.row_chunk], req.k, req.temperature)
+            parts = [self._topk_chunk(hidden[a:a + self.row_chunk], targets[a:a + self.row_chunk], req)
                      for a in range(0, len(hidden), self.row_chunk)]
             if not parts:
-                parts = [self._topk_chunk(hidden, targets, req.k, req.temperature)]
+                parts = [self._topk_chunk(hidden, targets, req)]
             answers.append(TopKAnswer(*(torch.cat(p).cpu() for p in zip(*parts))))
         return answers
 
-    def _topk_chunk(self, hidden, targets, k: int, temperature: float):
-        z = self.post_head(self.lm_head(hidden)).float() / temperature          # [rows, V]
+    def _logits(self, hidden, req: ScoreRequest) -> torch.Tensor:
+        """[rows, V] fp32, or its first req.vocab_limit columns: the distribution over the
+        vocabulary the student's LM head has (the rows past it are padding)."""
+        logits = self.post_head(self.lm_head(hidden)).float()
+        return logits[:, :req.vocab_limit] if req.vocab_limit else logits
+
+    def _topk_chunk(self, hidden, targets, req: ScoreRequest):
+        k = req.k
+        z = self._logits(hidden, req) / req.temperature                        # [rows, V]
         lse = torch.logsumexp(z, dim=-1)
         top_z, top_ids = z.topk(k, dim=-1)
         token_lp = z.gather(1, targets[:, None]).squeeze(1) - lse
@@ -134,7 +141,7 @@ class HFBackend(TeacherBackend):
         hidden, targets = self._request_rows([req])[0]
         out_dtype = TORCH_DTYPES[req.dtype]
         for a in range(0, len(hidden), req.chunk_rows):
-            logits = self.post_head(self.lm_head(hidden[a:a + req.chunk_rows])).float()
+            logits = self._logits(hidden[a:a + req.chunk_rows], req)
             z = logits / req.temperature
             lse = torch.logsumexp(z, dim=-1)
             token_lp = z.gather(1, targets[a:a + req.chunk_rows, None]).squeeze(1) - lse

@@ -47,7 +47,7 @@ import msgspec
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = (2, 1)  # major mismatch is refused at HELLO; minor is informational
+PROTOCOL_VERSION = (2, 2)  # major mismatch is refused at HELLO; minor is informational
 # 2.0: TOPK carries the DONE statistics itself (one message less per top-k request, +20 %
 # positions/s at top-64 in `opd bench transport`); a 1.x client would wait for a DONE.
 # 2.1: WELCOME says max_positions (a 2.0 server's decodes as 0: not said).
@@ -139,6 +139,7 @@ class Score(_Msg, tag="score"):
     dtype: str = "float32"              # full mode: logits dtype on the wire
     chunk_rows: int = 1024              # full mode: rows per CHUNK (<= MAX_CHUNK_BYTES / (4 V))
     window: int = 4                     # full mode: CHUNKs the server may send before a CREDIT
+    vocab_limit: int = 0                # > 0: score over the first vocab_limit columns only (2.2)
 
 
 class TopK(_Msg, tag="topk"):

@@ -54,8 +54,9 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
         fail(ErrorCode.TOO_LONG, f"a sequence has {longest} tokens, the model takes at most {backend.max_positions}")
 
     # Token ids, in one pass: read as uint32 a negative id is >= 2**31, above any vocabulary.
-    if len(ids) and int(ids.view(np.uint32).max()) >= backend.vocab_size:
-        fail(ErrorCode.BAD_TOKEN, f"token ids must lie in [0, {backend.vocab_size}); "
+    vocab = msg.vocab_limit if 0 < msg.vocab_limit <= backend.vocab_size else backend.vocab_size
+    if len(ids) and int(ids.view(np.uint32).max()) >= vocab:
+        fail(ErrorCode.BAD_TOKEN, f"token ids must lie in [0, {vocab}); "
                                   f"got min {int(ids.min())}, max {int(ids.max())}")
 
     # Response starts: 1 <= s_b <= len_b (s_b == len_b means no rows for that sequence).
@@ -63,12 +64,17 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
         if not 1 <= s <= n:
             fail(ErrorCode.BAD_REQUEST, f"response_starts[{b}] = {s} must lie in [1, {n}] (sequence length)")
 
-    if not (math.isfinite(msg.temperature) and msg.temperature > 0):
-        fail(ErrorCode.BAD_REQUEST, f"temperature must be finite and > 0, got {msg.temperature}")
+    # A temperature fp32 cannot divide by (subnormal, 0) answered with NaN rows.
+    if not (math.isfinite(msg.temperature) and msg.temperature >= 1e-6):
+        fail(ErrorCode.BAD_REQUEST, f"temperature must be finite and >= 1e-6, got {msg.temperature}")
+    if not 0 <= msg.vocab_limit <= backend.vocab_size:
+        fail(ErrorCode.BAD_REQUEST, f"vocab_limit = {msg.vocab_limit} must lie in [0, {backend.vocab_size}] "
+                                    f"(0: the whole vocabulary)")
     req = ScoreRequest(
         request_id=rid, mode=msg.mode, ids=torch.from_numpy(ids.astype(np.int64)),
         offsets=tuple(offs), response_starts=tuple(starts),
         k=int(msg.k), temperature=float(msg.temperature), dtype=msg.dtype, chunk_rows=int(msg.chunk_rows),
+        vocab_limit=int(msg.vocab_limit),
     )
     # The backend first: its refusal names the backend that can answer (vLLM: `--backend hf`).
     why = backend.unsupported(req)
@@ -76,8 +82,9 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
         fail(ErrorCode.UNSUPPORTED, why)
     if msg.mode not in backend.modes:
         fail(ErrorCode.UNSUPPORTED, f"mode {msg.mode!r} not served by this {backend.name} backend ({backend.modes})")
-    if msg.mode == "topk" and not 1 <= msg.k <= backend.max_k:
-        fail(ErrorCode.BAD_K, f"k = {msg.k} must lie in [1, {backend.max_k}] (max_k)")
+    if msg.mode == "topk" and not 1 <= msg.k <= min(backend.max_k, msg.vocab_limit or backend.max_k):
+        fail(ErrorCode.BAD_K, f"k = {msg.k} must lie in [1, {backend.max_k}] (max_k)"
+                              + (f" and not exceed vocab_limit {msg.vocab_limit}" if msg.vocab_limit else ""))
     if msg.mode == "full":
         if msg.dtype not in LOGIT_DTYPES or msg.dtype not in backend.dtypes:
             fail(ErrorCode.BAD_REQUEST, f"dtype {msg.dtype!r} not in {list(backend.dtypes)}")

@@ -80,6 +80,9 @@ class VLLMBackend(TeacherBackend):
             return ("the vLLM backend answers at temperature 1 only (vLLM does not apply "
                     f"temperature to prompt log-probabilities); for temperature {req.temperature} "
                     f"{HF_BACKEND_HINT}")
+        if 0 < req.vocab_limit < self.vocab_size:
+            return (f"the vLLM backend scores over its whole vocabulary ({self.vocab_size} rows), not the first "
+                    f"{req.vocab_limit}; {HF_BACKEND_HINT}")
         return None
 
     def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:

@@ -7,6 +7,7 @@ responses of at most 12 tokens.
 """
 
 import json
+import math
 import os
 import shutil
 from concurrent.futures import Future
@@ -244,6 +245,27 @@ def test_eval_accuracy_counts_fully_correct_answers_and_the_score_is_its_own_met
     row = trainer.evals[-1]
     assert row["eval/accuracy"] == pytest.approx(0.5) and row["eval/verifier_score"] == pytest.approx(7 / 12)
     assert row["eval/accuracy/gen"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("mode", ["topk", "full"])
+def test_a_teacher_with_a_larger_padded_head_scores_over_the_students_rows(setup, tmp_path, mode):
+    # Same tokenizer, LM head padded to 300 rows against the student's 260: top-k answers named
+    # padding rows (the kernels refuse those ids, mid-run) and full answers were 300 wide.
+    from opd.teachers.hf_backend import HFBackend
+    from opd.teachers.server import serving_in_thread
+    from opd.tiny import build_tiny_model
+
+    padded = build_tiny_model(tmp_path / "padded", vocab_size=300, init_std=0.5, seed=4)
+    with serving_in_thread(HFBackend(padded, name="t", max_k=16)) as server:
+        teacher = {"name": "t", "address": server.address, "mode": mode, "k": 8}
+        out = root = setup["root"] / f"padded_{mode}"
+        Trainer(_cfg(setup, f"padded_{mode}", mode=mode, steps=2, **{"merge.teachers": [teacher],
+                                                                    "loss.fused_linear": mode == "full"})).run()
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    warnings = json.loads((root / "card.json").read_text())["run"]["warnings"]
+    assert "teacher 't' has 300 LM-head rows, the student 260: it scores over the first 260 (the rest are " \
+           "padding)" in warnings
 
 
 def test_tokenizer_mismatch_is_refused(setup, tmp_path):

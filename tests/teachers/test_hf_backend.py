@@ -65,3 +65,48 @@ def test_a_soft_capped_or_scaled_teacher_serves_its_own_distribution(tmp_path):
         torch.testing.assert_close(topk.logprobs, want.topk(8).values, atol=1e-5, rtol=0)
         torch.testing.assert_close(full.logits, logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(full.lse, torch.logsumexp(logits / 2.0, -1), atol=1e-5, rtol=0)
+
+
+def test_a_padded_teacher_scores_over_the_students_rows_when_asked(tmp_path):
+    # One tokenizer, LM heads padded to other sizes (Qwen2.5 0.5-3B: 151,936 rows, 7B+: 152,064).
+    # vocab_limit asks for the distribution over the first rows: top-k never names a padding
+    # row (the student has none; the kernels refuse such ids) and full rows have the student's width.
+    from opd.teachers.client import TeacherClient, TeacherError
+    from opd.teachers.protocol import ErrorCode
+    from opd.teachers.server import serving_in_thread
+    from opd.tiny import build_tiny_model
+
+    padded = build_tiny_model(tmp_path / "padded", vocab_size=300, init_std=0.5, seed=4)
+    backend = HFBackend(padded, max_k=16)
+    seq = [(11 * j) % 250 + 3 for j in range(20)]
+    with torch.no_grad():
+        z = backend.model(torch.tensor(seq)[None]).logits[0, 1:19].float()
+    assert (z.argmax(-1) >= 260).any()                         # unmasked, padding rows win somewhere
+    want = torch.log_softmax(z[:, :260], -1)
+    with serving_in_thread(backend) as server, TeacherClient(server.address, timeout_s=30) as client:
+        assert client.info().vocab_size == 300 and tuple(client.info().version) >= (2, 2)
+        top = client.score_topk([seq], [2], k=16, vocab_limit=260)
+        assert int(top.ids.max()) < 260
+        torch.testing.assert_close(top.logprobs, want.topk(16).values, atol=1e-5, rtol=0)
+        rest = want.scatter(1, top.ids.long(), float("-inf")).logsumexp(-1)
+        torch.testing.assert_close(top.tail_logmass, rest, atol=1e-5, rtol=0)
+        torch.testing.assert_close(top.token_logprob, want.gather(1, torch.tensor(seq[2:])[:, None]).squeeze(1),
+                                   atol=1e-5, rtol=0)
+        rows = torch.cat([c.logits for c in client.score_full([seq], [2], chunk_rows=5, vocab_limit=260)])
+        assert rows.shape == (18, 260)
+        torch.testing.assert_close(torch.log_softmax(rows, -1), want, atol=1e-5, rtol=0)
+        unlimited = client.score_topk([seq], [2], k=16)
+        assert int(unlimited.ids.max()) >= 260                   # what the trainer got before
+        # A limit past the vocabulary, k above the limit, or an id past the limit is refused.
+        for ids, kwargs, code in [(seq, dict(k=4, vocab_limit=301), ErrorCode.BAD_REQUEST),
+                                  ([1, 2, 3, 4, 5, 6, 7], dict(k=16, vocab_limit=8), ErrorCode.BAD_K)]:
+            try:
+                client.score_topk([ids], [2], **kwargs)
+                raise AssertionError(f"{kwargs} was answered")
+            except TeacherError as e:
+                assert e.code == code, (kwargs, e)
+        try:
+            client.score_topk([seq + [280]], [2], k=4, vocab_limit=260)
+            raise AssertionError("an id past the limit was answered")
+        except TeacherError as e:
+            assert e.code == ErrorCode.BAD_TOKEN

@@ -203,6 +203,10 @@ def bad_messages():
     yield "temperature 0", score_frames(*GOOD, temperature=0.0), ErrorCode.BAD_REQUEST
     yield "temperature < 0", score_frames(*GOOD, temperature=-1.0), ErrorCode.BAD_REQUEST
     yield "temperature nan", score_frames(*GOOD, temperature=float("nan")), ErrorCode.BAD_REQUEST
+    # fp32 logits divided by 1e-39 (subnormal) were answered with NaN log-probs
+    yield "temperature 1e-39", score_frames(*GOOD, temperature=1e-39), ErrorCode.BAD_REQUEST
+    yield "vocab_limit past the vocabulary", score_frames(*GOOD, vocab_limit=10_000), ErrorCode.BAD_REQUEST
+    yield "token id past vocab_limit", score_frames(*GOOD, vocab_limit=7), ErrorCode.BAD_TOKEN
     yield "start 0", score_frames([[5, 6, 7]], [0]), ErrorCode.BAD_REQUEST
     yield "start past the end", score_frames([[5, 6, 7]], [4]), ErrorCode.BAD_REQUEST
     yield "bad full dtype", score_frames(*GOOD, mode="full", dtype="int8"), ErrorCode.BAD_REQUEST
