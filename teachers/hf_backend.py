@@ -28,6 +28,19 @@ from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _longrope_switch(config) -> int | None:
+    """The length past which a longrope model switches to its long RoPE factors, else None."""
+    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if not isinstance(params, dict):
+            continue
+        # one set of parameters, or one per attention type ({"full_attention": {...}, ...})
+        for p in [params] + [v for v in params.values() if isinstance(v, dict)]:
+            if p.get("rope_type", p.get("type")) == "longrope":
+                n = p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", 0)
+                return int(n) if n else None
+    return None
+
+
 class HFBackend(TeacherBackend):
     name = "hf"
     modes = ("topk", "full")
@@ -60,6 +73,10 @@ class HFBackend(TeacherBackend):
         self.max_k = min(max_k, self.vocab_size)
         self.row_chunk = row_chunk
         self.batch_tokens = batch_tokens
+        # A longrope model (Phi-3/3.5/4 long-context) picks its RoPE factors from the padded
+        # width of the batch: a short sequence padded past this length was scored with the long
+        # factors, so its answer depended on the other requests in the forward pass.
+        self.rope_switch = _longrope_switch(self.model.config)
         self.model_fingerprint = model_fingerprint(model_dir)
 
     # ---- prefill -------------------------------------------------------------------------
@@ -72,7 +89,9 @@ class HFBackend(TeacherBackend):
         while order:
             # Longest-first micro-batch whose padded size stays within batch_tokens.
             batch = [order.pop()]
-            while order and len(seqs[batch[0]]) * (len(batch) + 1) <= self.batch_tokens:
+            long_rope = self.rope_switch is not None and len(seqs[batch[0]]) > self.rope_switch
+            while order and len(seqs[batch[0]]) * (len(batch) + 1) <= self.batch_tokens and not (
+                    long_rope and len(seqs[order[-1]]) <= self.rope_switch):
                 batch.append(order.pop())
             width = len(seqs[batch[0]])
             ids = torch.zeros(len(batch), width, dtype=torch.long)

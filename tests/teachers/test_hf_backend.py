@@ -110,3 +110,36 @@ def test_a_padded_teacher_scores_over_the_students_rows_when_asked(tmp_path):
             raise AssertionError("an id past the limit was answered")
         except TeacherError as e:
             assert e.code == ErrorCode.BAD_TOKEN
+
+
+def test_a_longrope_teachers_answer_does_not_depend_on_the_batch_it_shares(tmp_path):
+    # Phi-3-style longrope picks its RoPE factors from the batch's padded width: a short
+    # sequence batched with one past original_max_position_embeddings took the long factors.
+    import transformers as tf
+
+    from opd.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path / "phi")
+    cfg = tf.Phi3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                        original_max_position_embeddings=32,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
+                                         "long_factor": [4.0] * 16, "original_max_position_embeddings": 32},
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = tf.Phi3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10)      # position effects large enough to see in fp32
+    model.save_pretrained(tmp_path / "phi")
+    backend = HFBackend(tmp_path / "phi", max_k=5)
+    assert backend.rope_switch == 32
+    g = torch.Generator().manual_seed(0)
+    short, long = torch.randint(3, 256, (12,), generator=g).tolist(), torch.randint(3, 256, (60,), generator=g).tolist()
+    alone = backend.score_topk([request([short], [2])])[0]
+    shared = backend.score_topk([request([short], [2]), request([long], [2])])[0]
+    torch.testing.assert_close(shared.lse, alone.lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared.token_logprob, alone.token_logprob, atol=1e-5, rtol=0)
+    with torch.no_grad():   # and it is the model's own answer for the sequence alone
+        direct = torch.log_softmax(backend.model(torch.tensor(short)[None]).logits[0, 1:11].float(), -1)
+    torch.testing.assert_close(alone.logprobs, direct.topk(5).values, atol=1e-4, rtol=0)
