@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from opd.bench import transport
@@ -27,11 +28,22 @@ def test_precomputed_answers_cross_the_real_client_unchanged():
         assert all(torch.equal(c.logits, backend._logits["bfloat16"]) for c in chunks)
 
 
-def test_interleaved_takes_turns():
+def test_interleaved_takes_turns_in_a_rotating_order():
+    # A fixed order always ran opd while the ceiling's PUSH refilled its queue.
     calls = []
-    res = transport.interleaved({"a": lambda s: calls.append("a") or 1.0, "b": lambda s: calls.append("b") or 2.0},
+    res = transport.interleaved({n: lambda s, n=n, v=v: calls.append(n) or v for n, v in [("a", 1.0), ("b", 2.0),
+                                                                                          ("c", 3.0)]},
                                 rounds=3, seconds=0.0)
-    assert calls == ["a", "b"] * 3 and res == {"a": [1.0] * 3, "b": [2.0] * 3}
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert res == {"a": [1.0] * 3, "b": [2.0] * 3, "c": [3.0] * 3}
+
+
+def test_positions_that_are_not_whole_sequences_are_refused():
+    p = argparse.ArgumentParser()
+    transport.add_arguments(p)
+    assert p.parse_args(["--positions", "300", "1024"]).positions == [300, 1024]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--positions", "1000"])   # opd sent 512 rows against ceiling messages of 1000
 
 
 def test_run_cases_writes_one_row_per_size_and_mode():
