@@ -169,6 +169,9 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
         if server is not None:
             server.stop()
         pss = memory.stop()
+    # The trainer's own peak: wait4's ru_maxrss also covers the children it reaped (its forked
+    # teacher), so it was the larger of the two processes, not the trainer's.
+    rss = memory.hwm.get(proc.pid) or rss
     teacher_rss = max((v for p, v in memory.hwm.items() if p != proc.pid), default=0)
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
     steps_ = [{"tokens": r["tokens"], "step_s": r["step_s"], "rollout": r["rollout_s"],
