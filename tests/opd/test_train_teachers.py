@@ -131,6 +131,7 @@ def test_a_stream_that_would_overflow_the_teachers_budget_waits_for_the_open_one
     ts.specs = {"t": SimpleNamespace(mode="full", temperature=1.0)}
     ts.clients = {"t": (client, welcome)}
     ts._open_tokens = {"t": 0}
+    ts.vocab_limit = {}
     first = ts.request("t", [[1] * 10, [1] * 10], [5, 5]).result()     # 20 tokens: sent at once
     second = ts.request("t", [[1] * 12], [2]).result()                 # 20 + 12 > 30: waits
     assert client.sent == [2]
