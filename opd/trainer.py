@@ -257,12 +257,12 @@ class Trainer:
         self.eval_samples = picked
         self.eval_routes = [self.routes[id(s)] for s in picked]
 
-    def _length_limits(self) -> dict[str, int]:
-        """Positions each of the student and the teachers takes ("student" or the teacher's name;
-        one that does not say, a 2.0 server, is left out)."""
-        limits = {t: self.teachers.welcome(t).max_positions for t in self.specs}
-        limits["student"] = getattr(self.model.config, "max_position_embeddings", 0) or 0
-        return {who: n for who, n in limits.items() if n > 0}
+    def _length_limits(self) -> tuple[int, dict[str, int]]:
+        """(positions the student takes, {teacher: positions it takes}); 0 or left out: not said
+        (a 2.0 server)."""
+        teachers = {t: self.teachers.welcome(t).max_positions for t in self.specs}
+        student = getattr(self.model.config, "max_position_embeddings", 0) or 0
+        return student, {t: n for t, n in teachers.items() if n > 0}
 
     def _fit_length(self, samples: list[Sample], routes: list[Route], path: str) -> list[Sample]:
         """The samples whose prompt leaves room for rollout.max_new_tokens within the positions
@@ -270,10 +270,14 @@ class Trainer:
         `self.routes`. A longer one would get TOO_LONG from its teacher when its batch comes,
         hours into a run: refused here (run.on_data_error: stop), or dropped and said in the
         card (skip)."""
+        student, teachers = self.length_limits
+
         def limit(route: Route) -> tuple[str, int] | None:
-            named = {who: n for who, n in self.length_limits.items() if who == "student" or who in route.weights}
-            who, n = min(named.items(), key=lambda kv: kv[1], default=(None, 0))
-            return None if who is None else ("the student" if who == "student" else f"teacher {who!r}", n)
+            """(who, positions): the smallest limit this sample meets, None when none is said."""
+            named = {f"teacher {t!r}": n for t, n in teachers.items() if t in route.weights}
+            if student:
+                named["the student"] = student
+            return min(named.items(), key=lambda kv: kv[1]) if named else None
 
         new = self.cfg.rollout.max_new_tokens
         limits = [limit(r) for r in routes]
