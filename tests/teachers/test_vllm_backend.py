@@ -96,9 +96,14 @@ def test_unsupported_requests_name_the_hf_backend(vllm_teacher_backend):
     assert vllm_teacher_backend.unsupported(_request(1, seqs, starts, k=4)) is None
     full = vllm_teacher_backend.unsupported(_request(2, seqs, starts, k=0, mode="full"))
     hot = vllm_teacher_backend.unsupported(_request(3, seqs, starts, k=4, temperature=0.5))
-    for reason in (full, hot):
+    import dataclasses
+
+    narrow = vllm_teacher_backend.unsupported(dataclasses.replace(_request(4, seqs, starts, k=4), vocab_limit=100))
+    whole = dataclasses.replace(_request(5, seqs, starts, k=4), vocab_limit=vllm_teacher_backend.vocab_size)
+    assert vllm_teacher_backend.unsupported(whole) is None     # the whole vocabulary is what it scores
+    for reason in (full, hot, narrow):
         assert reason and "--backend hf" in reason
-    assert "full" in full and "temperature" in hot
+    assert "full" in full and "temperature" in hot and "not the first 100" in narrow
     assert vllm_teacher_backend.modes == ("topk",)
     with pytest.raises(ValueError, match="temperature"):
         vllm_teacher_backend.score_topk([_request(3, seqs, starts, k=4, temperature=0.5)])
