@@ -58,6 +58,16 @@ def build_models(work: Path | str, vocab: int | None = None) -> tuple[Path, Path
     return student, teacher, data
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (0 once it has exited)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    f = f[f.rindex(")") + 2:].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _wait(proc: subprocess.Popen) -> tuple[int, int]:
     """(exit code, peak RSS bytes) of a child process."""
     _, status, usage = os.wait4(proc.pid, 0)
@@ -82,6 +92,10 @@ class GroupMemory:
         self.pids: list[int] = []
         self.peak = 0
         self.hwm: dict[int, int] = {}   # every pid seen (roots and descendants) -> its peak RSS (VmHWM)
+        # (wall time, CPU seconds of every process of the group so far): the CPU a system spent
+        # between two moments, all its processes and threads (opd: trainer + teacher server).
+        self.cpu: list[tuple[float, float]] = []
+        self._cpu_of: dict[int, float] = {}     # last reading per pid: an exited one keeps its share
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -117,6 +131,15 @@ class GroupMemory:
             self.peak = max(self.peak, sum(self._status(p, "Pss:") for p in pids))
             for p in pids:
                 self.hwm[p] = max(self.hwm.get(p, 0), self._status(p, "VmHWM:", "status"))
+                self._cpu_of[p] = max(self._cpu_of.get(p, 0.0), _cpu_seconds(p))
+            self.cpu.append((time.time(), sum(self._cpu_of.values())))
+
+    def cpu_between(self, t0: float, t1: float) -> float:
+        """CPU seconds the group spent between wall times t0 and t1 (linear between samples)."""
+        import numpy as np
+
+        t, c = np.array(self.cpu).T
+        return float(np.interp(t1, t, c) - np.interp(t0, t, c))
 
     def stop(self) -> int:
         self._stop.set()
@@ -174,20 +197,29 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
     rss = memory.hwm.get(proc.pid) or rss
     teacher_rss = max((v for p, v in memory.hwm.items() if p != proc.pid), default=0)
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    rows = [r for r in rows if "step_s" in r]
     steps_ = [{"tokens": r["tokens"], "step_s": r["step_s"], "rollout": r["rollout_s"],
                "teacher_wait": r["teacher_wait_s"], "loss_backward_optim": r["step_s"] - r["rollout_s"] - r["teacher_wait_s"]}
-              for r in rows if "step_s" in r][warmup:]
-    return {**summarize(f"opd-{mode}", steps_, rss, teacher_rss, pss), "teacher_launch": launch}
+              for r in rows][warmup:]
+    # The measured steps' CPU: from the end of the last warm-up step to the end of the last step
+    # (each row's time is when it was logged, right after its step).
+    cpu = memory.cpu_between(rows[warmup - 1]["time"] if warmup else rows[0]["time"] - rows[0]["step_s"],
+                             rows[-1]["time"])
+    return {**summarize(f"opd-{mode}", steps_, rss, teacher_rss, pss, cpu), "teacher_launch": launch}
 
 
 PHASES = ("rollout", "teacher_wait", "loss_backward_optim")
 
 
-def summarize(system: str, steps: list[dict], rss: int, teacher_rss: int, pss: int) -> dict:
-    """One row from measured steps ({tokens, step_s[, phases]}) and the peaks of memory."""
+def summarize(system: str, steps: list[dict], rss: int, teacher_rss: int, pss: int, cpu_s: float) -> dict:
+    """One row from measured steps ({tokens, step_s[, phases]}), the peaks of memory and the CPU
+    seconds all the system's processes spent in those steps."""
+    tokens = sum(r["tokens"] for r in steps)
     return {
         "system": system, "steps_measured": len(steps), "step_s": statistics.median(r["step_s"] for r in steps),
-        "tokens_per_s": sum(r["tokens"] for r in steps) / sum(r["step_s"] for r in steps),
+        "tokens_per_s": tokens / sum(r["step_s"] for r in steps),
+        "cpu_s": cpu_s, "cpu_us_per_token": 1e6 * cpu_s / tokens,
+        "cores": cpu_s / sum(r["step_s"] for r in steps),
         "peak_rss_trainer": rss, "peak_rss_teacher": teacher_rss, "peak_pss_total": pss,
         "phases_s": ({k: statistics.median(r[k] for r in steps) for k in PHASES} if PHASES[0] in steps[0] else None),
         "steps": steps,
@@ -197,7 +229,8 @@ def summarize(system: str, steps: list[dict], rss: int, teacher_rss: int, pss: i
 def pool(rows: list[dict]) -> dict:
     """The rows of one system from several rounds as one: every measured step, the highest peaks."""
     pooled = summarize(rows[0]["system"], [s for r in rows for s in r["steps"]],
-                       *(max(r[k] for r in rows) for k in ("peak_rss_trainer", "peak_rss_teacher", "peak_pss_total")))
+                       *(max(r[k] for r in rows) for k in ("peak_rss_trainer", "peak_rss_teacher", "peak_pss_total")),
+                       sum(r["cpu_s"] for r in rows))
     return {**pooled, **({"teacher_launch": rows[0]["teacher_launch"]} if "teacher_launch" in rows[0] else {})}
 
 
@@ -213,7 +246,7 @@ def _trl_main(work: str, steps: int, threads: int = 1) -> None:
     tok = AutoTokenizer.from_pretrained(str(work / "student"))
     ds = Dataset.from_list([{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "0"}]}
                             for p in PROMPTS])
-    times, tokens = [], []
+    times, tokens, ends = [], [], []
 
     class Trainer(GKDTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
@@ -227,6 +260,7 @@ def _trl_main(work: str, steps: int, threads: int = 1) -> None:
 
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter() - self.t)
+            ends.append(time.time())
 
     args = GKDConfig(output_dir=str(work / "trl"), per_device_train_batch_size=8, max_steps=steps, lmbda=1.0,
                      beta=0.0, temperature=1.0, max_new_tokens=32, learning_rate=1e-4, lr_scheduler_type="constant",
@@ -236,7 +270,7 @@ def _trl_main(work: str, steps: int, threads: int = 1) -> None:
                       teacher_model=AutoModelForCausalLM.from_pretrained(str(work / "teacher"), dtype=torch.float32),
                       args=args, train_dataset=ds, processing_class=tok, callbacks=[Clock()])
     trainer.train()
-    print("TRL_RESULT " + json.dumps({"times": times, "tokens": tokens}), flush=True)
+    print("TRL_RESULT " + json.dumps({"times": times, "tokens": tokens, "ends": ends}), flush=True)
 
 
 def _trl_python(arg: str | None) -> str | None:
@@ -265,7 +299,9 @@ def run_trl(python: str, work: Path, steps: int, warmup: int, threads: int = 1) 
         raise RuntimeError(f"TRL run failed ({rc}):\n{text[-3000:]}")
     res = json.loads(line[len("TRL_RESULT "):])
     steps = [{"tokens": n, "step_s": t} for n, t in zip(res["tokens"][warmup:], res["times"][warmup:])]
-    return summarize("trl-gkd", steps, rss, 0, pss)
+    ends = res["ends"]
+    cpu = memory.cpu_between(ends[warmup - 1] if warmup else ends[0] - res["times"][0], ends[-1])
+    return summarize("trl-gkd", steps, rss, 0, pss, cpu)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -319,9 +355,12 @@ def run(args) -> int:
     if trl:
         for r in rows:
             r["tokens_per_s_vs_trl"] = r["tokens_per_s"] / trl["tokens_per_s"]
+            # per token of CPU: the ratio at equal CPU (opd's teacher scores on the other core)
+            r["tokens_per_cpu_s_vs_trl"] = trl["cpu_us_per_token"] / r["cpu_us_per_token"]
             r["peak_rss_vs_trl"] = r["peak_rss_trainer"] / trl["peak_rss_trainer"]
             r["peak_pss_total_vs_trl"] = r["peak_pss_total"] / trl["peak_pss_total"]
             print(f"{r['system']:<9} {r['tokens_per_s_vs_trl']:.2f}x TRL tokens/s, "
+                  f"{r['tokens_per_cpu_s_vs_trl']:.2f}x TRL tokens per CPU second, "
                   f"{r['peak_rss_vs_trl']:.2f}x TRL trainer peak RSS, "
                   f"{r['peak_pss_total_vs_trl']:.2f}x TRL total peak PSS (trainer + teacher server)")
     if args.json:
@@ -334,6 +373,7 @@ def _fmt(r: dict) -> str:
     phases = ""
     if r["phases_s"]:
         phases = "  phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in r["phases_s"].items())
-    return (f"{r['system']:<9} {r['tokens_per_s']:8.0f} tok/s  {r['step_s']:.3f} s/step  trainer RSS "
+    return (f"{r['system']:<9} {r['tokens_per_s']:8.0f} tok/s  {r['cpu_us_per_token']:6.0f} CPU us/token "
+            f"({r['cores']:.2f} cores)  {r['step_s']:.3f} s/step  trainer RSS "
             f"{r['peak_rss_trainer'] / 2**20:6.0f} MiB  teacher RSS {r['peak_rss_teacher'] / 2**20:5.0f} MiB  "
             f"total PSS {r['peak_pss_total'] / 2**20:5.0f} MiB{phases}")

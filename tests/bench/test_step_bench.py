@@ -33,6 +33,21 @@ def test_group_memory_counts_descendants():
     assert max(v for p, v in mem.hwm.items() if p != proc.pid) >= 160 << 20
 
 
+def test_group_cpu_is_what_its_processes_spent_in_a_window():
+    # A child busy for 0.6 s between two printed wall times, idle before and after: the
+    # group's CPU in that window is the busy time, not the idle time around it.
+    code = ("import time\ntime.sleep(0.3)\nt = time.time()\nprint(t, flush=True)\n"
+            "while time.time() - t < 0.6:\n    pass\nprint(time.time(), flush=True)\ntime.sleep(0.3)")
+    mem = step.GroupMemory(interval_s=0.02)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    mem.pids.append(proc.pid)
+    t0, t1 = (float(line) for line in proc.stdout.read().split())
+    proc.wait()
+    mem.stop()
+    busy = mem.cpu_between(t0, t1)
+    assert 0.3 < busy <= 0.7 and mem.cpu_between(t1 + 0.05, t1 + 0.25) < 0.06, (busy, mem.cpu[-3:])
+
+
 def test_opd_step_rows_and_what_a_forked_teacher_saves(tmp_path):
     student, teacher, data = step.build_models(tmp_path)
     added = {}
@@ -46,6 +61,8 @@ def test_opd_step_rows_and_what_a_forked_teacher_saves(tmp_path):
         assert abs(row["tokens_per_s"] - sum(m["tokens"] for m in measured) / sum(m["step_s"] for m in measured)) < 1e-6
         phases = row["phases_s"]
         assert phases["rollout"] > 0 and phases["teacher_wait"] >= 0 and phases["loss_backward_optim"] > 0
+        # CPU of trainer and teacher in the measured steps: at most the box's two cores
+        assert 0 < row["cpu_s"] and 0.3 < row["cores"] <= 2.1, row["cores"]
         trainer, teacher_rss, total = row["peak_rss_trainer"], row["peak_rss_teacher"], row["peak_pss_total"]
         # Both processes are counted, their shared pages once: above either one's private
         # half, below the sum of their RSS (which counts libtorch's pages twice).
