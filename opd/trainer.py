@@ -794,11 +794,13 @@ class Trainer:
         if accuracy:
             # Accuracy counts fully correct answers (score 1); the mean verifier score, with a code
             # answer's partial credit for the share of tests it passes, is its own metric.
-            n = sum(len(v) for v in accuracy.values())
-            row["eval/accuracy"] = sum(x >= 1.0 for v in accuracy.values() for x in v) / n
-            row["eval/verifier_score"] = sum(sum(v) for v in accuracy.values()) / n
+            from opd.rl.rewards import accuracy as share_correct   # the verifier's module: here when it is
+
+            every = [x for v in accuracy.values() for x in v]
+            row["eval/accuracy"] = share_correct(every)
+            row["eval/verifier_score"] = sum(every) / len(every)
             for d, v in accuracy.items():
-                row[f"eval/accuracy/{d}"] = sum(x >= 1.0 for x in v) / len(v)
+                row[f"eval/accuracy/{d}"] = share_correct(v)
             if len(accuracy) > 1:
                 self._warn_lopsided({d: row[f"eval/accuracy/{d}"] for d in accuracy}, "eval accuracy")
         self.metrics.log(self.step, row)

@@ -47,7 +47,7 @@ from opd.lora import add_lora
 from opd.metrics import MetricsLogger, plot_metrics, read_metrics
 from opd.rl import grpo
 from opd.rl.config import RLConfig
-from opd.rl.rewards import build_reward, verify_batch
+from opd.rl.rewards import accuracy, build_reward, verify_batch
 from opd.rl.rewards.combine import check_reward_fields, reward_labels
 from opd.rollout import SamplingParams
 
@@ -496,7 +496,7 @@ class GRPOTrainer:
         code = next((r.options for r in self.cfg.rewards if r.name == "code"), {})
         verified = [v for v in verify_batch(self.eval_samples, texts, **code) if v is not None]
         if verified:   # the mean score was logged as accuracy: code's partial credit counted
-            out["eval/accuracy"] = sum(v >= 1.0 for v in verified) / len(verified)
+            out["eval/accuracy"] = accuracy(verified)
             out["eval/verifier_score"] = sum(verified) / len(verified)
         return out
 

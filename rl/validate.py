@@ -158,7 +158,7 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
     model. `greedy` is an accuracy (the share of greedy answers the verifier scores 1, as pass@k
     counts), `score` and `greedy_score` mean verifier scores (partial credit for code). `bar`: a
     tqdm bar advanced by each set's prompts once they are scored."""
-    from opd.rl.rewards import verify_batch
+    from opd.rl.rewards import accuracy, correct, verify_batch
     from opd.rollout import SamplingParams
 
     engine, tok = _engine(cfg, path)
@@ -173,17 +173,17 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
             texts = _answers(engine, tok, samples, params)
             expanded = [s for s in samples for _ in range(n)]
             scores = [v if v is not None else 0.0 for v in verify_batch(expanded, texts, workers=workers, **code_opts)]
-            correct = [sum(sc >= 1.0 for sc in scores[i * n:(i + 1) * n]) for i in range(len(samples))]
+            right = [sum(map(correct, scores[i * n:(i + 1) * n])) for i in range(len(samples))]
             res: dict[str, Any] = {"n_prompts": len(samples), "samples": n,
                                    "score": sum(scores) / len(scores)}
             for k in cfg.k:
-                res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(samples)
+                res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(samples)
             if cfg.greedy:
                 g = _answers(engine, tok, samples, SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, n=1))
                 gs = [v if v is not None else 0.0 for v in verify_batch(samples, g, workers=workers, **code_opts)]
                 # The share fully correct, as pass@k counts: the mean score gave code partial
                 # credit (0.667 for scores [1, 0, 0.333, 1, 1, 0, 1, 1]) and was called accuracy.
-                res["greedy"] = sum(v >= 1.0 for v in gs) / len(gs)
+                res["greedy"] = accuracy(gs)
                 res["greedy_score"] = sum(gs) / len(gs)
                 res["example"] = {"prompt": samples[0].prompt[:200], "answer": g[0][:300]}
             out[domain] = res

@@ -14,6 +14,17 @@ from opd.rl.rewards.math import answers_match, extract_answer, math_reward
 from opd.rl.rewards.sandbox import SandboxLimits, SandboxResult, run_many, run_tests
 
 
+def correct(score: float) -> bool:
+    """A verifier's score of 1 is a correct answer. A code answer passing some of its tests
+    scores that share (partial credit), which is not a correct answer."""
+    return score >= 1.0
+
+
+def accuracy(scores: list[float]) -> float:
+    """The share of answers that are correct."""
+    return sum(map(correct, scores)) / len(scores)
+
+
 def verify(sample, response_text: str, **code_options) -> float | None:
     """Domain verifier: code by `tests`, math by `answer`; None when the sample has neither."""
     if sample.tests:
