@@ -34,7 +34,7 @@ CASES = {
 QUICK = dict(N=64, V=4096, H=64)
 LIGER_ON_CPU = "not run: Liger's Triton kernels need a GPU (on CPU, --quick runs them in Triton's interpreter)"
 TOPK = 64
-PROVIDERS = ("reference", "opd", "liger")
+PROVIDERS = ("reference", "plain", "opd", "liger")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", nargs="+", default=["kl_full", "fused_kl_full"], choices=sorted(CASES),
                         help="cases to run")
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS,
-                        help="implementations side by side: reference (naive, kernels/reference.py), opd (this "
-                             "project's: chunked PyTorch on CPU, Triton on CUDA), liger (Liger-Kernel, if installed)")
+                        help="implementations side by side: reference (kernels/reference.py, -inf-safe PyTorch), "
+                             "plain (the loss as TRL's GKDTrainer writes it: log_softmax + kl_div; full teacher, "
+                             "not fused), opd (this project's: chunked PyTorch on CPU, Triton on CUDA), liger "
+                             "(Liger-Kernel, if installed)")
     parser.add_argument("--quick", action="store_true", help=f"small shapes {QUICK} (smoke test)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype of the student's logits (fused cases: hidden states and LM head) and of a "
@@ -193,6 +195,8 @@ def _step_fn(spec: dict, inputs: dict, torch):
         t.requires_grad_(True)
     if spec["provider"] == "liger":
         return _liger_step(spec, inputs, leaves, torch)
+    if spec["provider"] == "plain":
+        return _plain_step(spec, inputs, leaves, torch)
 
     def step():
         if spec["fused"]:
@@ -201,6 +205,30 @@ def _step_fn(spec: dict, inputs: dict, torch):
         else:
             loss = distill_loss(inputs["student"], inputs["teacher"], beta=beta, impl=impl)
         loss.backward()
+    return step, leaves
+
+
+def _plain_step(spec, inputs, leaves, torch):
+    """The plainest loss: TRL's GKDTrainer.generalized_jsd_loss (log_softmax of both, then kl_div,
+    the mixture for 0 < beta < 1), mean over rows. The reference adds -inf guards on top."""
+    if spec["fused"] or spec["teacher"] != "full":
+        raise SystemExit("plain is the unfused full-vocabulary loss only")
+    import math
+
+    F, beta = torch.nn.functional, spec["beta"]
+
+    def step():
+        log_s = F.log_softmax(inputs["student"].float(), -1)
+        log_t = F.log_softmax(inputs["teacher"].float(), -1)
+        if beta == 0.0:
+            loss = F.kl_div(log_s, log_t, reduction="none", log_target=True)
+        elif beta == 1.0:
+            loss = F.kl_div(log_t, log_s, reduction="none", log_target=True)
+        else:
+            log_m = torch.logsumexp(torch.stack([log_s + math.log(1 - beta), log_t + math.log(beta)]), 0)
+            loss = beta * F.kl_div(log_m, log_t, reduction="none", log_target=True) + \
+                (1 - beta) * F.kl_div(log_m, log_s, reduction="none", log_target=True)
+        (loss.sum() / loss.shape[0]).backward()
     return step, leaves
 
 

@@ -41,3 +41,25 @@ def test_liger_side_by_side_computes_our_divergence(liger_results, fused, beta):
     # mean over rows. A wrong class name or a beta mapping off by a convention fails here.
     r = liger_results[(fused, beta)]
     assert r["scale"] > 1e-4 and r["max_abs_diff"] < 1e-5 * max(1.0, r["scale"]) + 1e-7, r
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_plain_provider_computes_our_divergence(beta):
+    # The plain loss (as TRL's GKDTrainer writes it) must be the same divergence as the
+    # reference, or its time and memory would be for another computation.
+    import torch
+
+    from opd.bench.kernels import _inputs, _step_fn
+
+    grads = {}
+    for provider in ("reference", "plain"):
+        spec = dict(_spec("kl_full", quick=True), beta=beta, provider=provider, dtype="float32")
+        inputs = _inputs(spec, torch, "cpu")
+        step, leaves = _step_fn(spec, inputs, torch)
+        step()
+        grads[provider] = leaves[0].grad
+    assert grads["plain"].abs().max() > 1e-6
+    torch.testing.assert_close(grads["plain"], grads["reference"], atol=1e-6, rtol=1e-5)
+    with pytest.raises(SystemExit, match="unfused full-vocabulary"):
+        _step_fn(dict(_spec("kl_topk", quick=True), provider="plain", dtype="float32"), {"student": torch.zeros(1)},
+                 torch)
