@@ -62,7 +62,8 @@ def test_every_bench_option_says_what_it_is_and_its_default_once(capsys):
     undocumented = [(name, a.option_strings[0]) for name, p in subjects.items() for a in p._actions
                     if a.option_strings and a.help is None]
     assert undocumented == []
-    for name, expect in [("kernels", "--providers {reference,opd,liger} [{reference,opd,liger} ...] implementations"),
+    for name, expect in [("kernels", "--providers {reference,plain,opd,liger} [{reference,plain,opd,liger} ...] "
+                                     "implementations"),
                          ("kernels", "dtype of the student's logits"),
                          ("transport", "--transports {tcp,ipc} [{tcp,ipc} ...] ZeroMQ transports measured"),
                          ("transport", "dtypes of the full-mode logits sent"),
