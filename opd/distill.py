@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from opd.lm_head import FUSED_REFUSED, head_form, parts
+from opd.rope import rope_groups
 
 
 # ---- trimming ---------------------------------------------------------------------------
@@ -136,18 +137,55 @@ def student_rows(model, packed: Packed, *, fused: bool):
     its head (a soft-cap, a scale) is applied to those rows too; a model whose logits are not of
     that form goes through its own forward (`head_form`). One whose logits are not
     hidden @ lm_head.weight.T cannot be fused: ValueError (`opd train` refuses the config first).
+    A longrope model gets one pass per side of its switch length (opd.rope), so that each
+    sequence's rows are what they are alone.
     """
-    device = next(model.parameters()).device
-    ids, attn = packed.input_ids_B_L.to(device), packed.attention_B_L.to(device)
-    b, pos = packed.row_b_N.to(device), packed.row_pos_N.to(device)
     form = head_form(model)
     if fused and not form.fusable:
         raise ValueError(FUSED_REFUSED)
+    groups = rope_groups(model, packed.attention_B_L.sum(1).tolist())
+    if len(groups) > 1:   # a longrope model: each side of its switch length in a pass of its own
+        outs = [_student_rows(model, _subset(packed, g), fused, form) for g in groups]
+        # outs' rows, concatenated, are packed's rows `order`: index them back into packed's order
+        order = torch.cat([_rows_of(packed, g) for g in groups])
+        if fused:
+            hidden = torch.cat([h for h, _ in outs])
+            return hidden[torch.argsort(order).to(hidden.device)], outs[0][1]
+        logits = torch.cat(outs)
+        return logits[torch.argsort(order).to(logits.device)]
+    return _student_rows(model, packed, fused, form)
+
+
+def _student_rows(model, packed: Packed, fused: bool, form):
+    device = next(model.parameters()).device
+    ids, attn = packed.input_ids_B_L.to(device), packed.attention_B_L.to(device)
+    b, pos = packed.row_b_N.to(device), packed.row_pos_N.to(device)
     if not fused and form.post is None:
         return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[b, pos]
     body, head = parts(model)
     hidden_N_H = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[b, pos]
     return (hidden_N_H, head.weight) if fused else form.post(head(hidden_N_H))
+
+
+def _rows_of(packed: Packed, seqs: list[int]) -> torch.Tensor:
+    """long [n]: the indices in `packed` of the rows of sequences `seqs`, in order."""
+    o = packed.row_offsets
+    return torch.cat([torch.arange(o[b], o[b + 1]) for b in seqs])
+
+
+def _subset(packed: Packed, seqs: list[int]) -> Packed:
+    """The batch of sequences `seqs` alone, as `pack` would have built it."""
+    index = torch.tensor(seqs)
+    width = int(packed.attention_B_L[index].sum(1).max())
+    ids, attn = packed.input_ids_B_L[index, :width], packed.attention_B_L[index, :width]
+    rows = _rows_of(packed, seqs)
+    new_b = torch.full((len(packed.row_offsets) - 1,), -1, dtype=torch.long)
+    new_b[index] = torch.arange(len(seqs))
+    lens = [packed.row_offsets[b + 1] - packed.row_offsets[b] for b in seqs]
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    return Packed(ids, attn, new_b[packed.row_b_N[rows]], packed.row_pos_N[rows], packed.targets_N[rows], offsets)
 
 
 def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:

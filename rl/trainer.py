@@ -50,6 +50,7 @@ from opd.rl.config import RLConfig
 from opd.rl.rewards import accuracy, build_reward, verify_batch
 from opd.rl.rewards.combine import check_reward_fields, reward_labels
 from opd.rollout import SamplingParams
+from opd.rope import rope_groups
 
 PLOT_GROUPS = {
     "reward": ["reward"], "groups": ["groups"], "length": ["length"], "kl": ["kl"],
@@ -174,10 +175,20 @@ def collate(rollouts, pad_id: int) -> Batch:
 def response_logits(model, batch: Batch) -> torch.Tensor:
     """Logits that predict each response token: [B, T, V]."""
     device = next(model.parameters()).device
-    out = model(input_ids=batch.input_ids_B_L.to(device), attention_mask=batch.attention_B_L.to(device),
-                position_ids=batch.position_B_L.to(device))
     T = batch.response_B_T.shape[1]
-    return out.logits[:, batch.start - 1:batch.start - 1 + T]
+
+    def logits(rows=slice(None)) -> torch.Tensor:
+        out = model(input_ids=batch.input_ids_B_L[rows].to(device), attention_mask=batch.attention_B_L[rows].to(device),
+                    position_ids=batch.position_B_L[rows].to(device))
+        return out.logits[:, batch.start - 1:batch.start - 1 + T]
+
+    groups = rope_groups(model, batch.attention_B_L.sum(1).tolist())
+    if len(groups) == 1:
+        return logits()
+    # a longrope model: one pass per side of its switch length (opd.rope), rows put back in order
+    outs = torch.cat([logits(torch.tensor(g)) for g in groups])
+    back = torch.argsort(torch.cat([torch.tensor(g) for g in groups]))
+    return outs[back.to(device)]
 
 
 # The rewards that verify an answer (1 = correct, 0 = wrong; code: the share of tests passed).

@@ -23,22 +23,10 @@ import torch
 
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint_of_dir
 from opd.lm_head import head_form
+from opd.rope import longrope_switch
 from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _longrope_switch(config) -> int | None:
-    """The length past which a longrope model switches to its long RoPE factors, else None."""
-    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
-        if not isinstance(params, dict):
-            continue
-        # one set of parameters, or one per attention type ({"full_attention": {...}, ...})
-        for p in [params] + [v for v in params.values() if isinstance(v, dict)]:
-            if p.get("rope_type", p.get("type")) == "longrope":
-                n = p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", 0)
-                return int(n) if n else None
-    return None
 
 
 class HFBackend(TeacherBackend):
@@ -76,7 +64,7 @@ class HFBackend(TeacherBackend):
         # A longrope model (Phi-3/3.5/4 long-context) picks its RoPE factors from the padded
         # width of the batch: a short sequence padded past this length was scored with the long
         # factors, so its answer depended on the other requests in the forward pass.
-        self.rope_switch = _longrope_switch(self.model.config)
+        self.rope_switch = longrope_switch(self.model.config)
         self.model_fingerprint = model_fingerprint(model_dir)
 
     # ---- prefill -------------------------------------------------------------------------

@@ -26,6 +26,32 @@ def tiny_teacher_dir(tmp_path_factory, tiny_model_dir):
     return perturb_model(tiny_model_dir, tmp_path_factory.mktemp("tiny") / "teacher", scale=1.0, seed=1)
 
 
+@pytest.fixture(scope="session")
+def tiny_longrope_dir(tmp_path_factory):
+    """A 2-layer Phi-3-style model with longrope factors that switch past 32 tokens (short
+    factors 1, long 4), weights scaled up so that positions move its log-probs visibly in fp32."""
+    import torch
+    import transformers as tf
+
+    from opd.tiny import build_tokenizer
+
+    out = tmp_path_factory.mktemp("longrope") / "phi"
+    tok = build_tokenizer(out)
+    cfg = tf.Phi3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                        original_max_position_embeddings=32,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
+                                         "long_factor": [4.0] * 16, "original_max_position_embeddings": 32},
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = tf.Phi3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10)
+    model.save_pretrained(out)
+    return out
+
+
 from opd.teachers.launch import free_port  # noqa: E402  (import it from there, not from conftest)
 
 

@@ -112,27 +112,10 @@ def test_a_padded_teacher_scores_over_the_students_rows_when_asked(tmp_path):
             assert e.code == ErrorCode.BAD_TOKEN
 
 
-def test_a_longrope_teachers_answer_does_not_depend_on_the_batch_it_shares(tmp_path):
+def test_a_longrope_teachers_answer_does_not_depend_on_the_batch_it_shares(tiny_longrope_dir):
     # Phi-3-style longrope picks its RoPE factors from the batch's padded width: a short
     # sequence batched with one past original_max_position_embeddings took the long factors.
-    import transformers as tf
-
-    from opd.tiny import build_tokenizer
-
-    tok = build_tokenizer(tmp_path / "phi")
-    cfg = tf.Phi3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                        original_max_position_embeddings=32,
-                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,
-                                         "long_factor": [4.0] * 16, "original_max_position_embeddings": 32},
-                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = tf.Phi3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(10)      # position effects large enough to see in fp32
-    model.save_pretrained(tmp_path / "phi")
-    backend = HFBackend(tmp_path / "phi", max_k=5)
+    backend = HFBackend(tiny_longrope_dir, max_k=5)
     assert backend.rope_switch == 32
     g = torch.Generator().manual_seed(0)
     short, long = torch.randint(3, 256, (12,), generator=g).tolist(), torch.randint(3, 256, (60,), generator=g).tolist()
