@@ -60,6 +60,21 @@ def test_the_plain_provider_computes_our_divergence(beta):
         grads[provider] = leaves[0].grad
     assert grads["plain"].abs().max() > 1e-6
     torch.testing.assert_close(grads["plain"], grads["reference"], atol=1e-6, rtol=1e-5)
-    with pytest.raises(SystemExit, match="unfused full-vocabulary"):
+    with pytest.raises(SystemExit, match="neither fused nor top-k"):
         _step_fn(dict(_spec("kl_topk", quick=True), provider="plain", dtype="float32"), {"student": torch.zeros(1)},
                  torch)
+
+
+def test_the_plain_provider_is_listed_as_not_run_where_it_does_not_apply(tmp_path):
+    # A fused or top-k case has no plain loss: its row says so rather than "exit 1".
+    import argparse
+
+    from opd.bench.kernels import PLAIN_ONLY, add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "k.json"
+    run(parser.parse_args(["--cases", "fused_kl_full", "kl_topk", "--providers", "plain", "--quick",
+                           "--json", str(out)]))
+    rows = json.loads(out.read_text())
+    assert [(r["case"], r["error"]) for r in rows] == [("fused_kl_full", PLAIN_ONLY), ("kl_topk", PLAIN_ONLY)]
