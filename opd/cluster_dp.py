@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from opd.cluster import StudentWorkers
-from opd.optim import adamw
 from opd.rope import rope_groups
 
 LossFn = Callable[[torch.nn.Module, dict], "tuple[torch.Tensor, torch.Tensor]"]
@@ -85,7 +84,7 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: f
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     if name == "adamw":
-        return adamw(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {name!r}")
 
 

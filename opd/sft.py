@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Literal
 
 from opd.config import ConfigError, describe, field, load_yaml, near, to_dict
-from opd.optim import adamw
 from opd.rope import rope_groups
 
 
@@ -293,7 +292,7 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bo
     train_sets, train_names = _load_sets(cfg_path, cfg.train, tokenizer, cfg.max_length)
     eval_sets, eval_names = _load_sets(cfg_path, cfg.eval, tokenizer, cfg.max_length) if cfg.eval else ([], [])
     sampler = MixtureSampler(train_sets, [s.ratio for s in cfg.train], cfg.seed)
-    opt = adamw(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start, changed = _resume(out, cfg, model, opt, sampler) if resume else (0, [])
     log = MetricsLogger(out, tensorboard=False, resume_step=start if resume else None)
     model.train()

@@ -41,7 +41,6 @@ from opd.diagnostics import DomainTally, topk_overlap
 from opd.lm_head import FUSED_REFUSED, head_form
 from opd.lora import add_lora
 from opd.metrics import MetricsLogger, plot_metrics
-from opd.optim import adamw
 from opd.rollout.base import Rollout, SamplingParams, eos_ids
 from opd.train_card import write_train_card
 from opd.train_config import TrainConfig
@@ -196,7 +195,8 @@ class Trainer:
         self.stop_ids = eos_ids(self.tok, getattr(self.model, "generation_config", None))
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
-        self.optimizer = adamw(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(o, cfg.run.steps))
         from opd.routing.normalize import DomainLossNormalizer
 

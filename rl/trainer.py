@@ -49,7 +49,6 @@ from opd.rl import grpo
 from opd.rl.config import RLConfig
 from opd.rl.rewards import accuracy, build_reward, verify_batch
 from opd.rl.rewards.combine import check_reward_fields, reward_labels
-from opd.optim import adamw
 from opd.rollout import SamplingParams
 from opd.rope import rope_groups
 
@@ -237,7 +236,7 @@ class GRPOTrainer:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.data = Cycler(train_samples, seed=cfg.run.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = adamw(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
         warm = cfg.optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
