@@ -53,6 +53,10 @@ QUICK = {
     "validate": {"limit": 8},
 }
 FULL_DATA = {"n_train": 3000, "n_eval": 100, "seed": 0}
+# Where each stage's config keeps its training seed (`--seed` sets them all; the data sets,
+# held-out prompts included, stay those of FULL_DATA's seed, so runs compare on one test).
+SEED_KEYS = {"sft_base": ("seed", "tiny.seed"), "sft_math": ("seed",), "sft_code": ("seed",),
+             "rl_math": ("run.seed",), "rl_code": ("run.seed",), "merge": ("run.seed",), "validate": ("seed",)}
 
 
 class StageError(RuntimeError):
@@ -85,10 +89,13 @@ def _set(cfg: dict, dotted: str, value) -> None:
     cfg[leaf] = value
 
 
-def write_config(template: Path, name: str, out: Path, quick: bool, overrides: dict | None = None) -> Path:
-    """OUT/configs/NAME.yaml: the template with paths under OUT, quick sizes and overrides applied."""
+def write_config(template: Path, name: str, out: Path, quick: bool, overrides: dict | None = None,
+                 seed: int | None = None) -> Path:
+    """OUT/configs/NAME.yaml: the template with paths under OUT, quick sizes, overrides and the
+    training seed (None: the template's) applied."""
     cfg = _relocate(yaml.safe_load(template.read_text()), template.parent, out)
-    for dotted, value in {**(QUICK.get(name, {}) if quick else {}), **(overrides or {})}.items():
+    seeds = {key: seed for key in SEED_KEYS.get(name, ())} if seed is not None else {}
+    for dotted, value in {**(QUICK.get(name, {}) if quick else {}), **seeds, **(overrides or {})}.items():
         if name == "validate" and dotted == "limit":
             for s in cfg["sets"]:
                 s["limit"] = value
@@ -105,8 +112,8 @@ def write_config(template: Path, name: str, out: Path, quick: bool, overrides: d
 
 
 class Demo:
-    def __init__(self, out: Path, *, quick: bool, fresh: bool, ports: dict[str, int]):
-        self.out, self.quick, self.fresh, self.ports = out, quick, fresh, ports
+    def __init__(self, out: Path, *, quick: bool, fresh: bool, ports: dict[str, int], seed: int | None = None):
+        self.out, self.quick, self.fresh, self.ports, self.seed = out, quick, fresh, ports, seed
         self.keys: dict[str, str] = {}       # stage -> input hash
         self.times: dict[str, float] = {}    # stage -> wall seconds (of the run that produced it)
         self.cached: dict[str, bool] = {}
@@ -182,7 +189,7 @@ class Demo:
 
     # -- 1. start point: the base; the student starts as a copy of it
     def start(self) -> None:
-        cfg = write_config(TEMPLATES / "sft_base.yaml", "sft_base", self.out, self.quick)
+        cfg = write_config(TEMPLATES / "sft_base.yaml", "sft_base", self.out, self.quick, seed=self.seed)
         model = self.out / "sft_base" / "model"
         self.stage("1_sft_base", [cfg, self.keys["0_data"]], [model / "config.json"],
                    lambda: self.cli("sft_base", "sft", cfg, "--overwrite"))
@@ -198,11 +205,11 @@ class Demo:
         from concurrent.futures import ThreadPoolExecutor
 
         def chain(dom: str) -> None:
-            warm = write_config(TEMPLATES / f"sft_{dom}.yaml", f"sft_{dom}", self.out, self.quick)
+            warm = write_config(TEMPLATES / f"sft_{dom}.yaml", f"sft_{dom}", self.out, self.quick, seed=self.seed)
             self.stage(f"2_sft_{dom}", [warm, self.keys["1_sft_base"]],
                        [self.out / f"sft_{dom}" / "model" / "config.json"],
                        lambda: self.cli(f"sft_{dom}", "sft", warm, "--overwrite", echo=False))
-            cfg = write_config(TEMPLATES / f"rl_{dom}.yaml", f"rl_{dom}", self.out, self.quick)
+            cfg = write_config(TEMPLATES / f"rl_{dom}.yaml", f"rl_{dom}", self.out, self.quick, seed=self.seed)
             self.stage(f"2_rl_{dom}", [cfg, self.keys[f"2_sft_{dom}"]], [self.out / f"rl_{dom}" / "model" / "config.json"],
                        lambda: self.cli(f"rl_{dom}", "rl", cfg, "--overwrite", echo=False))
 
@@ -222,7 +229,7 @@ class Demo:
     def merge(self) -> None:
         # configs/merge_math_code.yaml as it is (its settings are the ones measured here); only
         # paths, ports and the --quick sizes change.
-        cfg = write_config(MERGE_TEMPLATE, "merge", self.out, self.quick)
+        cfg = write_config(MERGE_TEMPLATE, "merge", self.out, self.quick, seed=self.seed)
         merged = yaml.safe_load(cfg.read_text())
         for t in merged["merge"]["teachers"]:
             t["address"] = f"tcp://127.0.0.1:{self.ports[t['name']]}"
@@ -262,7 +269,7 @@ class Demo:
                "domains": [d]} for d in DOMAINS),
             {"name": "student-after", "path": str(self.out / "merge" / "model"), "role": "student"},
         ]}
-        cfg = write_config(TEMPLATES / "validate.yaml", "validate", self.out, self.quick, overrides)
+        cfg = write_config(TEMPLATES / "validate.yaml", "validate", self.out, self.quick, overrides, seed=self.seed)
         report = self.out / "validate" / "report.json"
         self.stage("5_validate", [cfg, self.keys["4_merge"], self.keys["1_sft_base"],
                                   *(self.keys[f"2_sft_{d}"] for d in DOMAINS)], [report],
@@ -363,13 +370,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes for the test: checks the plumbing, not the outcome")
     p.add_argument("--ports", type=parse_ports, default=dict(DEFAULT_PORTS),
                    help="teacher ports, comma-separated, in the order math,code,general")
+    p.add_argument("--seed", type=int, default=None,
+                   help="training seed of every stage (models' initialization, sampling, data order); the "
+                        "data sets and held-out prompts stay the same. Default: the configs' own (0). Give each "
+                        "seed its own --out to keep every run's results")
     args = p.parse_args(argv)
 
     def on_term(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind, stop servers
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    demo = Demo(args.out.resolve(), quick=args.quick, fresh=args.fresh, ports=args.ports)
+    demo = Demo(args.out.resolve(), quick=args.quick, fresh=args.fresh, ports=args.ports, seed=args.seed)
     t0 = time.time()
     try:
         report = demo.run()

@@ -74,3 +74,30 @@ def test_demo_quick_runs_every_stage_and_caches(tmp_path):
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     for stage in ("0_data", "1_sft_base", "2_sft_math", "2_rl_math", "2_sft_code", "2_rl_code", "4_merge", "5_validate"):
         assert f"[demo] {stage}: cached" in second.stdout
+
+
+def test_demo_seed_sets_every_stages_training_seed_and_nothing_else(tmp_path):
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    templates = {name: demo.MERGE_TEMPLATE if name == "merge" else demo.TEMPLATES / f"{name}.yaml"
+                 for name in demo.SEED_KEYS}
+
+    def lookup(cfg, dotted):
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            cfg = cfg[key]
+        return cfg, leaf
+
+    for name, template in templates.items():
+        plain = yaml.safe_load(demo.write_config(template, name, tmp_path, quick=False).read_text())
+        seeded = yaml.safe_load(demo.write_config(template, name, tmp_path, quick=False, seed=7).read_text())
+        for dotted in demo.SEED_KEYS[name]:
+            (a, leaf), (b, _) = lookup(plain, dotted), lookup(seeded, dotted)
+            assert a[leaf] == 0 and b[leaf] == 7, (name, dotted)
+            b[leaf] = 0
+        assert seeded == plain, name   # nothing but the seeds changed
