@@ -23,7 +23,7 @@ import torch
 
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint_of_dir
 from opd.lm_head import head_form
-from opd.rope import longrope_switch
+from opd.rope import rope_groups
 from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,10 +61,6 @@ class HFBackend(TeacherBackend):
         self.max_k = min(max_k, self.vocab_size)
         self.row_chunk = row_chunk
         self.batch_tokens = batch_tokens
-        # A longrope model (Phi-3/3.5/4 long-context) picks its RoPE factors from the padded
-        # width of the batch: a short sequence padded past this length was scored with the long
-        # factors, so its answer depended on the other requests in the forward pass.
-        self.rope_switch = longrope_switch(self.model.config)
         self.model_fingerprint = model_fingerprint(model_dir)
 
     # ---- prefill -------------------------------------------------------------------------
@@ -73,14 +69,16 @@ class HFBackend(TeacherBackend):
     def _scored_hidden(self, seqs: list[torch.Tensor], starts: list[int]) -> list[torch.Tensor]:
         """For each sequence, hidden states [len - start, H] of the positions that score its rows."""
         out: list[torch.Tensor | None] = [None] * len(seqs)
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-        while order:
-            # Longest-first micro-batch whose padded size stays within batch_tokens.
-            batch = [order.pop()]
-            long_rope = self.rope_switch is not None and len(seqs[batch[0]]) > self.rope_switch
-            while order and len(seqs[batch[0]]) * (len(batch) + 1) <= self.batch_tokens and not (
-                    long_rope and len(seqs[order[-1]]) <= self.rope_switch):
-                batch.append(order.pop())
+        # Longest-first micro-batches whose padded size stays within batch_tokens; a longrope
+        # model's never mix the two sides of its switch length (opd.rope).
+        batches = []
+        for group in rope_groups(self.model, [len(s) for s in seqs]):
+            order = sorted(group, key=lambda i: len(seqs[i]))
+            while order:
+                batches.append([order.pop()])
+                while order and len(seqs[batches[-1][0]]) * (len(batches[-1]) + 1) <= self.batch_tokens:
+                    batches[-1].append(order.pop())
+        for batch in batches:
             width = len(seqs[batch[0]])
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
