@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from opd.cluster import StudentWorkers
-from opd.rope import rope_groups
+from opd.distill import padded_cross_entropy
 
 LossFn = Callable[[torch.nn.Module, dict], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -52,22 +51,8 @@ def token_loss_sum(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, t
     batch: input_ids int64 [B, L], labels int64 [B, L] (-100: not trained),
     optional attention_mask [B, L] (right padding).
     """
-    mask = batch.get("attention_mask")
-
-    def loss(rows=slice(None), width=None) -> torch.Tensor:
-        # width: the rows' longest sequence (positions count from 0 over the padded width)
-        logits_B_L_V = model(input_ids=batch["input_ids"][rows, :width],
-                             attention_mask=None if mask is None else mask[rows, :width]).logits[:, :-1]
-        return F.cross_entropy(logits_B_L_V.reshape(-1, logits_B_L_V.shape[-1]).float(),
-                               batch["labels"][rows, 1:width].reshape(-1), ignore_index=-100, reduction="sum")
-
-    count = (batch["labels"][:, 1:] != -100).sum()
-    groups = [list(range(len(batch["input_ids"])))] if mask is None else rope_groups(model, mask.sum(1).tolist())
-    if len(groups) == 1:
-        return loss(), count
-    # a longrope model: one pass per side of its switch length (opd.rope), padding past the
-    # group's last real column cut
-    return sum(loss(g, int(mask[g].any(0).nonzero().max()) + 1) for g in map(torch.tensor, groups)), count
+    loss_sum = padded_cross_entropy(model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), "sum")
+    return loss_sum, (batch["labels"][:, 1:] != -100).sum()
 
 
 def split_batch(batch: dict, n: int) -> list[dict]:

@@ -217,6 +217,26 @@ def select_rows(rows, index: torch.Tensor):
     return take_rows(rows, index)
 
 
+def padded_cross_entropy(model, input_B_L: torch.Tensor, labels_B_L: torch.Tensor,
+                          mask_B_L: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy of a right-padded batch over the tokens whose label is not -100:
+    their mean, or their sum (`reduction`). Shared by `opd sft` and data-parallel SFT. A longrope
+    model gets one pass per side of its switch length (opd.rope), each cut to its last real
+    column, so no sequence's loss depends on its batch."""
+    def cross_entropy(rows=slice(None), width=None, reduction=reduction) -> torch.Tensor:
+        logits = model(input_ids=input_B_L[rows, :width],
+                       attention_mask=None if mask_B_L is None else mask_B_L[rows, :width]).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                 labels_B_L[rows, 1:width].reshape(-1), ignore_index=-100,
+                                                 reduction=reduction)
+
+    groups = [[]] if mask_B_L is None else rope_groups(model, mask_B_L.sum(1).tolist())
+    if len(groups) == 1:
+        return cross_entropy()
+    total = sum(cross_entropy(g, int(mask_B_L[g].any(0).nonzero().max()) + 1, "sum") for g in map(torch.tensor, groups))
+    return total if reduction == "sum" else total / (labels_B_L[:, 1:] != -100).sum()
+
+
 def sft_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> torch.Tensor:
     """Mean cross-entropy of the reference response tokens given their prompts."""
     packed = pack(prompts, responses, pad_id)

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Literal
 
 from opd.config import ConfigError, describe, field, load_yaml, near, to_dict
-from opd.rope import rope_groups
 
 
 # ----------------------------------------------------------------------------- config
@@ -122,23 +121,10 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):
 
 
 def response_loss(model, input_B_T, labels_B_T, mask_B_T):
-    """Token-mean cross-entropy over response positions (labels != -100). A longrope model gets
-    one pass per side of its switch length (opd.rope), so no sequence's loss depends on its batch."""
-    import torch
-    import torch.nn.functional as F
+    """Token-mean cross-entropy over response positions (labels != -100)."""
+    from opd.distill import padded_cross_entropy
 
-    def cross_entropy(rows=slice(None), width=None, reduction="mean"):
-        # width: the group's longest sequence; positions count from 0 over the padded width
-        logits = model(input_ids=input_B_T[rows, :width], attention_mask=mask_B_T[rows, :width]).logits[:, :-1]
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels_B_T[rows, 1:width].reshape(-1),
-                               ignore_index=-100, reduction=reduction)
-
-    lengths = mask_B_T.sum(1).tolist()
-    groups = rope_groups(model, lengths)
-    if len(groups) == 1:
-        return cross_entropy()
-    total = sum(cross_entropy(torch.tensor(g), max(lengths[i] for i in g), "sum") for g in groups)
-    return total / (labels_B_T[:, 1:] != -100).sum()
+    return padded_cross_entropy(model, input_B_T, labels_B_T, mask_B_T)
 
 
 class MixtureSampler:
