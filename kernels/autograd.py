@@ -10,7 +10,8 @@ hidden [N, H], weight [V, H]) computed per block:
     topk_stats(src, ids, opts)                       -> lse_s [N], lse_tail [N]
     topk_grad_dense(src, ids, lse_s, lse_tail, a_tail, b_tail, w, opts) -> grads, 0 at ids
 
-grads is grad_x (x's dtype) for "logits" and (grad_hidden, grad_weight) fp32 for "linear".
+grads is grad_x (x's dtype) for "logits" and (grad_hidden, grad_weight) for "linear", each
+fp32 or already in its input's dtype.
 w [N] = upstream gradient per row / temperature, 0 on masked rows. The top-k buckets'
 own gradient (one column each) is added here as a sparse scatter.
 """

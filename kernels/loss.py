@@ -181,7 +181,8 @@ def scatter_linear_grad(coef: torch.Tensor, ids: torch.Tensor, hidden: torch.Ten
         c = coef[r0:r1]                                             # [R, k]
         grad_hidden[r0:r1] += torch.einsum("rk,rkh->rh", c, weight[ids[r0:r1]].float())
         contrib = c[:, :, None] * hidden[r0:r1].float()[:, None, :]  # [R, k, H]
-        grad_weight.index_add_(0, ids[r0:r1].reshape(-1), contrib.reshape(-1, hidden.shape[1]))
+        grad_weight.index_add_(0, ids[r0:r1].reshape(-1),
+                               contrib.reshape(-1, hidden.shape[1]).to(grad_weight.dtype))
 
 
 # ---------------------------------------------------------------------------------------

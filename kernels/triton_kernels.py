@@ -7,16 +7,20 @@ Pointer shapes (row-major; strides passed explicitly):
     bits [N, ceil(V/32)] int32: bit (c % 32) of word c // 32 is set when column c is one
        of the row's top-k teacher ids (top-k teacher only)
     per-row vectors [N] fp32: lse_s, lse_2 (teacher lse or student tail lse), c, a, b, wr
-A program owns BLOCK_N rows. A student tile s [BLOCK_N, BLOCK_V] is loaded (logits) or
-computed as hidden[rows] @ w[cols].T with tl.dot over BLOCK_H slices (FUSED) and never
-written. s and t are already divided by the temperature (x * inv_t).
+    g  [N, C] the gradient dL/ds for columns [col0, col0 + C) (all V when not FUSED)
+A program owns BLOCK_N rows and one slice of the vocabulary (grid axis 1). A student tile
+s [BLOCK_N, BLOCK_V] is loaded (logits) or computed as hidden[rows] @ w[cols].T with tl.dot
+over BLOCK_H slices (FUSED) and never written. s and t are already divided by the
+temperature (x * inv_t).
 
-    _stats_kernel  lse_s = logsumexp_i s_i; lse_2 = logsumexp_i t_i (or over s_i, i not in ids)
-                   one pass, online: m' = max(m, max_i x_i); l' = l e^(m - m') + sum_i e^(x_i - m')
-    _loss_kernel   full teacher: L = sum_i term_i(log S_i, log T_i), c = sum of the student part
-    _grad_kernel   dL/ds_i (kernels/loss.py), scaled by wr (upstream grad / T), then stored,
-                   or pushed through the linear layer: dH += g @ W[cols], dW[cols] += g^T @ h
-                   (fp32 atomics; grid is rows x vocabulary blocks)
+    _stats_kernel  per slice: lse_s = logsumexp_i s_i; lse_2 = logsumexp_i t_i (or over s_i,
+                   i not in ids); one pass, online: m' = max(m, max_i x_i);
+                   l' = l e^(m - m') + sum_i e^(x_i - m'). Slices are combined by the caller.
+    _loss_kernel   per slice: L = sum_i term_i(log S_i, log T_i), c = sum of the student part
+    _grad_kernel   dL/ds_i (kernels/loss.py), scaled by wr (upstream grad / T), stored to g.
+                   FUSED: the caller pushes g through the linear layer with two matmuls per
+                   vocabulary chunk (dH += g @ W[chunk], dW[chunk] = g^T @ h), so no [V, H]
+                   fp32 accumulator and no atomics exist.
 
 UPCAST (interpreter, fp32 inputs): operands go to fp32 before tl.dot with ieee precision
 (the interpreter computes bf16 dots wrongly; fp32 on GPU would otherwise use tf32).
@@ -90,18 +94,20 @@ def _log_mixture(log_s, log_t, log_beta, log_1mb):
 
 @triton.jit
 def _stats_kernel(x_ptr, w_ptr, t_ptr, bits_ptr, lse_s_ptr, lse_2_ptr,
-                  N, H, vocab_size, stride_x, stride_w, stride_t, n_words, inv_t,
+                  N, H, vocab_size, stride_x, stride_w, stride_t, n_words, split_cols, inv_t,
                   FUSED: tl.constexpr, TOPK: tl.constexpr, UPCAST: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    first = tl.program_id(1) * split_cols           # this program's slice of the vocabulary
+    last = tl.minimum(first + split_cols, vocab_size)
     m_s = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     l_s = tl.zeros((BLOCK_N,), tl.float32)
     m_2 = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     l_2 = tl.zeros((BLOCK_N,), tl.float32)
-    for v0 in range(0, vocab_size, BLOCK_V):
+    for v0 in range(first, last, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < vocab_size
+        col_ok = cols < last
         s = _student_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, inv_t,
                           FUSED, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
         if TOPK:   # student tail: the columns that are not among the teacher's ids
@@ -110,24 +116,28 @@ def _stats_kernel(x_ptr, w_ptr, t_ptr, bits_ptr, lse_s_ptr, lse_2_ptr,
             other = _teacher_tile(t_ptr, rows, cols, row_ok, col_ok, stride_t, inv_t)
         m_s, l_s = _lse_update(m_s, l_s, s)
         m_2, l_2 = _lse_update(m_2, l_2, other)
-    tl.store(lse_s_ptr + rows, m_s + tl.log(l_s), mask=row_ok)
-    tl.store(lse_2_ptr + rows, m_2 + tl.log(l_2), mask=row_ok)
+    out = tl.program_id(1) * N + rows                # [splits, N]
+    tl.store(lse_s_ptr + out, m_s + tl.log(l_s), mask=row_ok)
+    tl.store(lse_2_ptr + out, m_2 + tl.log(l_2), mask=row_ok)
 
 
 @triton.jit
 def _loss_kernel(x_ptr, w_ptr, t_ptr, lse_s_ptr, lse_t_ptr, loss_ptr, c_ptr,
-                 N, H, vocab_size, stride_x, stride_w, stride_t, inv_t, beta, log_beta, log_1mb,
+                 N, H, vocab_size, stride_x, stride_w, stride_t, split_cols,
+                 inv_t, beta, log_beta, log_1mb,
                  DIV: tl.constexpr, FUSED: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    first = tl.program_id(1) * split_cols
+    last = tl.minimum(first + split_cols, vocab_size)
     lse_s = tl.load(lse_s_ptr + rows, mask=row_ok, other=0.0)
     lse_t = tl.load(lse_t_ptr + rows, mask=row_ok, other=0.0)
     loss = tl.zeros((BLOCK_N,), tl.float32)
     c = tl.zeros((BLOCK_N,), tl.float32)
-    for v0 in range(0, vocab_size, BLOCK_V):
+    for v0 in range(first, last, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < vocab_size
+        col_ok = cols < last
         log_s = _student_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_w, inv_t,
                               FUSED, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H) - lse_s[:, None]
         log_t = _teacher_tile(t_ptr, rows, cols, row_ok, col_ok, stride_t, inv_t) - lse_t[:, None]
@@ -143,24 +153,24 @@ def _loss_kernel(x_ptr, w_ptr, t_ptr, lse_s_ptr, lse_t_ptr, loss_ptr, c_ptr,
             teacher_part = tl.where(T > 0, beta * T * (log_t - log_m), 0.0)
             loss += tl.sum(student_part + teacher_part, 1)
             c += tl.sum(student_part, 1)
-    tl.store(loss_ptr + rows, loss, mask=row_ok)
+    out = tl.program_id(1) * N + rows                # [splits, N]
+    tl.store(loss_ptr + out, loss, mask=row_ok)
     if DIV == REVERSE_KL:
-        tl.store(c_ptr + rows, loss, mask=row_ok)
+        tl.store(c_ptr + out, loss, mask=row_ok)
     else:
-        tl.store(c_ptr + rows, c, mask=row_ok)
+        tl.store(c_ptr + out, c, mask=row_ok)
 
 
 @triton.jit
-def _grad_kernel(x_ptr, w_ptr, t_ptr, bits_ptr, lse_s_ptr, lse_2_ptr, c_ptr, a_ptr, b_ptr, wr_ptr,
-                 gx_ptr, gh_ptr, gw_ptr,
-                 N, H, vocab_size, stride_x, stride_w, stride_t, n_words, stride_g,
+def _grad_kernel(x_ptr, w_ptr, t_ptr, bits_ptr, lse_s_ptr, lse_2_ptr, c_ptr, a_ptr, b_ptr, wr_ptr, g_ptr,
+                 N, H, vocab_size, stride_x, stride_w, stride_t, n_words, stride_g, col0, col_end,
                  inv_t, beta, log_beta, log_1mb,
                  DIV: tl.constexpr, FUSED: tl.constexpr, TOPK: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = col0 + tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
-    col_ok = cols < vocab_size
+    col_ok = cols < col_end
     wr = tl.load(wr_ptr + rows, mask=row_ok, other=0.0)
     lse_s = tl.load(lse_s_ptr + rows, mask=row_ok, other=0.0)
     lse_2 = tl.load(lse_2_ptr + rows, mask=row_ok, other=0.0)
@@ -187,23 +197,5 @@ def _grad_kernel(x_ptr, w_ptr, t_ptr, bits_ptr, lse_s_ptr, lse_2_ptr, c_ptr, a_p
             g = tl.where(S > 0, S * ((1 - beta) * (log_s - log_m) - c[:, None]), 0.0)
     keep = row_ok[:, None] & col_ok[None, :] & (wr != 0)[:, None]
     g = tl.where(keep, g * wr[:, None], 0.0)                                   # [BN, BV] fp32
-    if FUSED:
-        for h0 in range(0, H, BLOCK_H):
-            hs = h0 + tl.arange(0, BLOCK_H)
-            h_ok = hs < H
-            w_tile = tl.load(w_ptr + cols[:, None] * stride_w + hs[None, :],
-                             mask=col_ok[:, None] & h_ok[None, :], other=0.0)  # [BV, BH]
-            h_tile = tl.load(x_ptr + rows[:, None] * stride_x + hs[None, :],
-                             mask=row_ok[:, None] & h_ok[None, :], other=0.0)  # [BN, BH]
-            if UPCAST:
-                dh = tl.dot(g, w_tile.to(tl.float32), input_precision="ieee")
-                dw = tl.dot(tl.trans(g), h_tile.to(tl.float32), input_precision="ieee")
-            else:
-                g_lo = g.to(w_tile.dtype)
-                dh = tl.dot(g_lo, w_tile)
-                dw = tl.dot(tl.trans(g_lo), h_tile)
-            tl.atomic_add(gh_ptr + rows[:, None] * H + hs[None, :], dh, mask=row_ok[:, None] & h_ok[None, :])
-            tl.atomic_add(gw_ptr + cols[:, None] * H + hs[None, :], dw, mask=col_ok[:, None] & h_ok[None, :])
-    else:
-        tl.store(gx_ptr + rows[:, None] * stride_g + cols[None, :], g.to(gx_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(g_ptr + rows[:, None] * stride_g + (cols - col0)[None, :], g.to(g_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])

@@ -27,14 +27,40 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Fused tiles on a GPU: tl.dot on [BLOCK_N, BLOCK_H] x [BLOCK_H, BLOCK_V]; the loss and
+# gradient tiles hold about five [BLOCK_N, BLOCK_V] fp32 arrays, so 64 x 128 over 8 warps.
+FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3)
+GRAD_CHUNK_ELEMENTS = 1 << 26   # fused backward: [N, C] gradient chunk (128 MB in bf16)
+
+
 def _config(src, opts: DistillOptions) -> dict:
-    """Block sizes. Interpreter: tiny blocks so tests cross several blocks."""
+    """Block sizes (and launch options). Interpreter: tiny blocks so tests cross several."""
     fused = src[0] == "linear"
     if _interpreting():
         return dict(BLOCK_N=16 if fused else 2, BLOCK_V=32, BLOCK_H=16)
     if fused:
-        return dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=64)
+        return dict(FUSED_CONFIG)
     return dict(BLOCK_N=1, BLOCK_V=min(4096, triton.next_power_of_2(opts.vocab_size)), BLOCK_H=16)
+
+
+def _split(src, n_rows: int, opts: DistillOptions, cfg: dict) -> tuple[int, int]:
+    """(slices, columns per slice) of the vocabulary for the stats and loss passes.
+
+    Unfused, a program per row is parallel enough. Fused, there are only N / BLOCK_N row
+    blocks (128 at N=8192), so each also gets a slice of the vocabulary: about four
+    programs per multiprocessor. The slices' partial results are combined in PyTorch.
+    """
+    block_v = cfg["BLOCK_V"]
+    n_blocks = triton.cdiv(opts.vocab_size, block_v)
+    if src[0] != "linear":
+        return 1, n_blocks * block_v
+    if _interpreting():
+        want = 2
+    else:
+        sms = torch.cuda.get_device_properties(src[1].device).multi_processor_count
+        want = triton.cdiv(4 * sms, triton.cdiv(n_rows, cfg["BLOCK_N"]))
+    per = triton.cdiv(n_blocks, max(1, min(want, n_blocks))) * block_v
+    return triton.cdiv(opts.vocab_size, per), per
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -76,20 +102,26 @@ def _mixture_logs(opts: DistillOptions):
     return (math.log(beta) if beta > 0 else 0.0), (math.log1p(-beta) if beta < 1 else 0.0)
 
 
-def _rows_grid(n, cfg):
-    return (triton.cdiv(n, cfg["BLOCK_N"]),)
+def _grid(n, splits, cfg):
+    return (triton.cdiv(n, cfg["BLOCK_N"]), splits)
+
+
+def _lse_of_slices(lse: torch.Tensor) -> torch.Tensor:
+    """[slices, N] -> [N]; all -inf stays -inf."""
+    return lse[0] if lse.shape[0] == 1 else torch.logsumexp(lse, 0)
 
 
 def full_stats(src, t, opts: DistillOptions):
     x, w, n, h, sx, sw, upcast = _common(src, opts)
     t = _teacher(t)
     cfg = _config(src, opts)
-    lse_s = torch.empty(n, dtype=torch.float32, device=x.device)
+    splits, per = _split(src, n, opts, cfg)
+    lse_s = torch.empty(splits, n, dtype=torch.float32, device=x.device)
     lse_t = torch.empty_like(lse_s)
-    K._stats_kernel[_rows_grid(n, cfg)](
-        x, w, t, lse_s, lse_s, lse_t, n, h, opts.vocab_size, sx, sw, t.stride(0), 0,
+    K._stats_kernel[_grid(n, splits, cfg)](
+        x, w, t, lse_s, lse_s, lse_t, n, h, opts.vocab_size, sx, sw, t.stride(0), 0, per,
         1.0 / opts.temperature, FUSED=src[0] == "linear", TOPK=False, UPCAST=upcast, **cfg)
-    return lse_s, lse_t
+    return _lse_of_slices(lse_s), _lse_of_slices(lse_t)
 
 
 def full_forward(src, t, opts: DistillOptions):
@@ -101,39 +133,63 @@ def full_loss(src, t, lse_s, lse_t, opts: DistillOptions):
     x, w, n, h, sx, sw, upcast = _common(src, opts)
     t = _teacher(t)
     cfg = _config(src, opts)
-    loss = torch.empty(n, dtype=torch.float32, device=x.device)
+    splits, per = _split(src, n, opts, cfg)
+    loss = torch.empty(splits, n, dtype=torch.float32, device=x.device)
     c = torch.empty_like(loss)
     log_beta, log_1mb = _mixture_logs(opts)
-    K._loss_kernel[_rows_grid(n, cfg)](
-        x, w, t, lse_s, lse_t, loss, c, n, h, opts.vocab_size, sx, sw, t.stride(0),
+    K._loss_kernel[_grid(n, splits, cfg)](
+        x, w, t, lse_s, lse_t, loss, c, n, h, opts.vocab_size, sx, sw, t.stride(0), per,
         1.0 / opts.temperature, opts.beta, log_beta, log_1mb,
         DIV=opts.divergence, FUSED=src[0] == "linear", UPCAST=upcast, **cfg)
-    return loss, c
+    return loss.sum(0), c.sum(0)
 
 
 def _grad(src, t, bits, lse_s, lse_2, c, a, b, wr, opts: DistillOptions, topk: bool):
     x, w, n, h, sx, sw, upcast = _common(src, opts)
     cfg = _config(src, opts)
-    fused = src[0] == "linear"
-    if fused:
-        gx = lse_s    # unused
-        gh = torch.zeros(n, h, dtype=torch.float32, device=x.device)
-        gw = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
-        sg = 0
-    else:
-        gx = torch.zeros(x.shape, dtype=x.dtype, device=x.device)   # padding columns keep 0
-        gh = gw = lse_s
-        sg = gx.stride(0)
     log_beta, log_1mb = _mixture_logs(opts)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(opts.vocab_size, cfg["BLOCK_V"]))
-    K._grad_kernel[grid](
-        x, w, t, bits, lse_s, lse_2, c, a, b, wr.contiguous(), gx, gh, gw,
-        n, h, opts.vocab_size, sx, sw, t.stride(0), bits.shape[-1] if topk else 0, sg,
-        1.0 / opts.temperature, opts.beta, log_beta, log_1mb,
-        DIV=opts.divergence, FUSED=fused, TOPK=topk, UPCAST=upcast, **cfg)
-    if fused:
-        return gh, gw
-    return gx
+    wr = wr.contiguous()
+
+    def launch(g, col0, col1):   # g[:, j] = dL/ds for column col0 + j, col0 <= col < col1
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(col1 - col0, cfg["BLOCK_V"]))
+        K._grad_kernel[grid](
+            x, w, t, bits, lse_s, lse_2, c, a, b, wr, g,
+            n, h, opts.vocab_size, sx, sw, t.stride(0), bits.shape[-1] if topk else 0, g.stride(0),
+            col0, col1, 1.0 / opts.temperature, opts.beta, log_beta, log_1mb,
+            DIV=opts.divergence, FUSED=src[0] == "linear", TOPK=topk, UPCAST=upcast, **cfg)
+
+    if src[0] == "logits":
+        gx = torch.zeros(x.shape, dtype=x.dtype, device=x.device)   # padding columns keep 0
+        launch(gx, 0, opts.vocab_size)
+        return gx
+    # Fused: the gradient of one vocabulary chunk at a time, pushed through the linear layer
+    # by two matmuls. dW[chunk] is complete after one matmul over all N rows, so it is written
+    # once in W's dtype (fp32 accumulation inside the matmul); dH accumulates in fp32.
+    vocab = opts.vocab_size
+    chunk = 2 * cfg["BLOCK_V"] if _interpreting() else \
+        max(cfg["BLOCK_V"], GRAD_CHUNK_ELEMENTS // max(n, 1) // cfg["BLOCK_V"] * cfg["BLOCK_V"])
+    chunk = min(chunk, triton.cdiv(vocab, cfg["BLOCK_V"]) * cfg["BLOCK_V"])
+    g_dtype = torch.float32 if upcast else x.dtype
+    gh = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    gw = torch.empty(w.shape, dtype=w.dtype, device=x.device)
+    gw[vocab:].zero_()                                               # padding rows
+    g_buf = torch.empty(n, chunk, dtype=g_dtype, device=x.device)
+    for c0 in range(0, vocab, chunk):
+        c1 = min(c0 + chunk, vocab)
+        g = g_buf[:, :c1 - c0]
+        launch(g, c0, c1)
+        _push_through_linear(g, x, w[c0:c1], gh, gw[c0:c1])
+    return gh, gw
+
+
+def _push_through_linear(g, hidden, w_chunk, gh, gw_chunk) -> None:
+    """gh += g @ w_chunk (fp32); gw_chunk = g^T @ hidden, rounded once to its dtype."""
+    if g.dtype == torch.float32:   # fp32 inputs, or the interpreter
+        gh.addmm_(g, w_chunk.float())
+        gw_chunk.copy_(g.T @ hidden.float())
+    else:                          # bf16/fp16 on CUDA: tensor cores, fp32 accumulation
+        torch.addmm(gh, g, w_chunk, out_dtype=torch.float32, out=gh)
+        torch.mm(g.T, hidden, out=gw_chunk)
 
 
 def full_grad(src, t, lse_s, lse_t, loss, c, wr, opts: DistillOptions):
@@ -145,12 +201,13 @@ def topk_stats(src, ids, opts: DistillOptions):
     x, w, n, h, sx, sw, upcast = _common(src, opts)
     cfg = _config(src, opts)
     bits = topk_bits(ids, opts.vocab_size)
-    lse_s = torch.empty(n, dtype=torch.float32, device=x.device)
+    splits, per = _split(src, n, opts, cfg)
+    lse_s = torch.empty(splits, n, dtype=torch.float32, device=x.device)
     lse_tail = torch.empty_like(lse_s)
-    K._stats_kernel[_rows_grid(n, cfg)](
-        x, w, x, bits, lse_s, lse_tail, n, h, opts.vocab_size, sx, sw, 0, bits.shape[1],
+    K._stats_kernel[_grid(n, splits, cfg)](
+        x, w, x, bits, lse_s, lse_tail, n, h, opts.vocab_size, sx, sw, 0, bits.shape[1], per,
         1.0 / opts.temperature, FUSED=src[0] == "linear", TOPK=True, UPCAST=upcast, **cfg)
-    return lse_s, lse_tail
+    return _lse_of_slices(lse_s), _lse_of_slices(lse_tail)
 
 
 def topk_grad_dense(src, ids, lse_s, lse_tail, a_tail, b_tail, wr, opts: DistillOptions):

@@ -30,6 +30,8 @@ CASES = {
     "kl_topk": (False, "topk", 0.0, 2048, 152064, 0),
     "fused_kl_full": (True, "full", 0.0, 2048, 152064, 1024),
     "fused_kl_topk": (True, "topk", 0.0, 2048, 152064, 1024),
+    # issue 4's GPU target: a Llama-3-8B head (V=128,256, H=4096) over 8192 rows, JSD as Liger
+    "fused_jsd_llama": (True, "full", 0.5, 8192, 128256, 4096),
 }
 QUICK = dict(N=64, V=4096, H=64)
 LIGER_ON_CPU = "not run: Liger's Triton kernels need a GPU (on CPU, --quick runs them in Triton's interpreter)"
@@ -54,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--device", default="auto", help="cpu | cuda | auto")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per (case, provider)")
+    parser.add_argument("--fused-blocks", default=None, metavar="BN,BV,BH,WARPS,STAGES",
+                        help="CUDA only: launch config of the fused Triton kernels for this run "
+                             "instead of opd.kernels.triton_ops.FUSED_CONFIG")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
 
 
@@ -83,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
             if provider == "liger" and not _liger_available():
                 continue
             spec = dict(_spec(case, args.quick), provider=provider, dtype=args.dtype,
-                        repeats=args.repeats, device=device, warmup=args.quick)
+                        repeats=args.repeats, device=device, warmup=args.quick or device == "cuda",
+                        fused_blocks=args.fused_blocks)
             if provider == "liger" and device == "cpu" and not args.quick:
                 rows.append(_row(spec, error=LIGER_ON_CPU))
             elif provider == "plain" and (spec["fused"] or spec["teacher"] != "full"):
@@ -122,17 +128,18 @@ def _row(spec: dict, peak: int | None = None, times: list[float] | None = None, 
             "teacher": spec["teacher"], "fused": spec["fused"], "N": spec["N"], "V": spec["V"],
             "H": spec["H"], "dtype": spec["dtype"], "device": spec["device"],
             "peak_extra_bytes": peak, "median_ms": statistics.median(times) * 1e3 if times else None,
-            "runs": len(times or []), "error": error}
+            "runs": len(times or []), "fused_blocks": spec.get("fused_blocks"), "error": error}
 
 
 def _print_row(row: dict, header: bool) -> None:
     if header:
-        print(f"{'case':<15}{'impl':<11}{'div':<12}{'N':>6}{'V':>8}{'H':>6} {'dtype':<9}"
+        print(f"{'case':<17}{'impl':<11}{'div':<12}{'N':>6}{'V':>8}{'H':>6} {'dtype':<9}"
               f"{'peak extra MB':>14}{'median ms':>11}")
     peak = "-" if row["peak_extra_bytes"] is None else f"{row['peak_extra_bytes'] / 2**20:.0f}"
     ms = "-" if row["median_ms"] is None else f"{row['median_ms']:.0f}"
-    print(f"{row['case']:<15}{row['impl']:<11}{row['divergence']:<12}{row['N']:>6}{row['V']:>8}"
-          f"{row['H']:>6} {row['dtype']:<9}{peak:>14}{ms:>11}" + (f"  {row['error']}" if row["error"] else ""),
+    print(f"{row['case']:<17}{row['impl']:<11}{row['divergence']:<12}{row['N']:>6}{row['V']:>8}"
+          f"{row['H']:>6} {row['dtype']:<9}{peak:>14}{ms:>11}" + (f"  {row['error']}" if row["error"] else "")
+          + (f"  blocks {row['fused_blocks']}" if row.get("fused_blocks") else ""),
           flush=True)
 
 
@@ -260,6 +267,10 @@ def _liger_step(spec, inputs, leaves, torch):
 def _worker(spec: dict) -> dict:
     import torch
     device = torch.device(spec["device"])
+    if spec.get("fused_blocks") and spec["provider"] == "opd" and device.type == "cuda":
+        from opd.kernels import triton_ops
+        bn, bv, bh, warps, stages = (int(v) for v in spec["fused_blocks"].split(","))
+        triton_ops.FUSED_CONFIG = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, num_warps=warps, num_stages=stages)
     inputs = _inputs(spec, torch, device)
     step, leaves = _step_fn(spec, inputs, torch)
     cuda = device.type == "cuda"
@@ -272,7 +283,7 @@ def _worker(spec: dict) -> dict:
         if not _reset_peak():
             base = _rss_bytes("VmHWM")
     times = []
-    if spec.get("warmup"):   # quick shapes: first-call overheads would dominate
+    if spec.get("warmup"):   # quick shapes, or CUDA (Triton compiles on the first call)
         step()
     for _ in range(max(1, spec["repeats"])):
         for t in leaves:

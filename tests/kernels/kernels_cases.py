@@ -70,23 +70,29 @@ def _topk(teacher: torch.Tensor, vocab: int, k: int, temperature: float) -> TopK
     return TopKTeacher(ids, vals.float(), tail.float())
 
 
-def _run(case: Case, impl: str, dtype: torch.dtype, hidden, weight, student, teacher, mask, vocab):
+def _run(case: Case, impl: str, dtype: torch.dtype, hidden, weight, student, teacher, mask, vocab,
+         device: str = "cpu"):
+    """Loss and gradients of `impl`, computed on `device`, returned in fp64 on the CPU."""
+    def put(t):
+        return None if t is None else t.detach().to(device=device, dtype=dtype).clone()
+
+    mask = None if mask is None else mask.to(device)
     opts = dict(beta=case.beta, temperature=case.temperature, scale_by_t2=case.scale_by_t2,
                 mask=mask, reduction=case.reduction, vocab_size=vocab, impl=impl)
     if case.teacher == "topk":
-        teacher_arg = _topk(teacher, vocab, case.k, case.temperature)
+        top = _topk(teacher, vocab, case.k, case.temperature)
+        teacher_arg = TopKTeacher(*(t.to(device) for t in top))
     else:
-        teacher_arg = teacher.to(dtype)
+        teacher_arg = put(teacher)
     if case.fused:
-        h = hidden.detach().to(dtype).clone().requires_grad_()
-        w = weight.detach().to(dtype).clone().requires_grad_()
+        h, w = put(hidden).requires_grad_(), put(weight).requires_grad_()
         loss = fused_linear_distill_loss(h, w, teacher_arg, **opts)
         loss.sum().backward()
-        return loss.detach().double(), [h.grad.double(), w.grad.double()]
-    x = student.detach().to(dtype).clone().requires_grad_()
+        return loss.detach().cpu().double(), [h.grad.cpu().double(), w.grad.cpu().double()]
+    x = put(student).requires_grad_()
     loss = distill_loss(x, teacher_arg, **opts)
     loss.sum().backward()
-    return loss.detach().double(), [x.grad.double()]
+    return loss.detach().cpu().double(), [x.grad.cpu().double()]
 
 
 def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -94,17 +100,18 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float(((a - ref).abs().max() / scale).item())
 
 
-def check(case: Case) -> dict:
-    """Errors of case.impl and the tolerance they must meet; 'ok' says whether they do."""
+def check(case: Case, device: str = "cpu") -> dict:
+    """Errors of case.impl (run on `device`) against the fp64 reference on the CPU, and the
+    tolerance they must meet; 'ok' says whether they do."""
     data = _inputs(case)
     dtype = getattr(torch, case.dtype)
     truth_loss, truth_grads = _run(case, "reference", torch.float64, *data)
-    loss, grads = _run(case, case.impl, dtype, *data)
+    loss, grads = _run(case, case.impl, dtype, *data, device=device)
     errors = [_rel_err(loss, truth_loss)] + [_rel_err(g, t) for g, t in zip(grads, truth_grads)]
     if dtype == torch.float32:
         tols = [RTOL_FP32] * len(errors)
     else:   # PyTorch's own error in this dtype, plus eps
-        ref_loss, ref_grads = _run(case, "reference", dtype, *data)
+        ref_loss, ref_grads = _run(case, "reference", dtype, *data, device=device)
         tols = [_rel_err(ref_loss, truth_loss) + BF16_EPS] + \
                [_rel_err(g, t) + BF16_EPS for g, t in zip(ref_grads, truth_grads)]
     finite = bool(torch.isfinite(loss).all()) and all(bool(torch.isfinite(g).all()) for g in grads)
@@ -129,6 +136,16 @@ TRITON_CASES = [
     *[Case(impl="triton", teacher=t, beta=b, temperature=2.0, fused=True, N=20)
       for t in ("full", "topk") for b in (0.0, 0.5, 1.0)],
     Case(impl="triton", teacher="topk", beta=0.5, fused=True, dtype="bfloat16", N=20),
+]
+
+# On a GPU (test_kernels_cuda.py): the same cases, then shapes that cross the real launch
+# configs' blocks (triton_ops._config: BLOCK_V 4096 unfused; 64 x 64 x 64 fused), none a
+# multiple of its block.
+CUDA_CASES = TRITON_CASES + [
+    *[Case(impl="triton", teacher=t, beta=b, dtype=d, N=33, V=10007, k=64)
+      for t in ("full", "topk") for b in (0.0, 0.5, 1.0) for d in ("float32", "bfloat16")],
+    *[Case(impl="triton", teacher=t, beta=b, dtype=d, fused=True, N=130, V=1000, H=200, k=64)
+      for t in ("full", "topk") for b in (0.0, 0.5, 1.0) for d in ("float32", "bfloat16")],
 ]
 
 

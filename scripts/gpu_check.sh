@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU checks of the kernels (issue 4), in one go, on a CUDA machine that has torch and
+# triton but not this project's venv: run from the repository root, `bash scripts/gpu_check.sh`.
+#   1. the Triton kernels compiled for the GPU vs the fp64 reference (tests/kernels/test_kernels_cuda.py)
+#   2. `opd bench kernels` on CUDA in bf16, this project beside Liger-Kernel when importable
+#      (wheels in .whl/ are installed to /tmp/site first: the box may have no network)
+#   3. the fused case at Llama-3-8B's head over a few launch configs, and one cuBLAS matmul of
+#      the same shape as the floor
+# Logs and JSON go to $OUT (default runs/gpu).
+set -u
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/machine.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
+python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" 2>&1 | tail -1 | tee -a "$OUT/machine.txt"
+
+echo "== 1. Triton kernels on CUDA vs the reference"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_cuda.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
+
+echo "== 2. opd bench kernels, CUDA, bf16"
+timeout 300 python3 -m opd.bench.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 60 \
+    --cases fused_jsd_llama kl_full jsd_full kl_topk fused_kl_full fused_kl_topk \
+    --json "$OUT/kernels_bf16.json" 2>&1 | tee "$OUT/kernels_bf16.txt"
+
+echo "== 3. fused_jsd_llama: launch configs (BN,BV,BH,warps,stages) and the matmul floor"
+for cfg in 64,128,64,4,3 128,128,64,8,3 64,256,64,8,3 128,64,64,4,4; do
+    timeout 100 python3 -m opd.bench.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 90 \
+        --cases fused_jsd_llama --providers opd --fused-blocks $cfg --json "$OUT/sweep_$cfg.json" 2>&1 | tail -1
+done | tee "$OUT/sweep.txt"
+timeout 60 python3 - <<'EOF' 2>&1 | tee "$OUT/matmul.txt"
+import torch, triton.testing as tt
+n, h, v = 8192, 4096, 128256
+a = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+ms = tt.do_bench(lambda: a @ b.T, warmup=50, rep=300, return_mode="median")
+print(f"cuBLAS bf16 [{n}x{h}] @ [{h}x{v}]: {ms:.2f} ms, {2 * n * h * v / ms / 1e9:.0f} TFLOP/s")
+EOF
