@@ -31,8 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FORWARD_KL: tl.constexpr = 0
-REVERSE_KL: tl.constexpr = 1
+FORWARD_KL = tl.constexpr(0)
+REVERSE_KL = tl.constexpr(1)
 
 
 @triton.jit
@@ -46,12 +46,12 @@ def _student_tile(x_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_x, stride_
             h_ok = hs < H
             a = tl.load(x_ptr + rows[:, None] * stride_x + hs[None, :],
                         mask=row_ok[:, None] & h_ok[None, :], other=0.0)          # [BN, BH]
-            b = tl.load(w_ptr + cols[None, :] * stride_w + hs[:, None],
-                        mask=col_ok[None, :] & h_ok[:, None], other=0.0)          # [BH, BV]
+            b = tl.load(w_ptr + cols[:, None] * stride_w + hs[None, :],
+                        mask=col_ok[:, None] & h_ok[None, :], other=0.0)          # [BV, BH]
             if UPCAST:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
             else:
-                acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, tl.trans(b), acc)
         s = acc * inv_t
     else:
         s = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],

@@ -27,9 +27,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# Fused tiles on a GPU: tl.dot on [BLOCK_N, BLOCK_H] x [BLOCK_H, BLOCK_V]; the loss and
-# gradient tiles hold about five [BLOCK_N, BLOCK_V] fp32 arrays, so 64 x 128 over 8 warps.
-FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3)
+# Fused tiles on a GPU: tl.dot on [BLOCK_N, BLOCK_H] x [BLOCK_H, BLOCK_V]. ptxas (sm_90a,
+# Triton 3.6) spills registers in the stats and loss kernels at 64 x 128 and above, or with
+# 4 warps; 64 x 64 x 64 over 8 warps is the largest tile that spilled in none of the three.
+FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=64, num_warps=8, num_stages=3)
 GRAD_CHUNK_ELEMENTS = 1 << 26   # fused backward: [N, C] gradient chunk (128 MB in bf16)
 
 
