@@ -163,7 +163,7 @@ def _loss_kernel(x_ptr, w_ptr, t_ptr, lse_s_ptr, lse_t_ptr, loss_ptr, c_ptr,
 
 @triton.jit
 def _grad_kernel(x_ptr, w_ptr, t_ptr, bits_ptr, lse_s_ptr, lse_2_ptr, c_ptr, a_ptr, b_ptr, wr_ptr, g_ptr,
-                 N, H, vocab_size, stride_x, stride_w, stride_t, n_words, stride_g, col0, col_end,
+                 N, H, stride_x, stride_w, stride_t, n_words, stride_g, col0, col_end,
                  inv_t, beta, log_beta, log_1mb,
                  DIV: tl.constexpr, FUSED: tl.constexpr, TOPK: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):

@@ -157,7 +157,7 @@ def _grad(src, t, bits, lse_s, lse_2, c, a, b, wr, opts: DistillOptions, topk: b
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(col1 - col0, cfg["BLOCK_V"]))
         K._grad_kernel[grid](
             x, w, t, bits, lse_s, lse_2, c, a, b, wr, g,
-            n, h, opts.vocab_size, sx, sw, t.stride(0), bits.shape[-1] if topk else 0, g.stride(0),
+            n, h, sx, sw, t.stride(0), bits.shape[-1] if topk else 0, g.stride(0),
             col0, col1, 1.0 / opts.temperature, opts.beta, log_beta, log_1mb,
             DIV=opts.divergence, FUSED=src[0] == "linear", TOPK=topk, UPCAST=upcast, **cfg)
 

@@ -139,8 +139,9 @@ TRITON_CASES = [
 ]
 
 # On a GPU (test_kernels_cuda.py): the same cases, then shapes that cross the real launch
-# configs' blocks (triton_ops._config: BLOCK_V 4096 unfused; 64 x 64 x 64 fused), none a
-# multiple of its block.
+# configs' blocks (triton_ops._config: BLOCK_V 4096 unfused; FUSED_CONFIG's 64 x 128 x 64
+# fused), none a multiple of its block. The fused backward's gradient chunks (2^26 elements)
+# hold all of V at these sizes; the interpreter's cases cross several chunks.
 CUDA_CASES = TRITON_CASES + [
     *[Case(impl="triton", teacher=t, beta=b, dtype=d, N=33, V=10007, k=64)
       for t in ("full", "topk") for b in (0.0, 0.5, 1.0) for d in ("float32", "bfloat16")],
