@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             spec = dict(_spec(case, args.quick), provider=provider, dtype=args.dtype,
                         repeats=args.repeats, device=device, warmup=args.quick or device == "cuda",
-                        fused_blocks=args.fused_blocks)
+                        fused_blocks=args.fused_blocks if provider == "opd" else None)
             if provider == "liger" and device == "cpu" and not args.quick:
                 rows.append(_row(spec, error=LIGER_ON_CPU))
             elif provider == "plain" and (spec["fused"] or spec["teacher"] != "full"):
@@ -267,7 +267,7 @@ def _liger_step(spec, inputs, leaves, torch):
 def _worker(spec: dict) -> dict:
     import torch
     device = torch.device(spec["device"])
-    if spec.get("fused_blocks") and spec["provider"] == "opd" and device.type == "cuda":
+    if spec.get("fused_blocks") and device.type == "cuda":   # only opd rows carry it
         from opd.kernels import triton_ops
         bn, bv, bh, warps, stages = (int(v) for v in spec["fused_blocks"].split(","))
         triton_ops.FUSED_CONFIG = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, num_warps=warps, num_stages=stages)
