@@ -295,8 +295,8 @@ def fused_linear_distill_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor
 
     hidden [N, H], lm_head_weight [V, H] (no bias: LM heads have none). Student logits are
     computed block by block and never written to memory; gradients flow to both hidden and
-    weight. Memory beyond the inputs: the weight gradient (fp32 accumulation, [V, H]), the
-    hidden gradient, and O(N * chunk) state. Same options and semantics as `distill_loss`.
+    weight. Memory beyond the inputs: the weight gradient ([V, H]: an fp32 accumulator in the
+    chunked PyTorch path, W's dtype in Triton), the hidden gradient, and O(N * chunk) state. Same options and semantics as `distill_loss`.
     """
     n_rows = hidden.shape[0]
     n_cols = lm_head_weight.shape[0]

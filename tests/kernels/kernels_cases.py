@@ -136,18 +136,21 @@ TRITON_CASES = [
     *[Case(impl="triton", teacher=t, beta=b, temperature=2.0, fused=True, N=20)
       for t in ("full", "topk") for b in (0.0, 0.5, 1.0)],
     Case(impl="triton", teacher="topk", beta=0.5, fused=True, dtype="bfloat16", N=20),
+    # the case that failed on the H200 (fp32 gradient 2.1e-5, here 4.1e-5, before lse_s came
+    # from the buckets; see autograd.py); 13 s in the interpreter
+    Case(impl="triton", teacher="topk", beta=1.0, fused=True, N=130, V=1000, H=200, k=64),
 ]
 
 # On a GPU (test_kernels_cuda.py): the same cases, then shapes that cross the real launch
 # configs' blocks (triton_ops._config: BLOCK_V 4096 unfused; FUSED_CONFIG's 64 x 128 x 64
 # fused), none a multiple of its block. The fused backward's gradient chunks (2^26 elements)
 # hold all of V at these sizes; the interpreter's cases cross several chunks.
-CUDA_CASES = TRITON_CASES + [
+CUDA_CASES = TRITON_CASES + [case for case in (
     *[Case(impl="triton", teacher=t, beta=b, dtype=d, N=33, V=10007, k=64)
       for t in ("full", "topk") for b in (0.0, 0.5, 1.0) for d in ("float32", "bfloat16")],
     *[Case(impl="triton", teacher=t, beta=b, dtype=d, fused=True, N=130, V=1000, H=200, k=64)
       for t in ("full", "topk") for b in (0.0, 0.5, 1.0) for d in ("float32", "bfloat16")],
-]
+) if case not in TRITON_CASES]
 
 
 
