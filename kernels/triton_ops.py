@@ -189,7 +189,10 @@ def _push_through_linear(g, hidden, w_chunk, gh, gw_chunk) -> None:
     """gh += g @ w_chunk (fp32); gw_chunk = g^T @ hidden, rounded once to its dtype."""
     if g.dtype == torch.float32:   # fp32 inputs, or the interpreter
         gh.addmm_(g, w_chunk.float())
-        gw_chunk.copy_(g.T @ hidden.float())
+        if gw_chunk.dtype == hidden.dtype == torch.float32:
+            torch.mm(g.T, hidden, out=gw_chunk)           # in place: no [chunk, H] temporary
+        else:                                             # the interpreter's fp32 g, bf16 weights
+            gw_chunk.copy_(g.T @ hidden.float())
     else:                          # bf16/fp16 on CUDA: tensor cores, fp32 accumulation
         torch.addmm(gh, g, w_chunk, out_dtype=torch.float32, out=gh)
         torch.mm(g.T, hidden, out=gw_chunk)

@@ -136,7 +136,7 @@ def _print_row(row: dict, header: bool) -> None:
         print(f"{'case':<17}{'impl':<11}{'div':<12}{'N':>6}{'V':>8}{'H':>6} {'dtype':<9}"
               f"{'peak extra MB':>14}{'median ms':>11}")
     peak = "-" if row["peak_extra_bytes"] is None else f"{row['peak_extra_bytes'] / 2**20:.0f}"
-    ms = "-" if row["median_ms"] is None else f"{row['median_ms']:.0f}"
+    ms = "-" if row["median_ms"] is None else f"{row['median_ms']:.1f}"  # GPU rows are a few ms
     print(f"{row['case']:<17}{row['impl']:<11}{row['divergence']:<12}{row['N']:>6}{row['V']:>8}"
           f"{row['H']:>6} {row['dtype']:<9}{peak:>14}{ms:>11}" + (f"  {row['error']}" if row["error"] else "")
           + (f"  blocks {row['fused_blocks']}" if row.get("fused_blocks") else ""),
