@@ -297,9 +297,10 @@ def _vocab_limits(specs: dict, welcome, student_path: str) -> tuple[dict[str, in
     """{teacher: vocab_limit} for teachers whose LM head has more rows than the student's (one
     tokenizer, heads padded to other sizes: Qwen2.5's 0.5-3B have 151,936 rows, 7B and up
     152,064). Such a teacher is asked for its distribution over the student's rows (protocol
-    2.2): a top-k answer naming a padding row stopped the run, and full answers were cut and
-    renormalised only in the unfused path. A teacher that cannot (vLLM, a server before 2.2)
-    is said in the card: its top-k answers still name the rows the student has, almost always."""
+    2.2; vLLM servers from 2.3): a top-k answer naming a padding row stopped the run, and full
+    answers were cut and renormalised only in the unfused path. A teacher that cannot (a vLLM
+    server before 2.3, any server before 2.2) is said in the card: its top-k answers still name
+    the rows the student has, almost always."""
     try:
         from transformers import AutoConfig
 
@@ -311,7 +312,7 @@ def _vocab_limits(specs: dict, welcome, student_path: str) -> tuple[dict[str, in
         w = welcome(name)
         if not rows or w.vocab_size <= rows:
             continue
-        if tuple(w.version) >= (2, 2) and w.backend != "vllm":
+        if tuple(w.version) >= ((2, 2) if w.backend != "vllm" else (2, 3)):
             limits[name] = rows
             notes.append(f"teacher {name!r} has {w.vocab_size} LM-head rows, the student {rows}: it scores over "
                          f"the first {rows} (the rest are padding)")

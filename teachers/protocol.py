@@ -47,10 +47,12 @@ import msgspec
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = (2, 2)  # major mismatch is refused at HELLO; minor is informational
+PROTOCOL_VERSION = (2, 3)  # major mismatch is refused at HELLO; minor is informational
 # 2.0: TOPK carries the DONE statistics itself (one message less per top-k request, +20 %
 # positions/s at top-64 in `opd bench transport`); a 1.x client would wait for a DONE.
 # 2.1: WELCOME says max_positions (a 2.0 server's decodes as 0: not said).
+# 2.2: SCORE.vocab_limit, the distribution over the first columns (a 2.1 server ignores it).
+# 2.3: vLLM servers answer vocab_limit too (a 2.2 one refused it as UNSUPPORTED).
 
 # Bounds checked before any allocation.
 MAX_HEADER_BYTES = 1 << 20        # 1 MiB of msgpack header

@@ -16,6 +16,15 @@ detokenizing k strings per position; `detokenize=False` skips it, and
 of `Logprob` objects per position, which this backend reshapes into [rows, k + 1]
 arrays without touching single entries. Measured figures: docs/vllm.md.
 
+A student whose LM head has fewer padding rows than the teacher's (Qwen2.5: 151,936 rows at
+0.5-3B, 152,064 from 7B up, one tokenizer) asks for the distribution over its first rows
+(`vocab_limit`, protocol 2.2). vLLM's `LogitsProcessor` cuts the logits to its
+`org_vocab_size` columns before anything reads them, prompt log-probabilities included; the
+`HeadRows` extension below sets that number in the worker, so the answer is the softmax over
+the first `vocab_limit` columns, as the hf backend computes it (protocol 2.3: before, this
+backend refused such requests). The setting is the engine's, so a batch is scored one limit
+at a time.
+
 What it cannot answer exactly (reported as UNSUPPORTED by `unsupported`, never
 approximated): full-vocabulary mode, temperature != 1 (vLLM does not apply the sampling
 temperature to prompt log-probabilities, and log_softmax(z / T) cannot be recovered from
@@ -38,6 +47,20 @@ from opd.teachers.backend import (FullChunkAnswer, ScoreRequest, TeacherBackend,
                                   tail_logmass_from_topk)
 
 HF_BACKEND_HINT = "use a teacher started with `opd serve-teacher --backend hf`, which answers it exactly"
+
+
+class HeadRows:
+    """Mixed into vLLM's worker (`LLM(worker_extension_cls=...)`); the backend calls it with
+    `llm.collective_rpc("keep_head_rows", args=(rows,))`."""
+
+    def keep_head_rows(self, rows: int) -> bool:
+        """Keep the first `rows` columns of the logits (vLLM's `LogitsProcessor.org_vocab_size`,
+        which slices them before sampling and log-probs). False: this model has no such step."""
+        processor = getattr(self.model_runner.model, "logits_processor", None)
+        if processor is None or not isinstance(getattr(processor, "org_vocab_size", None), int):
+            return False
+        processor.org_vocab_size = int(rows)
+        return True
 
 
 class VLLMBackend(TeacherBackend):
@@ -68,10 +91,16 @@ class VLLMBackend(TeacherBackend):
         self.vocab_size = int(cfg["vocab_size"])
         self.max_k = min(max_k, self.vocab_size)
         kwargs = dict(model=str(model_dir), dtype=dtype, max_model_len=model_len,
-                      max_logprobs=self.max_k, enforce_eager=True, logprobs_mode="raw_logprobs")
+                      max_logprobs=self.max_k, enforce_eager=True, logprobs_mode="raw_logprobs",
+                      worker_extension_cls=f"{__name__}.HeadRows")
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self.model_fingerprint = model_fingerprint(model_dir)
+        # Whether vocab_limit can be served: every worker found the step that cuts the logits
+        # (not asked when the caller put in a worker extension of its own).
+        self._head_rows = self.vocab_size
+        self.limits_vocab = (kwargs["worker_extension_cls"] == f"{__name__}.HeadRows"
+                             and all(self.llm.collective_rpc("keep_head_rows", args=(self.vocab_size,))))
 
     def unsupported(self, req: ScoreRequest) -> str | None:
         if req.mode != "topk":
@@ -80,9 +109,10 @@ class VLLMBackend(TeacherBackend):
             return ("the vLLM backend answers at temperature 1 only (vLLM does not apply "
                     f"temperature to prompt log-probabilities); for temperature {req.temperature} "
                     f"{HF_BACKEND_HINT}")
-        if 0 < req.vocab_limit < self.vocab_size:
-            return (f"the vLLM backend scores over its whole vocabulary ({self.vocab_size} rows), not the first "
-                    f"{req.vocab_limit}; {HF_BACKEND_HINT}")
+        if 0 < req.vocab_limit < self.vocab_size and not self.limits_vocab:
+            return (f"this vLLM engine cannot cut its logits to the first {req.vocab_limit} of its "
+                    f"{self.vocab_size} columns (its model has no vLLM LogitsProcessor, or another "
+                    f"worker_extension_cls was given); {HF_BACKEND_HINT}")
         return None
 
     def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
@@ -93,22 +123,30 @@ class VLLMBackend(TeacherBackend):
             reason = self.unsupported(req)
             if reason:
                 raise ValueError(reason)
-        prompts, params, owner = [], [], []
-        for r, req in enumerate(reqs):
-            sp = SamplingParams(max_tokens=1, prompt_logprobs=req.k, detokenize=False, flat_logprobs=True)
-            for b in range(req.num_sequences):
-                prompts.append(TokensPrompt(prompt_token_ids=req.sequence(b).tolist()))
-                params.append(sp)
-                owner.append((r, b))
-        outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in reqs]
-        for (r, b), out in zip(owner, outs):
-            ids, lps = _prompt_logprob_arrays(out.prompt_logprobs, len(out.prompt_token_ids), reqs[r].k)
-            s = reqs[r].response_starts[b]
-            parts[r].append((ids[s - 1:], lps[s - 1:]))  # array row p - 1 is position p
-        return [self._answer(req, p) for req, p in zip(reqs, parts)]
+        rows_of = [req.vocab_limit or self.vocab_size for req in reqs]
+        # The current head rows first: a run's requests all ask for one limit, so it rarely changes.
+        for rows in sorted(set(rows_of), key=lambda n: n != self._head_rows):
+            if rows != self._head_rows:
+                self.llm.collective_rpc("keep_head_rows", args=(rows,))
+                self._head_rows = rows
+            prompts, params, owner = [], [], []
+            for r, req in enumerate(reqs):
+                if rows_of[r] != rows:
+                    continue
+                sp = SamplingParams(max_tokens=1, prompt_logprobs=req.k, detokenize=False, flat_logprobs=True)
+                for b in range(req.num_sequences):
+                    prompts.append(TokensPrompt(prompt_token_ids=req.sequence(b).tolist()))
+                    params.append(sp)
+                    owner.append((r, b))
+            outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+            for (r, b), out in zip(owner, outs):
+                ids, lps = _prompt_logprob_arrays(out.prompt_logprobs, len(out.prompt_token_ids), reqs[r].k)
+                s = reqs[r].response_starts[b]
+                parts[r].append((ids[s - 1:], lps[s - 1:]))  # array row p - 1 is position p
+        return [self._answer(req, p, rows) for req, p, rows in zip(reqs, parts, rows_of)]
 
-    def _answer(self, req: ScoreRequest, parts: list[tuple[np.ndarray, np.ndarray]]) -> TopKAnswer:
+    def _answer(self, req: ScoreRequest, parts: list[tuple[np.ndarray, np.ndarray]], rows: int) -> TopKAnswer:
         k = req.k
         ids = torch.from_numpy(np.concatenate([p[0] for p in parts])) if parts else torch.zeros(0, k + 1, dtype=torch.int64)
         lps = torch.from_numpy(np.concatenate([p[1] for p in parts])) if parts else torch.zeros(0, k + 1)
@@ -116,7 +154,7 @@ class VLLMBackend(TeacherBackend):
         return TopKAnswer(
             ids=ids[:, 1:].int().contiguous(),
             logprobs=top_lp.contiguous(),
-            tail_logmass=tail_logmass_from_topk(top_lp, self.vocab_size),
+            tail_logmass=tail_logmass_from_topk(top_lp, rows),
             token_logprob=lps[:, 0].float().contiguous(),
             lse=torch.full((len(lps),), float("nan")),   # vLLM does not expose it
         )

@@ -142,3 +142,19 @@ def test_a_stream_that_would_overflow_the_teachers_budget_waits_for_the_open_one
     assert second.logits[torch.tensor([9])].tolist() == [[18.0, 19.0]] and client.sent == [2, 1]
     TeacherSet.finish({"t": second})
     assert ts._open_tokens["t"] == 0 and second.latency_s >= 0
+
+
+def test_vocab_limits_are_asked_of_servers_that_answer_them(tiny_model_dir):
+    """A teacher head padded past the student's 260 rows is asked for the first 260 by hf servers
+    from protocol 2.2 and vLLM servers from 2.3; older servers are named in the card instead."""
+    from types import SimpleNamespace
+
+    from opd.train_teachers import _vocab_limits
+
+    welcomes = {"hf22": ("hf", (2, 2), 300), "vllm22": ("vllm", (2, 2), 300), "vllm23": ("vllm", (2, 3), 300),
+                "hf21": ("hf", (2, 1), 300), "same": ("vllm", (2, 3), 260)}
+    welcome = {n: SimpleNamespace(backend=b, version=v, vocab_size=rows) for n, (b, v, rows) in welcomes.items()}
+    limits, notes = _vocab_limits(dict.fromkeys(welcomes), welcome.__getitem__, str(tiny_model_dir))
+    assert limits == {"hf22": 260, "vllm23": 260}
+    assert len(notes) == 4 and sum("cannot leave out the rest" in n for n in notes) == 2
+    assert any("'vllm22'" in n and "vllm server (protocol (2, 2))" in n for n in notes)

@@ -98,15 +98,47 @@ def test_unsupported_requests_name_the_hf_backend(vllm_teacher_backend):
     hot = vllm_teacher_backend.unsupported(_request(3, seqs, starts, k=4, temperature=0.5))
     import dataclasses
 
-    narrow = vllm_teacher_backend.unsupported(dataclasses.replace(_request(4, seqs, starts, k=4), vocab_limit=100))
-    whole = dataclasses.replace(_request(5, seqs, starts, k=4), vocab_limit=vllm_teacher_backend.vocab_size)
-    assert vllm_teacher_backend.unsupported(whole) is None     # the whole vocabulary is what it scores
-    for reason in (full, hot, narrow):
+    narrow = dataclasses.replace(_request(4, seqs, starts, k=4), vocab_limit=100)
+    assert vllm_teacher_backend.limits_vocab and vllm_teacher_backend.unsupported(narrow) is None  # protocol 2.3
+    for reason in (full, hot):
         assert reason and "--backend hf" in reason
-    assert "full" in full and "temperature" in hot and "not the first 100" in narrow
+    assert "full" in full and "temperature" in hot
     assert vllm_teacher_backend.modes == ("topk",)
     with pytest.raises(ValueError, match="temperature"):
         vllm_teacher_backend.score_topk([_request(3, seqs, starts, k=4, temperature=0.5)])
+
+
+def test_vocab_limit_is_the_distribution_over_the_first_columns(vllm_teacher_backend, hf_model):
+    """A student with fewer padding rows asks for the first `vocab_limit` columns: vLLM's logits
+    are cut to that width in the worker, so the answer is log_softmax(logits[:, :limit]), as
+    the hf backend gives it, and a request without a limit gets the whole head back. A batch
+    mixing both is scored one width at a time, the engine's current one first."""
+    import dataclasses
+
+    limit = 200                     # of 260 rows: the tiny model's last 60 stand for padding
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, limit, (n,), generator=g).tolist() for n in (30, 12)]
+    whole = _request(1, seqs, [3, 1], k=16)
+    narrow = dataclasses.replace(_request(2, seqs, [3, 1], k=16), vocab_limit=limit)
+    ref_whole = _reference_rows(hf_model, whole)                  # [R, 260] log-probs
+    ref_narrow = torch.log_softmax(ref_whole[:, :limit], -1)      # = log_softmax(logits[:, :limit])
+    assert (ref_whole.topk(16).indices >= limit).any()            # the cut changes the answers
+    targets = torch.cat([whole.sequence(b)[s:] for b, s in enumerate(whole.response_starts)]).long()
+    backend = vllm_teacher_backend
+    one_by_one = backend.score_topk([narrow]) + backend.score_topk([whole])
+    assert backend._head_rows == 260
+    mixed = backend.score_topk([narrow, whole])                   # 260 is current: scored first
+    assert backend._head_rows == limit
+    for got_narrow, got_whole in (one_by_one, mixed):
+        assert int(got_narrow.ids.max()) < limit
+        for got, ref in ((got_narrow, ref_narrow), (got_whole, ref_whole)):
+            top = ref.topk(16, dim=-1).values
+            torch.testing.assert_close(got.logprobs, top, atol=1e-4, rtol=0)
+            torch.testing.assert_close(ref.gather(1, got.ids.long()), got.logprobs, atol=1e-4, rtol=0)
+            torch.testing.assert_close(got.token_logprob, ref.gather(1, targets[:, None]).squeeze(1), atol=1e-4, rtol=0)
+            torch.testing.assert_close(got.tail_logmass, torch.log1p(-top.exp().sum(-1)), atol=1e-4, rtol=0)
+    # the engine is left at 200 columns: the next plain request (any later test) widens it again
+    torch.testing.assert_close(backend.score_topk([whole])[0].logprobs, ref_whole.topk(16).values, atol=1e-4, rtol=0)
 
 
 def test_vllm_ignores_temperature_in_prompt_logprobs(vllm_teacher_backend):

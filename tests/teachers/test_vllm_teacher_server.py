@@ -12,7 +12,7 @@ SEQS = [list(range(40, 70)), [5, 6, 7, 8, 9, 10]]
 STARTS = [10, 1]
 
 
-def _check_over_the_wire(client, expected_fingerprint: str, reference) -> None:
+def _check_over_the_wire(client, expected_fingerprint: str, reference, narrow_reference) -> None:
     from opd.teachers.client import TeacherError
 
     info = client.info()
@@ -22,6 +22,15 @@ def _check_over_the_wire(client, expected_fingerprint: str, reference) -> None:
     assert got.row_offsets == [0, 20, 25]
     torch.testing.assert_close(got.logprobs, reference.logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(got.token_logprob, reference.token_logprob, atol=1e-5, rtol=0)
+    # A student head of 100 rows (protocol 2.3): the distribution over the first 100 columns.
+    assert tuple(info.version) >= (2, 3)
+    narrow = client.score_topk(SEQS, STARTS, k=8, vocab_limit=100)
+    assert int(narrow.ids.max()) < 100
+    torch.testing.assert_close(narrow.logprobs, narrow_reference.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(narrow.tail_logmass, narrow_reference.tail_logmass, atol=1e-5, rtol=0)
+    with pytest.raises(TeacherError) as past:       # SEQS[0] holds ids up to 69
+        client.score_topk(SEQS, STARTS, k=8, vocab_limit=60)
+    assert past.value.code == "BAD_TOKEN"
     with pytest.raises(TeacherError) as hot:
         client.score_topk(SEQS, STARTS, k=8, temperature=0.5)
     assert hot.value.code == "UNSUPPORTED" and "hf" in hot.value.message
@@ -30,12 +39,14 @@ def _check_over_the_wire(client, expected_fingerprint: str, reference) -> None:
     assert full.value.code == "UNSUPPORTED" and "--backend hf" in full.value.message   # the generic text had no hint
 
 
-def _reference(backend):
+def _reference(backend, vocab_limit: int = 0):
+    """The backend's own answer, in process (test_vllm_backend.py checks it against transformers)."""
     from opd.teachers.backend import ScoreRequest
 
     ids = torch.tensor([t for s in SEQS for t in s])
     req = ScoreRequest(request_id=1, mode="topk", ids=ids, offsets=(0, len(SEQS[0]), len(ids)),
-                       response_starts=tuple(STARTS), k=8, temperature=1.0, dtype="float32", chunk_rows=1024)
+                       response_starts=tuple(STARTS), k=8, temperature=1.0, dtype="float32", chunk_rows=1024,
+                       vocab_limit=vocab_limit)
     return backend.score_topk([req])[0]
 
 
@@ -46,7 +57,8 @@ def test_vllm_backend_behind_server(vllm_teacher_backend, free_tcp_address):
 
     with serving_in_thread(vllm_teacher_backend, free_tcp_address) as server, \
             TeacherClient(server.address, timeout_s=60) as client:
-        _check_over_the_wire(client, vllm_teacher_backend.tokenizer_fingerprint, _reference(vllm_teacher_backend))
+        _check_over_the_wire(client, vllm_teacher_backend.tokenizer_fingerprint, _reference(vllm_teacher_backend),
+                             _reference(vllm_teacher_backend, vocab_limit=100))
 
 
 @pytest.mark.slow
@@ -58,4 +70,5 @@ def test_serve_teacher_cli_with_vllm_backend(vllm_model_dir, vllm_teacher_backen
     with start_server_process(["--model", vllm_model_dir, "--backend", "vllm", "--max-k", "16"],
                               threads=None) as server:
         with TeacherClient(server.address, timeout_s=60) as client:
-            _check_over_the_wire(client, vllm_teacher_backend.tokenizer_fingerprint, _reference(vllm_teacher_backend))
+            _check_over_the_wire(client, vllm_teacher_backend.tokenizer_fingerprint, _reference(vllm_teacher_backend),
+                                 _reference(vllm_teacher_backend, vocab_limit=100))
