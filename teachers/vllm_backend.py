@@ -116,35 +116,41 @@ class VLLMBackend(TeacherBackend):
         return None
 
     def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         for req in reqs:
             reason = self.unsupported(req)
             if reason:
                 raise ValueError(reason)
-        parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in reqs]
         rows_of = [req.vocab_limit or self.vocab_size for req in reqs]
-        # The current head rows first: a run's requests all ask for one limit, so it rarely changes.
+        parts: list = [None] * len(reqs)
+        # One width at a time, the engine's current one first: a run's requests all ask for one.
         for rows in sorted(set(rows_of), key=lambda n: n != self._head_rows):
             if rows != self._head_rows:
                 self.llm.collective_rpc("keep_head_rows", args=(rows,))
                 self._head_rows = rows
-            prompts, params, owner = [], [], []
-            for r, req in enumerate(reqs):
-                if rows_of[r] != rows:
-                    continue
-                sp = SamplingParams(max_tokens=1, prompt_logprobs=req.k, detokenize=False, flat_logprobs=True)
-                for b in range(req.num_sequences):
-                    prompts.append(TokensPrompt(prompt_token_ids=req.sequence(b).tolist()))
-                    params.append(sp)
-                    owner.append((r, b))
-            outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
-            for (r, b), out in zip(owner, outs):
-                ids, lps = _prompt_logprob_arrays(out.prompt_logprobs, len(out.prompt_token_ids), reqs[r].k)
-                s = reqs[r].response_starts[b]
-                parts[r].append((ids[s - 1:], lps[s - 1:]))  # array row p - 1 is position p
+            group = [r for r, n in enumerate(rows_of) if n == rows]
+            for r, p in zip(group, self._prompt_logprobs([reqs[r] for r in group])):
+                parts[r] = p
         return [self._answer(req, p, rows) for req, p, rows in zip(reqs, parts, rows_of)]
+
+    def _prompt_logprobs(self, reqs: list[ScoreRequest]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """Per request, per sequence: (ids, log-probs) [scored rows, k + 1], from one generate call."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts, params, owner = [], [], []
+        for r, req in enumerate(reqs):
+            sp = SamplingParams(max_tokens=1, prompt_logprobs=req.k, detokenize=False, flat_logprobs=True)
+            for b in range(req.num_sequences):
+                prompts.append(TokensPrompt(prompt_token_ids=req.sequence(b).tolist()))
+                params.append(sp)
+                owner.append((r, b))
+        outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in reqs]
+        for (r, b), out in zip(owner, outs):
+            ids, lps = _prompt_logprob_arrays(out.prompt_logprobs, len(out.prompt_token_ids), reqs[r].k)
+            s = reqs[r].response_starts[b]
+            parts[r].append((ids[s - 1:], lps[s - 1:]))  # array row p - 1 is position p
+        return parts
 
     def _answer(self, req: ScoreRequest, parts: list[tuple[np.ndarray, np.ndarray]], rows: int) -> TopKAnswer:
         k = req.k
