@@ -268,6 +268,31 @@ def test_a_teacher_with_a_larger_padded_head_scores_over_the_students_rows(setup
            "padding)" in warnings
 
 
+@pytest.mark.vllm
+def test_a_vllm_teacher_with_a_larger_padded_head_scores_over_the_students_rows(setup, tmp_path):
+    # The same with a vLLM teacher, which refused vocab_limit before protocol 2.3 (the run then
+    # stopped at the first answer naming a padding row). Its own engine: ~20 s.
+    from opd.teachers.server import serving_in_thread
+    from opd.teachers.vllm_backend import VLLMBackend
+    from opd.tiny import build_tiny_model
+
+    padded = build_tiny_model(tmp_path / "padded", vocab_size=300, init_std=0.5, seed=4)
+    backend = VLLMBackend(padded, name="t", max_k=16, max_positions=256)
+    try:
+        with serving_in_thread(backend) as server:
+            teacher = {"name": "t", "address": server.address, "mode": "topk", "k": 8}
+            Trainer(_cfg(setup, "padded_vllm", steps=2, **{"merge.teachers": [teacher]})).run()
+        assert backend._head_rows == 260                                 # it was asked for 260 columns
+    finally:
+        backend.close()
+    out = setup["root"] / "padded_vllm"
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    warnings = json.loads((out / "card.json").read_text())["run"]["warnings"]
+    assert "teacher 't' has 300 LM-head rows, the student 260: it scores over the first 260 (the rest are " \
+           "padding)" in warnings
+
+
 def test_tokenizer_mismatch_is_refused(setup, tmp_path):
     from transformers import AutoTokenizer
 
