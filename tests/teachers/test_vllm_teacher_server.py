@@ -18,11 +18,8 @@ def _check_over_the_wire(client, expected_fingerprint: str, reference, narrow_re
     info = client.info()
     assert info.backend == "vllm" and info.modes == ["topk"]
     assert info.tokenizer_fingerprint == expected_fingerprint
-    got = client.score_topk(SEQS, STARTS, k=8)
-    assert got.row_offsets == [0, 20, 25]
-    torch.testing.assert_close(got.logprobs, reference.logprobs, atol=1e-5, rtol=0)
-    torch.testing.assert_close(got.token_logprob, reference.token_logprob, atol=1e-5, rtol=0)
-    # A student head of 100 rows (protocol 2.3): the distribution over the first 100 columns.
+    # A student head of 100 rows (protocol 2.3): the distribution over the first 100 columns; the
+    # plain request after it widens the engine again (the session's engine is shared).
     assert tuple(info.version) >= (2, 3)
     narrow = client.score_topk(SEQS, STARTS, k=8, vocab_limit=100)
     assert int(narrow.ids.max()) < 100
@@ -31,6 +28,10 @@ def _check_over_the_wire(client, expected_fingerprint: str, reference, narrow_re
     with pytest.raises(TeacherError) as past:       # SEQS[0] holds ids up to 69
         client.score_topk(SEQS, STARTS, k=8, vocab_limit=60)
     assert past.value.code == "BAD_TOKEN"
+    got = client.score_topk(SEQS, STARTS, k=8)
+    assert got.row_offsets == [0, 20, 25]
+    torch.testing.assert_close(got.logprobs, reference.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.token_logprob, reference.token_logprob, atol=1e-5, rtol=0)
     with pytest.raises(TeacherError) as hot:
         client.score_topk(SEQS, STARTS, k=8, temperature=0.5)
     assert hot.value.code == "UNSUPPORTED" and "hf" in hot.value.message
