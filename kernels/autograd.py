@@ -7,7 +7,7 @@ hidden [N, H], weight [V, H]) computed per block:
     full_forward(src, t, opts)                       -> lse_s, lse_t, loss, c  [N] each
         (c: what the gradient needs besides the lse's: L for reverse KL, (1-beta) KL(S||M) for JSD)
     full_grad(src, t, lse_s, lse_t, loss, c, w, opts) -> grads
-    topk_stats(src, ids, opts)                       -> lse_s [N], lse_tail [N]
+    topk_stats(src, ids, opts)                       -> lse_tail [N] (the student outside the ids)
     topk_grad_dense(src, ids, lse_s, lse_tail, a_tail, b_tail, w, opts) -> grads, 0 at ids
 
 grads is grad_x (x's dtype) for "logits" and (grad_hidden, grad_weight) for "linear", each
@@ -33,7 +33,7 @@ class StreamingDistill(torch.autograd.Function):
             saved = (lse_s, lse_t, loss, c)
         else:
             teacher = TopKTeacher(t_ids, t_logprobs, t_tail)
-            _, lse_tail = ops.topk_stats(src, t_ids, opts)
+            lse_tail = ops.topk_stats(src, t_ids, opts)
             if weight is None:
                 s_ids = x.gather(1, t_ids).float() * inv_t
             else:

@@ -167,23 +167,23 @@ def full_forward(src, t, opts: DistillOptions):
     return lse_s, lse_t, loss, torch.zeros_like(loss)   # forward KL's gradient needs no c
 
 
-def _stats(src, opts: DistillOptions, device, second):
-    """(lse_s, lse_2): online log-sum-exps of the student tiles and of second(s, tile)."""
+def _stats(src, opts: DistillOptions, device, *parts) -> list[torch.Tensor]:
+    """One online log-sum-exp [N] per part(s, r0, r1, c0, c1) of the student tiles s, in order
+    (a part may change s in place for the parts after it)."""
     n = src[1].shape[0]
     inv_t = 1.0 / opts.temperature
-    lse_s = torch.full((n,), NEG_INF, device=device)
-    lse_2 = torch.full((n,), NEG_INF, device=device)
+    out = [torch.full((n,), NEG_INF, device=device) for _ in parts]
     for r0, r1, c0, c1 in _tiles(src, opts):
         s = _student(src, r0, r1, c0, c1, inv_t)
-        lse_s[r0:r1] = torch.logaddexp(lse_s[r0:r1], s.logsumexp(-1))
-        lse_2[r0:r1] = torch.logaddexp(lse_2[r0:r1], second(s, r0, r1, c0, c1).logsumexp(-1))
-    return lse_s, lse_2
+        for lse, part in zip(out, parts):
+            lse[r0:r1] = torch.logaddexp(lse[r0:r1], part(s, r0, r1, c0, c1).logsumexp(-1))
+    return out
 
 
 @_tile_threads
 def full_stats(src, t, opts: DistillOptions):
     inv_t = 1.0 / opts.temperature
-    return _stats(src, opts, t.device, lambda s, r0, r1, c0, c1: _teacher(t, r0, r1, c0, c1, inv_t))
+    return _stats(src, opts, t.device, lambda s, *_: s, lambda s, r0, r1, c0, c1: _teacher(t, r0, r1, c0, c1, inv_t))
 
 
 @_tile_threads
@@ -235,9 +235,10 @@ def full_grad(src, t, lse_s, lse_t, loss, c, w, opts: DistillOptions):
 
 @_tile_threads
 def topk_stats(src, ids, opts: DistillOptions):
-    """(lse_s, lse_tail): the tail is the student over the columns outside the ids."""
+    """lse_tail [N]: the student over the columns outside the ids. (lse_s comes from the k + 1
+    buckets, kernels/autograd.py.)"""
     return _stats(src, opts, ids.device,
-                  lambda s, r0, r1, c0, c1: s.masked_fill_(_hits(ids, r0, r1, c0, c1), NEG_INF))
+                  lambda s, r0, r1, c0, c1: s.masked_fill_(_hits(ids, r0, r1, c0, c1), NEG_INF))[0]
 
 
 @_tile_threads

@@ -13,9 +13,10 @@ s [BLOCK_N, BLOCK_V] is loaded (logits) or computed as hidden[rows] @ w[cols].T 
 over BLOCK_H slices (FUSED) and never written. s and t are already divided by the
 temperature (x * inv_t).
 
-    _stats_kernel  per slice: lse_s = logsumexp_i s_i; lse_2 = logsumexp_i t_i (or over s_i,
-                   i not in ids); one pass, online: m' = max(m, max_i x_i);
-                   l' = l e^(m - m') + sum_i e^(x_i - m'). Slices are combined by the caller.
+    _stats_kernel  per slice: lse_s = logsumexp_i s_i and lse_2 = logsumexp_i t_i, or (TOPK)
+                   only lse_2 = logsumexp over s_i, i not in ids; one pass, online:
+                   m' = max(m, max_i x_i); l' = l e^(m - m') + sum_i e^(x_i - m').
+                   Slices are combined by the caller.
     _loss_kernel   per slice: L = sum_i term_i(log S_i, log T_i), c = sum of the student part
     _grad_kernel   dL/ds_i (kernels/loss.py), scaled by wr (upstream grad / T), stored to g.
                    FUSED: the caller pushes g through the linear layer with two matmuls per
@@ -114,7 +115,8 @@ def _stats_kernel(x_ptr, w_ptr, t_ptr, bits_ptr, lse_s_ptr, lse_2_ptr,
             other = tl.where(_hit_tile(bits_ptr, rows, cols, row_ok, col_ok, n_words), float("-inf"), s)
         else:
             other = _teacher_tile(t_ptr, rows, cols, row_ok, col_ok, stride_t, inv_t)
-        m_s, l_s = _lse_update(m_s, l_s, s)
+        if not TOPK:   # top-k: lse_s is built from the k + 1 buckets (autograd.py); -inf here
+            m_s, l_s = _lse_update(m_s, l_s, s)
         m_2, l_2 = _lse_update(m_2, l_2, other)
     out = tl.program_id(1) * N + rows                # [splits, N]
     tl.store(lse_s_ptr + out, m_s + tl.log(l_s), mask=row_ok)

@@ -213,7 +213,7 @@ def topk_stats(src, ids, opts: DistillOptions):
     K._stats_kernel[_grid(n, splits, cfg)](
         x, w, x, bits, lse_s, lse_tail, n, h, opts.vocab_size, sx, sw, 0, bits.shape[1], per,
         1.0 / opts.temperature, FUSED=src[0] == "linear", TOPK=True, UPCAST=upcast, **cfg)
-    return _lse_of_slices(lse_s), _lse_of_slices(lse_tail)
+    return _lse_of_slices(lse_tail)   # lse_s comes from the k + 1 buckets (autograd.py)
 
 
 def topk_grad_dense(src, ids, lse_s, lse_tail, a_tail, b_tail, wr, opts: DistillOptions):
