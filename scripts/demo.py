@@ -123,6 +123,10 @@ class Demo:
         # servers and the trainer) share the cores, and oversubscribed threads spin.
         self.env = {"OMP_NUM_THREADS": "1", **os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
+    def config(self, template: Path, name: str, overrides: dict | None = None) -> Path:
+        """write_config for this run: its output dir, sizes and seed."""
+        return write_config(template, name, self.out, self.quick, overrides, self.seed)
+
     # -- caching
     def _stamp(self, stage: str) -> Path:
         return self.out / "stages" / f"{stage}.json"
@@ -189,7 +193,7 @@ class Demo:
 
     # -- 1. start point: the base; the student starts as a copy of it
     def start(self) -> None:
-        cfg = write_config(TEMPLATES / "sft_base.yaml", "sft_base", self.out, self.quick, seed=self.seed)
+        cfg = self.config(TEMPLATES / "sft_base.yaml", "sft_base")
         model = self.out / "sft_base" / "model"
         self.stage("1_sft_base", [cfg, self.keys["0_data"]], [model / "config.json"],
                    lambda: self.cli("sft_base", "sft", cfg, "--overwrite"))
@@ -205,11 +209,11 @@ class Demo:
         from concurrent.futures import ThreadPoolExecutor
 
         def chain(dom: str) -> None:
-            warm = write_config(TEMPLATES / f"sft_{dom}.yaml", f"sft_{dom}", self.out, self.quick, seed=self.seed)
+            warm = self.config(TEMPLATES / f"sft_{dom}.yaml", f"sft_{dom}")
             self.stage(f"2_sft_{dom}", [warm, self.keys["1_sft_base"]],
                        [self.out / f"sft_{dom}" / "model" / "config.json"],
                        lambda: self.cli(f"sft_{dom}", "sft", warm, "--overwrite", echo=False))
-            cfg = write_config(TEMPLATES / f"rl_{dom}.yaml", f"rl_{dom}", self.out, self.quick, seed=self.seed)
+            cfg = self.config(TEMPLATES / f"rl_{dom}.yaml", f"rl_{dom}")
             self.stage(f"2_rl_{dom}", [cfg, self.keys[f"2_sft_{dom}"]], [self.out / f"rl_{dom}" / "model" / "config.json"],
                        lambda: self.cli(f"rl_{dom}", "rl", cfg, "--overwrite", echo=False))
 
@@ -229,7 +233,7 @@ class Demo:
     def merge(self) -> None:
         # configs/merge_math_code.yaml as it is (its settings are the ones measured here); only
         # paths, ports and the --quick sizes change.
-        cfg = write_config(MERGE_TEMPLATE, "merge", self.out, self.quick, seed=self.seed)
+        cfg = self.config(MERGE_TEMPLATE, "merge")
         merged = yaml.safe_load(cfg.read_text())
         for t in merged["merge"]["teachers"]:
             t["address"] = f"tcp://127.0.0.1:{self.ports[t['name']]}"
@@ -269,7 +273,7 @@ class Demo:
                "domains": [d]} for d in DOMAINS),
             {"name": "student-after", "path": str(self.out / "merge" / "model"), "role": "student"},
         ]}
-        cfg = write_config(TEMPLATES / "validate.yaml", "validate", self.out, self.quick, overrides, seed=self.seed)
+        cfg = self.config(TEMPLATES / "validate.yaml", "validate", overrides)
         report = self.out / "validate" / "report.json"
         self.stage("5_validate", [cfg, self.keys["4_merge"], self.keys["1_sft_base"],
                                   *(self.keys[f"2_sft_{d}"] for d in DOMAINS)], [report],
