@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .loss import DistillOptions, TopKTeacher, gather_linear_logits, scatter_linear_grad, topk_rows
+from .maths import DistillOptions, TopKTeacher, gather_linear_logits, scatter_linear_grad, topk_rows
 
 
 class StreamingDistill(torch.autograd.Function):

@@ -8,7 +8,7 @@ logaddexp), so memory beyond the inputs is the gradient plus a few tiles:
     pass 1  stats: lse_s = logsumexp(s), lse_t = logsumexp(t)   (top-k: lse over non-ids);
             for KL the loss comes from the same pass (chain rule over chunks, full_forward)
     pass 2  loss:  sum_i term_i(log S_i, log T_i)   (JSD; top-k uses k+1 buckets instead)
-    pass 3  grad:  dL/ds_i = A_b S_i / S_b + B_b S_i (see kernels/loss.py), in backward
+    pass 3  grad:  dL/ds_i = A_b S_i / S_b + B_b S_i (see kernels/maths.py), in backward
 
 s, t are logits / temperature (top-k teachers arrive already at their temperature).
 """
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from . import autograd
-from .loss import FORWARD_KL, REVERSE_KL, DistillOptions, log_mixture, safe_lse
+from .maths import FORWARD_KL, REVERSE_KL, DistillOptions, log_mixture, safe_lse
 
 TILE_ELEMENTS = 1 << 18          # 1 MB of fp32 per tile: stays in cache, few Python calls
 LOGITS_CHUNK = 8192              # vocabulary chunk for logits input (long contiguous runs)

@@ -3,7 +3,7 @@
 Used by the tests and the benchmark as ground truth (run it in fp64 for that) and as the
 baseline whose memory the other implementations avoid. It computes in the input dtype,
 like a plain PyTorch training loop would, and deliberately shares no maths with the
-streaming implementations (those use kernels/loss.py `bucket_terms`).
+streaming implementations (those use kernels/maths.py `bucket_terms`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .loss import REVERSE_KL, TAIL_LOGMASS_FLOOR, DistillOptions, TopKTeacher
+from .maths import REVERSE_KL, TAIL_LOGMASS_FLOOR, DistillOptions, TopKTeacher
 
 
 def _kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ def log_probs(student_logits: torch.Tensor, teacher, opts: DistillOptions):
     lse_rest = torch.logsumexp(torch.where(empty[:, None], torch.zeros_like(rest), rest), dim=-1)
     tail = torch.where(empty, float("-inf"), lse_rest) - torch.logsumexp(s, dim=-1)
     log_s_b = torch.cat([log_s.gather(1, teacher.ids), tail[:, None]], dim=1)
-    # Reverse KL reads a teacher tail of -inf as 2^-24 (kernels/loss.py reverse_kl_teacher_tail).
+    # Reverse KL reads a teacher tail of -inf as 2^-24 (kernels/maths.py reverse_kl_teacher_tail).
     t_tail = teacher.tail_logmass
     if opts.divergence == REVERSE_KL:
         t_tail = torch.where(torch.isneginf(t_tail), TAIL_LOGMASS_FLOOR, t_tail)

@@ -18,7 +18,7 @@ temperature (x * inv_t).
                    m' = max(m, max_i x_i); l' = l e^(m - m') + sum_i e^(x_i - m').
                    Slices are combined by the caller.
     _loss_kernel   per slice: L = sum_i term_i(log S_i, log T_i), c = sum of the student part
-    _grad_kernel   dL/ds_i (kernels/loss.py), scaled by wr (upstream grad / T), stored to g.
+    _grad_kernel   dL/ds_i (kernels/maths.py), scaled by wr (upstream grad / T), stored to g.
                    FUSED: the caller pushes g through the linear layer with two matmuls per
                    vocabulary chunk (dH += g @ W[chunk], dW[chunk] = g^T @ h), so no [V, H]
                    fp32 accumulator and no atomics exist.

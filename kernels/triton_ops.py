@@ -14,7 +14,7 @@ import sys
 import torch
 
 from . import autograd
-from .loss import DistillOptions
+from .maths import DistillOptions
 
 try:
     import triton
