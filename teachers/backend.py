@@ -18,7 +18,12 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from opd.kernels.loss import TAIL_LOGMASS_FLOOR
+# The smallest tail a top-k answer reports: fp32's resolution below 1, log 2^-24 (-16.64 nats).
+# A tail under it is below what the teacher's fp32 log-softmax resolves; see
+# tail_logmass_from_topk. The loss reads a tail of -inf as the same value (opd.kernels
+# TAIL_LOGMASS_FLOOR, kept equal by tests/teachers/test_backend.py): the teacher side does
+# not import the loss package.
+TAIL_LOGMASS_FLOOR = math.log(2.0 ** -24)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,10 @@ Reliability, all inside the I/O thread:
   back-off, at most `retries` times; anything else raises `TeacherError(code, message)`;
 - full-vocabulary streams grant one CREDIT per chunk the caller has consumed, and resume
   after a reconnect by skipping rows they already delivered.
+
+What it returns and raises is in teachers/results.py, how a batch is packed, split and
+joined in teachers/batching.py; `TopKResult`, `FullChunk` and `TeacherError` import from
+here as well.
 """
 
 from __future__ import annotations
@@ -34,46 +38,22 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, NamedTuple, Sequence
+from typing import Iterator, Sequence
 
-import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-if TYPE_CHECKING:
-    import torch
-
+from opd.teachers.batching import SplitBatch, pack, split_by_tokens
+from opd.teachers.keys import client_curve_keys
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
                                    Ping, ProtocolError, Score, TopK, Welcome, decode, default_chunk_rows, encode,
                                    send_frames, to_torch)
+from opd.teachers.results import FullChunk, TeacherError, TopKResult
 
-
-class TeacherError(Exception):
-    """A request that failed for good. `code` is an ErrorCode value or TIMEOUT / FINGERPRINT_CHANGED / CLOSED."""
-
-    def __init__(self, code: str, message: str):
-        self.code = code.value if isinstance(code, ErrorCode) else str(code)
-        super().__init__(f"{self.code}: {message}")
-        self.message = message
-
-
-@dataclass
-class TopKResult:
-    """R rows over all sequences; rows of sequence b are row_offsets[b]:row_offsets[b+1]."""
-    ids: "torch.Tensor"            # int32 [R, k]
-    logprobs: "torch.Tensor"       # fp32 [R, k]
-    tail_logmass: "torch.Tensor"   # fp32 [R]
-    token_logprob: "torch.Tensor"  # fp32 [R]
-    lse: "torch.Tensor"            # fp32 [R]
-    row_offsets: list[int]
-    stats: Done | None = None
-
-
-class FullChunk(NamedTuple):
-    row_start: int
-    logits: "torch.Tensor"         # [rows, V] in the requested dtype, temperature not applied
-    lse: "torch.Tensor"            # fp32 [rows], logsumexp(logits / T)
-    token_logprob: "torch.Tensor"  # fp32 [rows]
-
+# Callers import these from here too: the result types (teachers/results.py), _as_curve
+# (opd.train_teachers) and _pack (the tests, opd.bench.transport).
+_as_curve = client_curve_keys
+_pack = pack
 
 _END = object()
 
@@ -96,21 +76,6 @@ class _Call:
     sent: bool = False                 # on the wire on the current, verified connection
 
 
-def _as_curve(curve) -> tuple[bytes, bytes, bytes] | None:
-    """(client_public, client_secret, server_public) keys, or (client_secret_file, server_public_file)."""
-    if curve is None:
-        return None
-    if len(curve) == 2:
-        import zmq.auth
-
-        pub, sec = zmq.auth.load_certificate(str(curve[0]))
-        server_pub, _ = zmq.auth.load_certificate(str(curve[1]))
-        if sec is None:
-            raise ValueError(f"{curve[0]} holds no secret key (use the .key_secret file)")
-        return pub, sec, server_pub
-    return tuple(k.encode() if isinstance(k, str) else bytes(k) for k in curve)  # type: ignore[return-value]
-
-
 class TeacherClient:
     def __init__(self, address: str, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.2,
                  max_backoff_s: float = 5.0, curve=None, heartbeat_s: float = 1.0, name: str = "opd",
@@ -127,7 +92,7 @@ class TeacherClient:
         self.busy_timeout_s = timeout_s if busy_timeout_s is None else busy_timeout_s
         self.name = name
         self.protocol_version = tuple(protocol_version)
-        self._curve = _as_curve(curve)
+        self._curve = client_curve_keys(curve)
         self._ctx = zmq.Context.instance()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -166,15 +131,15 @@ class TeacherClient:
         teacher's distribution over its first vocab_limit columns (protocol 2.2)."""
         welcome = self.info()
         lengths = [len(s) for s in sequences]
-        parts = _split(lengths, welcome.max_tokens_per_request)
+        parts = split_by_tokens(lengths, welcome.max_tokens_per_request)
         args = (k, temperature, vocab_limit)
         if len(parts) == 1:
             return self._submit_topk(sequences, response_starts, *args)
-        return _SplitBatch(lambda a, b: self._submit_topk(sequences[a:b], response_starts[a:b], *args),
+        return SplitBatch(lambda a, b: self._submit_topk(sequences[a:b], response_starts[a:b], *args),
                            [(a, b, sum(lengths[a:b])) for a, b in parts], welcome.max_inflight_tokens).future
 
     def _submit_topk(self, sequences, response_starts, k: int, temperature: float, vocab_limit: int) -> Future:
-        ids, offsets = _pack(sequences)
+        ids, offsets = pack(sequences)
         score = Score(request_id=0, mode="topk", response_starts=[int(s) for s in response_starts], k=int(k),
                       temperature=float(temperature), vocab_limit=int(vocab_limit))
         return self._command("submit", _Call("topk", score, (ids, offsets)))
@@ -192,7 +157,7 @@ class TeacherClient:
         welcome = self.info()
         if chunk_rows is None:
             chunk_rows = default_chunk_rows(welcome.vocab_size, dtype)
-        parts = _split([len(s) for s in sequences], welcome.max_tokens_per_request)
+        parts = split_by_tokens([len(s) for s in sequences], welcome.max_tokens_per_request)
         args = (temperature, dtype, chunk_rows, window, vocab_limit)
         # The (first) request goes out now, so the teacher computes while the caller does.
         first = self._score_full(sequences[:parts[0][1]], response_starts[:parts[0][1]], *args)
@@ -211,7 +176,7 @@ class TeacherClient:
 
     def _score_full(self, sequences, response_starts, temperature: float, dtype: str, chunk_rows: int,
                     window: int, vocab_limit: int) -> Iterator[FullChunk]:
-        ids, offsets = _pack(sequences)
+        ids, offsets = pack(sequences)
         score = Score(request_id=0, mode="full", response_starts=[int(s) for s in response_starts],
                       temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window),
                       vocab_limit=int(vocab_limit))
@@ -287,8 +252,6 @@ class TeacherClient:
         self._last_ping = 0.0
 
     def _io_loop(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._sock, zmq.POLLIN)
@@ -501,109 +464,3 @@ class TeacherClient:
     def _fail_all(self, err: Exception) -> None:
         for call in [*self._hellos, *self._calls.values()]:
             self._fail(call, err)
-
-
-def _split(lengths: list[int], limit: int) -> list[tuple[int, int]]:
-    """[a, b) ranges of consecutive sequences of at most `limit` tokens each (the teacher's
-    max_tokens_per_request), in order; a sequence longer than `limit` alone is a ValueError."""
-    parts, a, total = [], 0, 0
-    for i, n in enumerate(lengths):
-        if n > limit:
-            raise ValueError(f"sequence {i} has {n} tokens, more than the teacher's max_tokens_per_request "
-                             f"({limit}); start the server with a larger --max-tokens-per-request")
-        if total + n > limit:
-            parts.append((a, i))
-            a, total = i, 0
-        total += n
-    parts.append((a, len(lengths)))
-    return parts
-
-
-class _SplitBatch:
-    """One top-k batch sent as several requests: parts go out while the tokens in flight stay
-    within `budget` (the server's max_inflight_tokens, past which it answers BUSY), the next
-    one as each answer arrives; `future` gets the answers joined in order, or the first
-    error, after which no part goes out."""
-
-    def __init__(self, submit, parts: list[tuple[int, int, int]], budget: int):
-        """submit(a, b) -> Future of the TopKResult of sequences a..b; parts: (a, b, tokens)."""
-        self.submit, self.parts, self.budget = submit, parts, budget
-        self.results: list[TopKResult | None] = [None] * len(parts)
-        self.future: Future = Future()
-        self.lock = threading.Lock()
-        self.next = 0
-        self.inflight = 0                  # tokens of parts sent and not yet answered
-        self._send_more()
-
-    def _send_more(self) -> None:
-        with self.lock:
-            ready = []
-            while not self.future.done() and self.next < len(self.parts) and (
-                    self.inflight == 0 or self.inflight + self.parts[self.next][2] <= self.budget):
-                ready.append(self.next)
-                self.inflight += self.parts[self.next][2]
-                self.next += 1
-        for i in ready:
-            a, b, _ = self.parts[i]
-            try:
-                fut = self.submit(a, b)
-            except BaseException as e:  # noqa: BLE001 - the caller sees it through the future
-                self._finish(exc=e)
-                return
-            fut.add_done_callback(lambda f, i=i: self._answered(i, f))
-
-    def _answered(self, i: int, fut: Future) -> None:
-        if fut.exception() is not None:
-            self._finish(exc=fut.exception())
-            return
-        with self.lock:
-            self.results[i] = fut.result()
-            self.inflight -= self.parts[i][2]
-            complete = all(r is not None for r in self.results)
-        if complete:
-            self._finish(result=_join(self.results))
-        else:
-            self._send_more()
-
-    def _finish(self, result=None, exc=None) -> None:
-        with self.lock:
-            if self.future.done():
-                return
-            if exc is not None:
-                self.future.set_exception(exc)
-            else:
-                self.future.set_result(result)
-
-
-def _join(results: list[TopKResult]) -> TopKResult:
-    """Answers of consecutive parts of a batch as one: rows concatenated, offsets shifted."""
-    import torch
-
-    offsets, shift = [0], 0
-    for r in results:
-        offsets += [shift + o for o in r.row_offsets[1:]]
-        shift += r.row_offsets[-1]
-    fields = ("ids", "logprobs", "tail_logmass", "token_logprob", "lse")
-    return TopKResult(*(torch.cat([getattr(r, f) for r in results]) for f in fields), row_offsets=offsets)
-
-
-def _pack(sequences) -> tuple[np.ndarray, np.ndarray]:
-    """Flat int32 ids and [B + 1] int32 offsets of token-id sequences (lists, numpy arrays or
-    torch tensors). Lists go through one `np.fromiter` (~25 ns a token, half of converting
-    each list); arrays and tensors are concatenated without a detour through Python ints."""
-    lengths = [len(s) for s in sequences]
-    offsets = np.zeros(len(lengths) + 1, dtype="<i4")
-    offsets[1:] = np.cumsum(lengths)
-    if all(isinstance(s, (list, tuple)) for s in sequences):
-        try:
-            ids = np.fromiter(itertools.chain.from_iterable(sequences), dtype="<i4", count=int(offsets[-1]))
-        except OverflowError:
-            raise ValueError("token ids do not fit in int32") from None
-        return ids, offsets
-    parts = [np.asarray(s.cpu() if hasattr(s, "cpu") else s).reshape(-1) for s in sequences]
-    ids = np.concatenate(parts)
-    if ids.dtype != np.dtype("<i4"):
-        if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
-            raise ValueError("token ids do not fit in int32")
-        ids = ids.astype("<i4")
-    return ids, offsets

@@ -37,7 +37,7 @@ class HFBackend(TeacherBackend):
     def __init__(self, model_dir: str | Path, *, name: str = "teacher", max_k: int = 64,
                  max_positions: int | None = None, dtype: str = "float32", device: str = "cpu",
                  row_chunk: int = 1024, batch_tokens: int = 8192):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM   # lazy: seconds to import; only a model load needs it
 
         self.teacher = name
         self.model_id = str(model_dir)

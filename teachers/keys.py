@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import zmq.auth
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
@@ -26,8 +28,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def generate(out: str | Path, name: str = "server", force: bool = False) -> tuple[Path, Path]:
     """Create a key pair; returns (public_file, secret_file). The secret file is chmod 600."""
-    import zmq.auth
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     public, secret = out / f"{name}.key", out / f"{name}.key_secret"
@@ -40,8 +40,6 @@ def generate(out: str | Path, name: str = "server", force: bool = False) -> tupl
 
 def load_keypair(secret_file: str | Path) -> tuple[bytes, bytes]:
     """(public, secret) Z85 keys from a NAME.key_secret file."""
-    import zmq.auth
-
     if not Path(secret_file).is_file():
         raise FileNotFoundError(f"{secret_file}: no such key file (`opd keys generate` writes NAME.key_secret)")
     public, secret = zmq.auth.load_certificate(str(secret_file))
@@ -51,8 +49,6 @@ def load_keypair(secret_file: str | Path) -> tuple[bytes, bytes]:
 
 
 def load_public(path: str | Path) -> bytes:
-    import zmq.auth
-
     return zmq.auth.load_certificate(str(path))[0]
 
 
@@ -63,6 +59,21 @@ def load_allow_list(path: str | Path) -> set[bytes]:
     if not files or not all(f.is_file() for f in files):
         raise FileNotFoundError(f"no client public key files (*.key) at {p}")
     return {load_public(f) for f in files}
+
+
+def client_curve_keys(curve) -> tuple[bytes, bytes, bytes] | None:
+    """A TeacherClient's `curve` argument as (client_public, client_secret, server_public) keys.
+
+    `curve`: None, those three keys (str or bytes), or (client_secret_file, server_public_file)."""
+    if curve is None:
+        return None
+    if len(curve) == 2:
+        pub, sec = zmq.auth.load_certificate(str(curve[0]))
+        server_pub, _ = zmq.auth.load_certificate(str(curve[1]))
+        if sec is None:
+            raise ValueError(f"{curve[0]} holds no secret key (use the .key_secret file)")
+        return pub, sec, server_pub
+    return tuple(k.encode() if isinstance(k, str) else bytes(k) for k in curve)  # type: ignore[return-value]
 
 
 def run(args) -> int:

@@ -11,15 +11,24 @@ or forked from this process (`opd train` with cluster.mode: fork).
 send_signal/kill), `.address`, `.model_fingerprint`, `.tokenizer_fingerprint`, `.output`
 (a subprocess's first line and latest ~1000, collected by a reader thread; a forked server
 writes its log file instead), `.stop()`, `.kill()`. It also unpacks as `proc, address = ...`.
+
+The ready line and `PARENT_ENV` / `die_with_parent` (importable from here too) are defined
+in teachers/lifecycle.py, which the server's side (serve.py) shares.
+
+This module imports the server (serve.py, with torch and the backends) only in a forked
+child, where it runs it: the launcher itself is imported by processes that only start and
+watch servers (a Ray supervisor actor per replica), which would otherwise hold torch's
+~300 MiB for nothing. `opd train` imports serve.py before it forks (opd.distill.launch).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import select
-import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,9 +37,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opd.teachers.serve import READY
-
-PARENT_ENV = "OPD_TEACHER_PARENT_PID"   # set: `opd serve-teacher` dies with that process (die_with_parent)
+from opd.teachers.lifecycle import PARENT_ENV, READY, die_with_parent, parse_ready_line
 
 
 @dataclass
@@ -70,8 +77,6 @@ class ServerProcess:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (for tests and scripts that must name a port)."""
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -142,7 +147,7 @@ def _from_ready_line(proc, line: str, output: list[str]) -> ServerProcess:
     """The server's handle from its ready line (values shell-quoted: a name may hold spaces).
     A line that does not parse kills the server rather than leaving it running unowned."""
     try:
-        fields = dict(kv.split("=", 1) for kv in shlex.split(line[len(READY):]))
+        fields = parse_ready_line(line)
         return ServerProcess(proc, fields["address"], fields["model_fingerprint"], fields["tokenizer_fingerprint"],
                              output)
     except (ValueError, KeyError) as e:
@@ -272,9 +277,7 @@ def _serve_forked(args: list[str], log_path: Path, write_fd: int, parent: int) -
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
-        import argparse
-
-        from opd.teachers import serve
+        from opd.teachers import serve   # the server, in the child only (see the module docstring)
 
         parser = argparse.ArgumentParser(prog="opd serve-teacher (forked by opd train)")
         serve.add_arguments(parser)
@@ -287,20 +290,6 @@ def _serve_forked(args: list[str], log_path: Path, write_fd: int, parent: int) -
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # not the parent's atexit handlers, not its interpreter teardown
-
-
-def die_with_parent(parent: int) -> None:
-    """Ask Linux for SIGTERM when the parent dies, so a killed trainer leaves no teacher behind.
-    (Linux's "parent" is the thread that made this process: a trainer starts its teachers from
-    threads that live as long as the teachers should.)"""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl: not Linux
-        return
-    if os.getppid() != parent:  # it died before prctl took effect
-        os._exit(1)
 
 
 def _read_line(fd: int, timeout_s: float) -> str | None:

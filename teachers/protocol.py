@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import math
+import warnings
 from typing import Literal, Union
 
 import msgspec
@@ -221,7 +222,7 @@ def _wire_array(t) -> tuple[str, np.ndarray]:
     """A torch tensor or numpy array as (wire dtype tag, little-endian C-contiguous ndarray).
     Runs for every tensor of every answer: lookups, not loops (a TOPK's 5 took 13.7 us, now 7.5)."""
     if not isinstance(t, np.ndarray):  # torch.Tensor
-        import torch
+        import torch   # lazy: the client side (opd.teachers, `opd keys`) imports without torch
 
         if t.requires_grad:
             t = t.detach()
@@ -319,9 +320,7 @@ def to_torch(array: np.ndarray, tag: str | None = None):
     belongs to this process alone, so writing to the tensor is safe; copying every answer
     here took 29% of the client's time at top-64 (py-spy, `opd bench transport`).
     """
-    import warnings
-
-    import torch
+    import torch   # lazy, as in _wire_array
 
     if array.flags.writeable:  # a received frame usually is; catch_warnings costs ~5 us a tensor
         t = torch.from_numpy(array)

@@ -5,7 +5,8 @@ Prints one startup line (flushed) that scripts and `opd.teachers.launch` wait fo
     opd-teacher ready address=tcp://127.0.0.1:5555 backend=hf name=math model_fingerprint=... tokenizer_fingerprint=...
         curve=off device=cuda cuda_visible_devices=1      (on the same line; the last only when set)
 
-Values are shell-quoted (`name='Qwen2.5 Math 7B'`); read it with `shlex.split`.
+Values are shell-quoted (`name='Qwen2.5 Math 7B'`); read it with `shlex.split`
+(teachers/lifecycle.py writes and parses it; `READY` is importable from here too).
 
 Binding anything but loopback needs CURVE keys (`opd keys generate`) or `--insecure`.
 """
@@ -13,16 +14,25 @@ Binding anything but loopback needs CURVE keys (`opd keys generate`) or `--insec
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
-import shlex
+import socket
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from opd.config import number_arg, positive_int
+import torch
 
-READY = "opd-teacher ready"
+from opd.config import number_arg, positive_int
+from opd.teachers.hf_backend import HFBackend
+from opd.teachers.keys import load_allow_list, load_keypair
+from opd.teachers.lifecycle import READY  # noqa: F401 (callers import READY from here)
+from opd.teachers.lifecycle import PARENT_ENV, die_with_parent, ready_line
+from opd.teachers.server import ServerLimits
+from opd.teachers.server import serve as run_server   # not `serve`: the name of this module
+from opd.teachers.vllm_backend import VLLMBackend   # vllm itself is imported only when a VLLMBackend starts
+
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
@@ -80,9 +90,6 @@ def check_bind(address: str, curve: bool, insecure: bool) -> str | None:
 def port_taken(address: str) -> bool:
     """tcp://HOST:PORT is bound by another process: checked before a model load that may take
     minutes (the server's own bind after it still decides; `*` ports are never taken)."""
-    import errno
-    import socket
-
     u = urlparse(address)
     try:
         port = u.port
@@ -104,19 +111,13 @@ def load_backend(args):
     kwargs = dict(name=args.name or Path(args.model).name, max_k=args.max_k, max_positions=args.max_positions,
                   dtype=args.dtype, device=args.device)
     if args.backend == "vllm":
-        from opd.teachers.vllm_backend import VLLMBackend
-
         return VLLMBackend(args.model, **kwargs)
-    from opd.teachers.hf_backend import HFBackend
-
     return HFBackend(args.model, **kwargs, batch_tokens=args.batch_tokens)
 
 
 def run(args, on_ready=None) -> int:
     """Serve until SIGTERM/SIGINT. `on_ready(line)` also gets the startup line (a forked server
     hands it to its parent through a pipe, opd.teachers.launch.fork_server)."""
-    from opd.teachers.launch import PARENT_ENV, die_with_parent
-
     parent = os.environ.pop(PARENT_ENV, None)   # popped: the backend's own workers must not inherit it
     if parent:
         die_with_parent(int(parent))
@@ -127,8 +128,6 @@ def run(args, on_ready=None) -> int:
         return 2
     curve = {}
     if args.curve_secret_key is not None:
-        from opd.teachers.keys import load_allow_list, load_keypair
-
         if args.curve_allow is None:
             print("error: --curve-secret-key needs --curve-allow (the client public keys to admit)", file=sys.stderr)
             return 2
@@ -140,12 +139,7 @@ def run(args, on_ready=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
-
-    from opd.teachers.server import ServerLimits, serve
-
     if port_taken(args.bind):
         print(f"error: {args.bind} is already in use (another teacher?); pick another --bind port", file=sys.stderr)
         return 1
@@ -160,13 +154,13 @@ def run(args, on_ready=None) -> int:
                       curve="on" if curve else "off", device=args.device)
         if os.environ.get("CUDA_VISIBLE_DEVICES"):
             fields["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
-        line = " ".join([READY, *(f"{k}={shlex.quote(str(v))}" for k, v in fields.items())])
+        line = ready_line(fields)
         print(line, flush=True)
         if on_ready is not None:
             on_ready(line)
 
     try:
-        code = serve(backend, args.bind, ready=ready, signals=True, limits=limits, name=args.name, **curve)
+        code = run_server(backend, args.bind, ready=ready, signals=True, limits=limits, name=args.name, **curve)
     finally:
         backend.close()
     print("opd-teacher stopped", flush=True)

@@ -9,9 +9,9 @@ Two threads. The socket thread owns the ROUTER and runs one loop of numbered ste
     3. batch   hand the accepted requests to the worker in one go
     4. send    forward the worker's answers (TOPK, CHUNK, DONE, ERROR) to their peers
     5. sweep   cancel streams of peers that stopped sending heartbeats; exit once drained
-The worker thread owns the backend: it groups pending top-k requests into one backend
-call up to `batch_tokens`, and steps full-vocabulary streams one CHUNK per credit. It
-never touches the ROUTER (zmq sockets are not thread-safe): answers go back over an
+The worker thread (its methods: teachers/worker.py) owns the backend: it groups pending
+top-k requests into one backend call up to `batch_tokens`, and steps full-vocabulary
+streams one CHUNK per credit. It never touches the ROUTER (zmq sockets are not thread-safe): answers go back over an
 outbox deque, with a one-byte wake on an inproc PAIR (skipped while one is pending), so
 the socket thread keeps answering heartbeats and BUSY while it computes and answers cross
 the thread boundary without being re-framed.
@@ -31,14 +31,16 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
-from opd.teachers.backend import ScoreRequest, TeacherBackend
-from opd.teachers.protocol import (PROTOCOL_VERSION, Cancel, Chunk, Credit, Done, ErrorCode, Hello, Ping, Pong,
-                                   ProtocolError, Score, TopK, Welcome, decode, encode, error, send_frames)
+from opd.teachers.backend import TeacherBackend
+from opd.teachers.protocol import (PROTOCOL_VERSION, Cancel, Credit, ErrorCode, Hello, Ping, Pong, ProtocolError, Score,
+                                   Welcome, decode, encode, error, send_frames)
 from opd.teachers.validate import score_request
+from opd.teachers.worker import Job, ServerWorker
 
 log = logging.getLogger("opd.teachers.server")
 
@@ -57,31 +59,7 @@ class ServerLimits:
     drain_timeout_s: float = 60.0         # SIGTERM: longest wait for in-flight work
 
 
-@dataclass(eq=False)
-class _Job:
-    peer: bytes
-    req: ScoreRequest
-    arrived: float
-    credit: int = 0                       # full mode: CHUNKs the worker may still send
-    cancelled: bool = False
-    released: bool = False                # its tokens no longer count against max_inflight_tokens
-    cancel_code: ErrorCode = ErrorCode.CANCELLED   # SHUTTING_DOWN when the server quits first
-    started: float = 0.0
-    stream: object = None                 # full mode: the backend's chunk iterator
-    chunks_sent: int = 0
-    row_offsets: list[int] = field(init=False)   # [B + 1], sent with every TOPK and CHUNK
-    rows: int = field(init=False)
-
-    def __post_init__(self):
-        self.row_offsets = self.req.row_offsets()
-        self.rows = self.row_offsets[-1]
-
-    @property
-    def key(self) -> tuple[bytes, int]:
-        return self.peer, self.req.request_id
-
-
-class TeacherServer:
+class TeacherServer(ServerWorker):
     def __init__(self, backend: TeacherBackend, bind: str = "tcp://127.0.0.1:5555", *,
                  name: str | None = None, limits: ServerLimits = ServerLimits(),
                  curve_secret_key: bytes | None = None, curve_public_key: bytes | None = None,
@@ -106,8 +84,6 @@ class TeacherServer:
             self.router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(limits.peer_timeout_s * 1000))
             if curve_secret_key is not None:
                 # The handler before the bind: without one, ZeroMQ admits any CURVE client.
-                from zmq.auth.thread import ThreadAuthenticator
-
                 self._auth = ThreadAuthenticator(self.ctx)
                 self._auth.start()
                 self._auth.configure_curve_callback("*", _AllowList(curve_allow or set()))
@@ -125,9 +101,9 @@ class TeacherServer:
         self._cv = threading.Condition()
         self._outbox: collections.deque = collections.deque()   # (peer, frames) from the worker
         self._wake_pending = False                              # a wake byte is on the pipe
-        self._pending: collections.deque[_Job] = collections.deque()   # accepted, not started
-        self._streams: list[_Job] = []                                  # full mode, started
-        self._jobs: dict[tuple[bytes, int], _Job] = {}                  # every unfinished job
+        self._pending: collections.deque[Job] = collections.deque()   # accepted, not started
+        self._streams: list[Job] = []                                  # full mode, started
+        self._jobs: dict[tuple[bytes, int], Job] = {}                  # every unfinished job
         self._inflight_tokens = 0
         self._streams_first = False
         self._draining = threading.Event()
@@ -183,7 +159,7 @@ class TeacherServer:
                 ready = dict(poller.poll(timeout=100))
                 now = time.monotonic()
                 # 2. read + validate + answer control messages
-                accepted: list[_Job] = []
+                accepted: list[Job] = []
                 if self.router in ready:
                     # EVENTS instead of recv-until-EAGAIN: each raised zmq.Again cost ~3 us.
                     for _ in range(1024):
@@ -221,7 +197,7 @@ class TeacherServer:
             peer, frames = self._outbox.popleft()
             self._send(peer, frames)
 
-    def _handle(self, peer: bytes, frames, now: float, accepted: list[_Job]) -> None:
+    def _handle(self, peer: bytes, frames, now: float, accepted: list[Job]) -> None:
         self._last_seen[peer] = now
         self.stats["messages"] += 1
         try:
@@ -256,7 +232,7 @@ class TeacherServer:
             self._refuse(peer, getattr(msg, "request_id", -1), ErrorCode.BAD_REQUEST,
                          f"{type(msg).__name__.upper()} is sent by servers, not clients")
 
-    def _admit(self, peer: bytes, msg: Score, arrays, now: float) -> _Job | None:
+    def _admit(self, peer: bytes, msg: Score, arrays, now: float) -> Job | None:
         rid = msg.request_id
         if self._draining.is_set():
             return self._refuse(peer, rid, ErrorCode.SHUTTING_DOWN, "server is draining; use another replica")
@@ -266,7 +242,7 @@ class TeacherServer:
             return self._refuse(peer, rid, e.code, str(e))
         except Exception as e:  # a check that tripped over the input is still a bad request
             return self._refuse(peer, rid, ErrorCode.MALFORMED, f"invalid SCORE: {type(e).__name__}: {e}")
-        job = _Job(peer, req, now, credit=msg.window)
+        job = Job(peer, req, now, credit=msg.window)
         with self._cv:
             if job.key in self._jobs:
                 return self._refuse(peer, rid, ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
@@ -345,150 +321,6 @@ class TeacherServer:
         worker = getattr(self, "_worker", None)
         if self._own_ctx and (worker is None or not worker.is_alive()):
             self.ctx.term()   # waits for the router's linger (a worker still computing keeps its socket)
-
-    # ---- the worker thread ---------------------------------------------------------------
-
-    def _release_locked(self, job: _Job) -> None:
-        if not job.released:
-            job.released = True
-            self._inflight_tokens -= job.req.num_tokens
-
-    def _finish_locked(self, job: _Job) -> None:
-        if self._jobs.get(job.key) is not job:  # already finished
-            return
-        self._release_locked(job)
-        del self._jobs[job.key]
-        if job in self._streams:
-            self._streams.remove(job)
-
-    def _next_work(self):
-        """Under the lock: alternately one chunk of a stream that has credit (round robin) and
-        the next pending work (a group of top-k jobs, or a new stream)."""
-        self._streams_first = not self._streams_first
-        if self._streams_first or not self._pending:
-            for i, job in enumerate(self._streams):
-                if job.cancelled or job.credit > 0:
-                    job.credit -= 1
-                    self._streams.append(self._streams.pop(i))  # next time, the others first
-                    return "chunk", job
-        if not self._pending:
-            return None
-        if self._pending[0].req.mode == "full":
-            job = self._pending.popleft()
-            self._streams.append(job)
-            return "start", job
-        group, tokens = [], 0
-        while self._pending and self._pending[0].req.mode == "topk":
-            n = self._pending[0].req.num_tokens
-            if group and tokens + n > self.limits.batch_tokens:
-                break
-            group.append(self._pending.popleft())
-            tokens += n
-        return "topk", group
-
-    def _worker_loop(self, pipe_address: str) -> None:
-        out = self.ctx.socket(zmq.PAIR)
-        out.connect(pipe_address)
-        try:
-            while True:
-                with self._cv:
-                    work = self._next_work()
-                    while work is None and not self._stop_worker:
-                        self._cv.wait()
-                        work = self._next_work()
-                    if work is None:
-                        return
-                kind, what = work
-                try:
-                    if kind == "topk":
-                        self._compute_topk(out, what)
-                    else:
-                        self._step_stream(out, what, start=kind == "start")
-                except Exception as e:  # never let one request kill the worker
-                    for job in what if kind == "topk" else [what]:
-                        if job.key in self._jobs:
-                            job.stream = None
-                            self._internal(out, job, e)
-        finally:
-            out.close(linger=0)
-
-    def _post(self, wake, peer: bytes, frames: list) -> None:
-        """Worker side: queue an answer for the socket thread; wake it unless a wake is pending."""
-        self._outbox.append((peer, frames))
-        if not self._wake_pending:
-            self._wake_pending = True
-            wake.send(b"")
-
-    def _done(self, out, job: _Job, msg, tensors=()) -> None:
-        # Its tokens are released before the answer leaves, so that a client which sends its
-        # next request on receiving this answer finds the budget free (a batch split to fit
-        # max_inflight_tokens, opd.teachers.client). The job is finished after queueing: once
-        # the socket thread sees no jobs, every answer is in the outbox.
-        frames = encode(msg, tensors)
-        with self._cv:
-            self._release_locked(job)
-        self._post(out, job.peer, frames)
-        with self._cv:
-            self._finish_locked(job)
-
-    def _stats(self, job: _Job) -> Done:
-        now = time.monotonic()
-        return Done(request_id=job.req.request_id, rows=job.rows, tokens=job.req.num_tokens,
-                    queue_ms=1e3 * (job.started - job.arrived), compute_ms=1e3 * (now - job.started),
-                    total_ms=1e3 * (now - job.arrived), chunks=job.chunks_sent)
-
-    def _internal(self, out, job: _Job, e: Exception) -> None:
-        log.exception("backend failed on request %d", job.req.request_id)
-        self._done(out, job, error(job.req.request_id, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"[:1000]))
-
-    def _cancelled(self, job: _Job):
-        why = "server shut down before finishing" if job.cancel_code == ErrorCode.SHUTTING_DOWN else "cancelled"
-        return error(job.req.request_id, job.cancel_code, why)
-
-    def _compute_topk(self, out, group: list[_Job]) -> None:
-        started = time.monotonic()
-        for job in group:
-            job.started = started
-        live = [j for j in group if not j.cancelled]
-        for job in group:
-            if job.cancelled:    # cancelled before the call
-                self._done(out, job, self._cancelled(job))
-        try:
-            answers = self.backend.score_topk([j.req for j in live]) if live else []
-        except Exception as e:
-            for job in live:
-                self._internal(out, job, e)
-            return
-        for job, ans in zip(live, answers):
-            if job.cancelled:    # cancelled during the call: one answer, CANCELLED
-                self._done(out, job, self._cancelled(job))
-                continue
-            self._done(out, job, TopK(request_id=job.req.request_id, row_offsets=job.row_offsets,
-                                      stats=self._stats(job)), tuple(ans))
-
-    def _step_stream(self, out, job: _Job, start: bool) -> None:
-        rid = job.req.request_id
-        if job.cancelled:
-            job.stream = None
-            return self._done(out, job, self._cancelled(job))
-        try:
-            if start:
-                job.started = time.monotonic()
-                job.stream = iter(self.backend.score_full(job.req))
-                with self._cv:
-                    job.credit -= 1  # the first chunk goes out now
-            n_chunks = -(-job.rows // job.req.chunk_rows)
-            if job.chunks_sent < n_chunks:
-                c = next(job.stream)
-                msg = Chunk(request_id=rid, row_start=c.row_start, row_offsets=job.row_offsets)
-                self._post(out, job.peer, encode(msg, (c.logits, c.lse, c.token_logprob)))
-                job.chunks_sent += 1
-            if job.chunks_sent == n_chunks:
-                job.stream = None
-                self._done(out, job, self._stats(job))
-        except Exception as e:
-            job.stream = None
-            self._internal(out, job, e)
 
 
 class _AllowList:

@@ -36,6 +36,7 @@ fp32 does not resolve, is reported as 2**-24).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -75,9 +76,7 @@ class VLLMBackend(TeacherBackend):
                  **llm_kwargs):
         """`device` is informational: vLLM runs on the platform its build targets (the CPU
         build here, CUDA for the `vllm` wheel). Extra keyword arguments go to `vllm.LLM`."""
-        import json
-
-        from vllm import LLM
+        from vllm import LLM   # lazy: vllm is optional and heavy (the module imports without it)
 
         self.teacher = name
         self.model_id = str(model_dir)
@@ -134,7 +133,7 @@ class VLLMBackend(TeacherBackend):
 
     def _prompt_logprobs(self, reqs: list[ScoreRequest]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
         """Per request, per sequence: (ids, log-probs) [scored rows, k + 1], from one generate call."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams   # lazy, as in __init__
         from vllm.inputs import TokensPrompt
 
         prompts, params, owner = [], [], []

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from opd.kernels import TopKTeacher, distill_loss
-from opd.kernels.loss import TAIL_LOGMASS_FLOOR
+from opd.kernels import TAIL_LOGMASS_FLOOR, TopKTeacher, distill_loss
+from opd.teachers.backend import TAIL_LOGMASS_FLOOR as TEACHER_TAIL_LOGMASS_FLOOR
 from opd.teachers.backend import tail_logmass_from_topk
 
 
@@ -19,6 +19,11 @@ def _topk(logits: torch.Tensor, k: int):
     exact = torch.log_softmax(logits.double(), -1)
     tail = exact.scatter(-1, ids, -math.inf).logsumexp(-1)   # float64 log-mass outside the top k
     return vals, ids, tail
+
+
+def test_the_teacher_side_tail_floor_is_the_loss_one():
+    # Two copies, so that the teacher side need not import the loss package: they must not drift.
+    assert TEACHER_TAIL_LOGMASS_FLOOR == TAIL_LOGMASS_FLOOR == math.log(2.0 ** -24)
 
 
 def test_a_resolved_tail_is_exact():

@@ -352,7 +352,7 @@ def test_pending_requests_share_one_backend_call(teacher):
 def test_full_mode_default_chunk_fits_a_large_vocabulary():
     """A fixed 1024-row chunk exceeded the server's 256 MiB CHUNK limit past V = 65,536 (found
     by `opd bench step --vocab 152064`); the client now sizes chunks from the WELCOME."""
-    from opd.bench.transport import PrecomputedBackend
+    from opd.benchmarks.transport import PrecomputedBackend
     from opd.teachers.protocol import default_chunk_rows
     from opd.teachers.server import serving_in_thread
 
