@@ -15,6 +15,8 @@ at any point leaves the previous checkpoint and `latest` untouched.
 
 from __future__ import annotations
 
+import copy
+import fnmatch
 import json
 import os
 import pickle
@@ -177,8 +179,6 @@ def resume_changes(saved: dict | None, now: dict, fixed: tuple[str, ...], free: 
     address may move): refused. The others are returned, for the card: a resumed run's card
     must say what the steps before the resume were trained with. `saved` None: a checkpoint
     from before configs were saved in it; nothing to compare."""
-    import fnmatch
-
     if saved is None:
         return []
     a, b = _flatten(saved), _flatten(now)
@@ -226,8 +226,6 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None, 
 def save_final_model(model, tokenizer, target: str | Path) -> Path:
     """A full, loadable model directory with its tokenizer (a peft LoRA adapter is merged in),
     ready for `opd serve-teacher --model`, `opd validate` or the next stage of the recipe."""
-    import copy
-
     target = Path(target)
     if hasattr(model, "merge_and_unload"):  # peft: merge a copy, keep training weights untouched
         model = copy.deepcopy(model).merge_and_unload()

@@ -11,8 +11,10 @@ by `--help` and by `describe(cls)`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -27,9 +29,12 @@ class ConfigError(ValueError):
 
 
 def field(default: Any = dataclasses.MISSING, *, help: str, default_factory: Any = dataclasses.MISSING,
-          choices: tuple | None = None, min: float | None = None, max: float | None = None):
-    """A dataclass field with a one-line `help` and optional range checks."""
-    md = {"help": help, "choices": choices, "min": min, "max": max}
+          choices: tuple | None = None, min: float | None = None, max: float | None = None,
+          aliases: tuple[str, ...] = ()):
+    """A dataclass field with a one-line `help` and optional range checks. `aliases`: earlier
+    names of the key that a YAML file may still use (`opd rl`'s `ckpt_every` is `run.checkpoint_every`
+    since the loops share their run section); they are read as the field, never written."""
+    md = {"help": help, "choices": choices, "min": min, "max": max, "aliases": tuple(aliases)}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=md)
     return dataclasses.field(default=default, metadata=md)
@@ -118,15 +123,20 @@ def _check_range(f: dataclasses.Field, value: Any, where: str, key: str) -> None
 def _build(cls: type[T], node: yaml.MappingNode, source: str, prefix: str = "") -> T:
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    aliases = {a: name for name, f in fields.items() for a in f.metadata.get("aliases", ())}
     kwargs = {}
     for knode, vnode in node.value:
-        key = _plain(knode)
+        key = aliases.get(_plain(knode), _plain(knode))
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
+            moved = getattr(cls, "MOVED", {}).get(key)   # a key that moved to another section
+            if moved:
+                raise ConfigError(f"{_where(source, knode)}: key '{full}' is now '{moved}'; move it there")
             raise ConfigError(f"{_where(source, knode)}: unknown key '{full}' for {cls.__name__}; "
                               f"expected one of: {', '.join(sorted(fields))}")
         if key in kwargs:   # YAML keeps the last one silently
-            raise ConfigError(f"{_where(source, knode)}: key '{full}' given twice")
+            raise ConfigError(f"{_where(source, knode)}: key '{full}' given twice"
+                              + (f" (as {_plain(knode)!r}, an earlier name of it)" if _plain(knode) != key else ""))
         value = _convert(hints[key], vnode, source, full)
         _check_range(fields[key], value, _where(source, vnode), full)
         kwargs[key] = value
@@ -141,7 +151,7 @@ def _build(cls: type[T], node: yaml.MappingNode, source: str, prefix: str = "") 
         raise ConfigError(f"{_where(source, node)}: {prefix or cls.__name__}: {e}") from None
 
 
-def from_yaml_text(text: str, cls: type[T], source: str = "<string>") -> T:
+def from_yaml_text(text: str, cls: type[T], source: str = "<string>", section: str | None = None) -> T:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -150,15 +160,22 @@ def from_yaml_text(text: str, cls: type[T], source: str = "<string>") -> T:
         node = yaml.MappingNode("tag:yaml.org,2002:map", [])
     if not isinstance(node, yaml.MappingNode):
         raise ConfigError(f"{source}: the top level must be a mapping of keys to values")
-    return _build(cls, node, source)
+    if section is None:
+        return _build(cls, node, source)
+    found = [v for k, v in node.value if _plain(k) == section]
+    if not found:
+        raise ConfigError(f"{source}: no `{section}:` section")
+    return _convert(cls, found[-1], source, section)
 
 
-def load_yaml(path: str | Path, cls: type[T]) -> T:
-    """Load `path` into the frozen dataclass `cls`; raise ConfigError with file:line on any problem."""
+def load_yaml(path: str | Path, cls: type[T], *, section: str | None = None) -> T:
+    """Load `path` into the frozen dataclass `cls`; raise ConfigError with file:line on any problem.
+    section: build `cls` from that top-level key only (the `merge:` of a train config), its keys
+    named `section.key` in errors."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
-    return from_yaml_text(p.read_text(), cls, source=str(p))
+    return from_yaml_text(p.read_text(), cls, source=str(p), section=section)
 
 
 def from_dict(data: dict, cls: type[T], source: str = "<dict>") -> T:
@@ -195,14 +212,14 @@ def describe(cls: type, indent: str = "") -> str:
             lines.append(f"{indent}{f.name}:  {f.metadata.get('help', '')}")
             lines.append(describe(inner[0] if inner else tp, indent + "  "))
         else:
-            lines.append(f"{indent}{f.name} ({_type_name(tp)}, {default}): {f.metadata.get('help', '')}")
+            was = f.metadata.get("aliases") or ()
+            lines.append(f"{indent}{f.name} ({_type_name(tp)}, {default}): {f.metadata.get('help', '')}"
+                         + (f" (formerly {', '.join(was)})" if was else ""))
     return "\n".join(lines)
 
 
 def check_device(device: str, *, auto: bool = False) -> None:
     """A torch device string, checked with the config (a typo failed only when the model moved)."""
-    import re
-
     if not ((auto and device == "auto") or re.fullmatch(r"(cpu|cuda|xpu|mps|npu)(:\d+)?", device)):
         raise ValueError(f"device {device!r}: expected {'auto, ' if auto else ''}cpu, cuda or cuda:N")
 
@@ -232,9 +249,6 @@ def number_arg(kind: type = int, low: float = 1, *, strict: bool = False, note: 
     a value given there skips the config's range checks, so 0 or -3 would be taken as is.
     `kind` int or float (finite); at least `low`, or above it when `strict`; `note` follows
     the bound in the error ("(0: no limit)")."""
-    import argparse
-    import math
-
     def parse(text: str):
         try:
             value = kind(text)
