@@ -23,13 +23,13 @@ echo "== 1. Triton kernels on CUDA vs the reference"
 timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/kernels/test_kernels_cuda.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
 
 echo "== 2. opd bench kernels, CUDA, bf16"
-timeout 300 python3 -m opd.bench.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 60 \
+timeout 300 python3 -m opd.benchmarks.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 60 \
     --providers ${PROVIDERS:-reference plain opd liger} --cases fused_jsd_llama kl_full jsd_full kl_topk fused_kl_full fused_kl_topk \
     --json "$OUT/kernels_bf16.json" 2>&1 | tee "$OUT/kernels_bf16.txt"
 
 echo "== 3. fused_jsd_llama: launch configs (BN,BV,BH,warps,stages) and the matmul floor"
 for cfg in 64,128,64,8,3 64,64,64,8,4 64,64,32,8,4; do
-    timeout 100 python3 -m opd.bench.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 90 \
+    timeout 100 python3 -m opd.benchmarks.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 90 \
         --cases fused_jsd_llama --providers opd --fused-blocks $cfg --json "$OUT/sweep_${cfg//,/_}.json" 2>&1 | tail -1
 done | tee "$OUT/sweep.txt"
 timeout 60 python3 - <<'EOF' 2>&1 | tee "$OUT/matmul.txt"

@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 
+from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss
+from opd.kernels.maths import divergence_name
+
 # name -> (fused, teacher kind, beta, N, V, H)
 CASES = {
     "kl_full": (False, "full", 0.0, 2048, 152064, 0),
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _in_subprocess(spec: dict, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "opd.bench.kernels", "--worker", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "opd.benchmarks.kernels", "--worker", json.dumps(spec)]
     env = dict(os.environ)
     if spec["provider"] == "liger" and spec["device"] == "cpu":
         env["TRITON_INTERPRET"] = "1"   # Triton has no CPU backend; its interpreter runs tiny shapes
@@ -123,7 +126,6 @@ def _in_subprocess(spec: dict, timeout: float) -> dict:
 
 
 def _row(spec: dict, peak: int | None = None, times: list[float] | None = None, error: str | None = None):
-    from opd.kernels.loss import divergence_name
     return {"case": spec["case"], "impl": spec["provider"], "divergence": divergence_name(spec["beta"]),
             "teacher": spec["teacher"], "fused": spec["fused"], "N": spec["N"], "V": spec["V"],
             "H": spec["H"], "dtype": spec["dtype"], "device": spec["device"],
@@ -167,7 +169,6 @@ def _reset_peak() -> bool:
 
 def _inputs(spec: dict, torch, device):
     """Inputs built in place (no temporaries), so the baseline RSS is the inputs only."""
-    from opd.kernels import TopKTeacher
     g = torch.Generator(device="cpu").manual_seed(0)
     dtype = getattr(torch, spec["dtype"])
     n, v, h = spec["N"], spec["V"], spec["H"]
@@ -197,7 +198,6 @@ def _inputs(spec: dict, torch, device):
 
 
 def _step_fn(spec: dict, inputs: dict, torch):
-    from opd.kernels import distill_loss, fused_linear_distill_loss
     impl = "reference" if spec["provider"] == "reference" else "auto"
     beta = spec["beta"]
     leaves = [inputs["hidden"], inputs["weight"]] if spec["fused"] else [inputs["student"]]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from opd.bench import step
+from opd.benchmarks import step
 
 
 def test_group_memory_sees_a_child_allocate():

@@ -14,6 +14,8 @@ import platform
 import time
 from pathlib import Path
 
+from opd.benchmarks.transport import ratio_spread
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="folder for the JSON files and summary.md")
@@ -44,7 +46,7 @@ def run(args) -> int:
                                  "--warmup", "1", "--rounds", "2", *(["--trl-python", args.trl_python] if args.trl_python else [])]
     wall = {}
     for name, argv in plans.items():
-        module = importlib.import_module(f"opd.bench.{name.split('-')[0]}")
+        module = importlib.import_module(f"opd.benchmarks.{name.split('-')[0]}")
         print(f"== opd bench {name} {' '.join(argv)}", flush=True)
         t0 = time.perf_counter()
         module.run(_sub_args(module, argv))
@@ -81,7 +83,6 @@ def _references(r: dict) -> str:
 
 
 def summary(out: Path, wall: dict, quick: bool) -> str:
-    from opd.bench.transport import ratio_spread
 
     lines = [f"# Benchmark summary{' (quick smoke run: not representative)' if quick else ''}", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "

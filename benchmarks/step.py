@@ -31,6 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from opd.teachers.launch import start_server_process
+from opd.tiny import build_tiny_model
+
 REPO = Path(__file__).resolve().parents[2]
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\nA:"
                  "{% else %} {{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}")
@@ -43,8 +46,6 @@ def build_models(work: Path | str, vocab: int | None = None) -> tuple[Path, Path
     from transformers import AutoTokenizer
 
     work = Path(work)
-
-    from opd.tiny import build_tiny_model
 
     student = build_tiny_model(work / "student", layers=2, hidden=64, intermediate=128, seed=0, vocab_size=vocab)
     teacher = build_tiny_model(work / "teacher", layers=4, hidden=128, heads=4, kv_heads=2, intermediate=256, seed=1,
@@ -152,8 +153,6 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
     """One `opd train` run. launch: fork: the trainer forks its teacher server (cluster.mode fork,
     the runtime held once); process: the teacher is an `opd serve-teacher` started beforehand."""
     import yaml
-
-    from opd.teachers.launch import start_server_process
 
     memory = GroupMemory()
     server = None
@@ -287,7 +286,7 @@ def _trl_python(arg: str | None) -> str | None:
 
 def run_trl(python: str, work: Path, steps: int, warmup: int, threads: int = 1) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    code = f"from opd.bench.step import _trl_main; _trl_main({str(work)!r}, {steps}, {threads})"
+    code = f"from opd.benchmarks.step import _trl_main; _trl_main({str(work)!r}, {steps}, {threads})"
     memory = GroupMemory()
     proc = subprocess.Popen([python, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     memory.pids.append(proc.pid)
@@ -330,7 +329,7 @@ def run(args) -> int:
         raise SystemExit(f"opd bench step: --warmup ({args.warmup}) must lie in [0, --steps ({args.steps}))")
     work = Path(tempfile.mkdtemp(prefix="opd-bench-step-"))
     # In a child, so that this process never maps torch (see GroupMemory).
-    subprocess.run([sys.executable, "-c", f"from opd.bench.step import build_models; build_models({str(work)!r}, {args.vocab})"],
+    subprocess.run([sys.executable, "-c", f"from opd.benchmarks.step import build_models; build_models({str(work)!r}, {args.vocab})"],
                    check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
     student, teacher, data = work / "student", work / "teacher", work / "prompts.jsonl"
     python = _trl_python(args.trl_python)

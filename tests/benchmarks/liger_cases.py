@@ -12,7 +12,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from opd.bench.kernels import _inputs, _step_fn  # noqa: E402
+from opd.benchmarks.kernels import _inputs, _step_fn  # noqa: E402
 from opd.kernels import distill_loss, fused_linear_distill_loss  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from opd.bench.kernels import _spec, _worker
+from opd.benchmarks.kernels import _spec, _worker
 
 
 @pytest.mark.parametrize("case,provider", [("kl_topk", "opd"), ("fused_kl_full", "opd"), ("jsd_full", "reference")])
@@ -49,7 +49,7 @@ def test_the_plain_provider_computes_our_divergence(beta):
     # reference, or its time and memory would be for another computation.
     import torch
 
-    from opd.bench.kernels import _inputs, _step_fn
+    from opd.benchmarks.kernels import _inputs, _step_fn
 
     grads = {}
     for provider in ("reference", "plain"):
@@ -69,7 +69,7 @@ def test_the_plain_provider_is_listed_as_not_run_where_it_does_not_apply(tmp_pat
     # A fused or top-k case has no plain loss: its row says so rather than "exit 1".
     import argparse
 
-    from opd.bench.kernels import PLAIN_ONLY, add_arguments, run
+    from opd.benchmarks.kernels import PLAIN_ONLY, add_arguments, run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

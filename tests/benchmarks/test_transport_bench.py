@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from opd.bench import transport
+from opd.benchmarks import transport
 from opd.teachers.client import TeacherClient
 from opd.teachers.server import ServerLimits, serving_in_thread
 

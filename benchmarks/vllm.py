@@ -1,6 +1,6 @@
 """Teacher scoring and student rollout throughput: transformers vs vLLM, side by side.
 
-    python scripts/bench_vllm.py [--model DIR] [--out runs/bench_vllm.json]
+    python benchmarks/vllm.py [--model DIR] [--out runs/bench_vllm.json]
 
 Teacher: top-k scoring of `--seqs` x `--seq-len` tokens (every position scored) for k in
 {1, 8, 64}, in scored positions per second, for
@@ -24,6 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from opd.rollout.base import SamplingParams as RolloutSampling
+from opd.rollout.hf import HFRolloutEngine
+from opd.rollout.vllm import VLLMRolloutEngine
+from opd.teachers.backend import ScoreRequest
+from opd.teachers.hf_backend import HFBackend
+from opd.teachers.vllm_backend import VLLMBackend
+from opd.tiny import build_tiny_model
+
 KS = (1, 8, 64)
 
 
@@ -41,8 +49,6 @@ def _timed(fn, repeats: int) -> float:
 def _score_request(seqs, k: int):
     import torch
 
-    from opd.teachers.backend import ScoreRequest
-
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
@@ -52,8 +58,6 @@ def _score_request(seqs, k: int):
 
 
 def bench_teachers(model_dir: Path, seqs, repeats: int) -> list[dict]:
-    from opd.teachers.hf_backend import HFBackend
-    from opd.teachers.vllm_backend import VLLMBackend
 
     rows = sum(len(s) - 1 for s in seqs)
     results = []
@@ -81,11 +85,7 @@ def bench_rollouts(model_dir: Path, prompts, new_tokens: int, repeats: int) -> l
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from opd.rollout.base import SamplingParams
-    from opd.rollout.hf import HFRolloutEngine
-    from opd.rollout.vllm import VLLMRolloutEngine
-
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=0)
+    params = RolloutSampling(temperature=1.0, max_new_tokens=new_tokens, seed=0)
     results = []
 
     def run(engine, name):
@@ -119,7 +119,6 @@ def main() -> None:
 
     model_dir = args.model
     if model_dir is None:
-        from opd.tiny import build_tiny_model
 
         model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="opd-bench-")) / "tiny", seed=0, heads=2, kv_heads=1)
     g = torch.Generator().manual_seed(0)

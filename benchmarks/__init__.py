@@ -14,10 +14,10 @@ import argparse
 import importlib
 
 SUBJECTS = {
-    "kernels": ("opd.bench.kernels", "distillation loss kernels: peak extra memory and median time"),
-    "transport": ("opd.bench.transport", "teacher transport: positions/s vs bare ZeroMQ and HTTP/JSON"),
-    "step": ("opd.bench.step", "one OPD training step vs TRL GKDTrainer (lmbda=1)"),
-    "all": ("opd.bench.all", "run kernels, transport and step and write summary.md"),
+    "kernels": ("opd.benchmarks.kernels", "distillation loss kernels: peak extra memory and median time"),
+    "transport": ("opd.benchmarks.transport", "teacher transport: positions/s vs bare ZeroMQ and HTTP/JSON"),
+    "step": ("opd.benchmarks.step", "one OPD training step vs TRL GKDTrainer (lmbda=1)"),
+    "all": ("opd.benchmarks.all", "run kernels, transport and step and write summary.md"),
 }
 
 

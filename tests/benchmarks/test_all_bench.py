@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from opd.bench.all import summary
+from opd.benchmarks.all import summary
 
 
 def test_summary_tables_from_json(tmp_path):
@@ -34,7 +34,7 @@ def test_summary_tables_from_json(tmp_path):
 
 
 def test_summary_says_why_a_kernel_row_was_not_run(tmp_path):
-    from opd.bench.kernels import LIGER_ON_CPU
+    from opd.benchmarks.kernels import LIGER_ON_CPU
 
     row = {"case": "kl_full", "impl": "liger", "divergence": "forward_kl", "teacher": "full", "N": 2048,
            "V": 152064, "H": 0, "dtype": "float32", "peak_extra_bytes": None, "median_ms": None, "error": LIGER_ON_CPU}
@@ -52,7 +52,7 @@ def test_every_bench_option_says_what_it_is_and_its_default_once(capsys):
 
     import pytest
 
-    from opd.bench import SUBJECTS
+    from opd.benchmarks import SUBJECTS
     from opd.cli import build_parser, main
 
     parser = build_parser("bench")
