@@ -2,8 +2,12 @@
 
 Import root for the whole project. The top-level folders of the repository are its
 subpackages (`opd.kernels` lives in `kernels/`, `opd.teachers` in `teachers/`,
-`opd.routing` in `routing/`, `opd.rl` in `rl/`); pyproject.toml maps them for an
-installed or editable package.
+`opd.routing` in `routing/`, `opd.rl` in `rl/`, `opd.benchmarks` in `benchmarks/`);
+pyproject.toml maps them for an installed or editable package. Inside `opd/`: the ground
+floor (config, data, checkpoint, metrics, card, fingerprint, rope, lm_head, diagnostics,
+lora, tiny), the training spine (`spine/`), rollout engines (`rollout/`), the loops of
+`opd train` (`distill/`) and `opd sft` (`sft/`), Ray placement (`cluster/`), and the
+command line (`cli.py`). docs/architecture.md draws the floors.
 """
 
 from pathlib import Path as _Path

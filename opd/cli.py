@@ -2,7 +2,7 @@
 
 Each subcommand lives in its own module, which defines `add_arguments(parser)` and
 `run(args) -> int`. The table below is the whole dispatch; a module is imported only
-when its command (or `--help`) needs it.
+when its command is run (or its `--help` is asked for): `opd --help` imports none.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "sft": ("opd.sft", "supervised fine-tuning on prompt/response JSONL: the start point of the recipe"),
+    "sft": ("opd.sft.cli", "supervised fine-tuning on prompt/response JSONL: the start point of the recipe"),
     "serve-teacher": ("opd.teachers.serve", "serve a frozen teacher model over ZeroMQ (top-k or full-vocabulary answers)"),
     "keys": ("opd.teachers.keys", "generate CURVE key pairs that authenticate and encrypt teacher traffic"),
-    "train": ("opd.train", "on-policy distillation of a student from live teacher servers (single or multi-teacher)"),
-    "probe": ("opd.probe", "before a run: initial KL, top-k overlap and tail mass between a student and a teacher"),
+    "train": ("opd.distill.cli", "on-policy distillation of a student from live teacher servers (single or multi-teacher)"),
+    "probe": ("opd.distill.probe", "before a run: initial KL, top-k overlap and tail mass between a student and a teacher"),
     "route": ("opd.routing.cli", "fit or inspect the domain router (text classifier) of a merge config"),
     "rl": ("opd.rl.train", "GRPO training of a domain expert against verifiable rewards"),
     "validate": ("opd.rl.validate", "evaluate checkpoints on held-out verifiable sets (pass@1, pass@k), optional short GRPO"),
-    "bench": ("opd.bench", "benchmarks: kernels, transport, step (writes JSON and a table)"),
+    "bench": ("opd.benchmarks", "benchmarks: kernels, transport, step (writes JSON and a table)"),
 }
 
 
@@ -38,7 +38,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        if only is None or name == only:
+        if name == only:
             importlib.import_module(module).add_arguments(p)
             p.set_defaults(_module=module)
     return parser
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 # OPD_TRACEBACK=1 shows the traceback of these too.
 _FILE_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)
 _USER_ERRORS = {"opd.config": "ConfigError", "opd.data": "DataError", "opd.checkpoint": "CheckpointError",
-                "opd.train_teachers": "TrainError", "opd.routing.router": "RoutingError",
+                "opd.spine.optim": "TrainError", "opd.routing.router": "RoutingError",
                 "opd.routing.checks": "TeacherCheckError", "opd.teachers.client": "TeacherError",
                 "opd.fingerprint": "ModelDirError"}
 

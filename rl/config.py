@@ -5,50 +5,35 @@
     data:       prompts (JSONL with `answer` or `tests` for the verifiers)
     algorithm:  advantages, clipping, epochs, KL to the reference, loss aggregation
     rewards:    a weighted list of reward functions
-    optim, run: optimizer; steps, evaluation, checkpoints, seed, output folder
+    optim, run: optimizer and clipping; steps, evaluation, checkpoints, seed, output folder
     cluster:    local, or ray: the G responses are sampled by rollout actors on a Ray cluster
+
+`model`, and the shared fields of `rollout`, `optim` and `run`, are the training spine's
+sections (opd/spine/config.py), the same classes `opd train` uses. Two keys were renamed when
+the loops began sharing them, and the old names are still read: `rollout.max_model_len` is
+`rollout.vllm_max_model_len`, `run.ckpt_every` is `run.checkpoint_every`;
+`algorithm.max_grad_norm` moved to `optim.grad_clip`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from opd.cluster import ClusterConfig, StudentWorkers, TeacherReplicas
-from opd.config import check_device, check_top_p, check_vllm_lora, field
-from opd.lora import LoraSpec
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    path: str = field(help="local model directory (transformers format) to start from")
-    lora: LoraSpec | None = field(None, help="train a peft LoRA adapter instead of all weights; "
-                                               "the reference is then the base with the adapter switched off")
-    dtype: Literal["float32", "bfloat16", "float16"] = field("float32", help="weights dtype")
-    device: str = field("auto", help="'auto' (cuda when available), 'cpu' or 'cuda:N'")
-
-    def __post_init__(self):
-        check_device(self.device, auto=True)
+from opd.cluster.config import ClusterConfig, StudentWorkers, TeacherReplicas
+from opd.config import check_vllm_lora, field
+from opd.spine import config as spine
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
-    engine: Literal["hf", "vllm"] = field("hf", help="hf: a KV-cached sampling loop over the transformers model "
-                                                     "(exact); vllm: the vLLM engine")
-    group_size: int = field(8, help="G: responses sampled per prompt", min=2)
-    temperature: float = field(1.0, help="sampling temperature (too low -> groups of identical answers)", min=0.0)
-    top_p: float = field(1.0, help="nucleus sampling", min=0.0, max=1.0)
+class RolloutConfig(spine.RolloutConfig):
     max_new_tokens: int = field(256, help="response length limit (also the Dr. GRPO normalizer)", min=1)
-    batch_size: int = field(64, help="sequences sampled together (hf engine)", min=1)
-    max_model_len: int = field(2048, help="vLLM engine: prompt + response length limit", min=16)
+    group_size: int = field(8, help="G: responses sampled per prompt", min=2)
     # --- on Ray (cluster.mode: ray): hf engines as actors, the prompts split between them
     actors: int = field(1, help="cluster.mode ray: rollout actors, each with its own copy of the policy", min=1)
     actor_cpus: float = field(1.0, help="cluster.mode ray: CPUs reserved per rollout actor (its torch threads)",
                               min=0.0)
     actor_gpus: float = field(0.0, help="cluster.mode ray: GPUs reserved per rollout actor", min=0.0)
-
-    def __post_init__(self):
-        check_top_p(self.top_p, "rollout.top_p")
 
 
 @dataclass(frozen=True)
@@ -62,6 +47,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
+    MOVED: ClassVar[dict[str, str]] = {"max_grad_norm": "optim.grad_clip"}   # refused with where it went now
     advantage: Literal["grpo", "dr_grpo", "batch_std", "rloo"] = field(
         "grpo", help="grpo: (r-mean)/(std+eps) per group; dr_grpo: r-mean; batch_std: one std for the batch; "
                      "rloo: leave-one-out baseline")
@@ -76,7 +62,6 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k3"] = field("k3", help="per-token KL estimator: k1 = log pi/ref, k3 = r - 1 - log r")
     loss_aggregation: Literal["token_mean", "seq_mean", "dr_grpo"] = field(
         "token_mean", help="token_mean (DAPO), seq_mean (original GRPO), dr_grpo (sum / (B * max_new_tokens))")
-    max_grad_norm: float = field(1.0, help="gradient clipping (0 = off)", min=0.0)
 
 
 @dataclass(frozen=True)
@@ -97,21 +82,19 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    lr: float = field(1e-6, help="AdamW learning rate", min=0.0)
-    weight_decay: float = field(0.0, help="AdamW weight decay", min=0.0)
-    warmup_steps: int = field(0, help="linear warm-up steps, then constant", min=0)
+class OptimConfig(spine.OptimConfig):
+    lr: float = field(1e-6, help="peak AdamW learning rate", min=0.0)
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    steps: int = field(100, help="training steps (one rollout batch each)", min=1)
-    eval_every: int = field(0, help="evaluate on data.eval every N steps (0 = only at the end, if eval is set)", min=0)
-    ckpt_every: int = field(50, help="checkpoint every N steps (0 = only at the end)", min=0)
-    keep_checkpoints: int = field(2, help="keep the newest N checkpoints", min=1)
-    seed: int = field(0, help="seed for data order, sampling and initialisation")
+class RunConfig(spine.RunConfig):
     out_dir: str = field("runs/rl", help="run folder: metrics.jsonl, plots/, card.md, checkpoints/, model/")
-    flat_warning: float = field(0.8, help="warn when more than this share of groups got all-equal rewards", min=0.0, max=1.0)
+    eval_every: int = field(0, help="evaluate on data.eval every N steps (0: only at the end, if eval is set)",
+                            min=0)
+    checkpoint_every: int = field(50, help="checkpoint every N steps (0: only at the end)", min=0,
+                                  aliases=("ckpt_every",))
+    flat_warning: float = field(0.8, help="warn when more than this share of groups got all-equal rewards", min=0.0,
+                                max=1.0)
 
 
 @dataclass(frozen=True)
@@ -130,21 +113,21 @@ class RLClusterConfig(ClusterConfig):
                                             help="opd train's teacher replicas; opd rl has no teachers: leave it "
                                                  "empty (refused otherwise)")
     student: StudentWorkers = field(default_factory=StudentWorkers,
-                                    help="opd train's data-parallel workers; opd rl trains in one process: "
-                                         "num_workers must stay 1 (rollout.actors sets the rollout actors)")
+                                    help="the policy's processes; opd rl trains in one process: num_workers must "
+                                         "stay 1 (rollout.actors sets the rollout actors)")
     request_timeout_s: float = field(120.0, help="opd train's teacher replica pools; not used by opd rl", min=0.1)
     recheck_s: float = field(2.0, help="opd train's teacher replica pools; not used by opd rl", min=0.05)
 
 
 @dataclass(frozen=True)
 class RLConfig:
-    model: ModelConfig = field(help="the policy being trained")
+    model: spine.ModelConfig = field(help="the policy being trained")
     data: DataConfig = field(help="prompts")
     rollout: RolloutConfig = field(default_factory=RolloutConfig, help="sampling G responses per prompt")
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig, help="GRPO objective")
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(name="math")],
                                         help="reward functions, summed with their weights")
-    optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer")
+    optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer, schedule and gradient clipping")
     run: RunConfig = field(default_factory=RunConfig, help="steps, evaluation, checkpoints, output")
     cluster: RLClusterConfig = field(default_factory=RLClusterConfig,
                                      help="local (default), or ray: rollout.actors rollout engines as Ray actors, "

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 from opd.config import ConfigError, describe, load_yaml, near, positive_int
+from opd.rl.config import RLConfig
+from opd.rl.trainer import GRPOTrainer
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -20,8 +22,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from opd.rl.config import RLConfig
-
     parser.add_argument("config", help="RL config YAML (see configs/rl_math.yaml and the keys below)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN/checkpoints")
     parser.add_argument("--overwrite", action="store_true",
@@ -36,8 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_config(path: str, steps: int | None = None, out: str | None = None):
     """Load an RL config; relative paths in it are taken relative to its folder (as in every opd
     config); --steps and --out override (--out relative to the current directory)."""
-    from opd.rl.config import RLConfig
-
     cfg = load_yaml(path, RLConfig)
     base = Path(path).resolve().parent
     rewards = [dataclasses.replace(r, path=near(base, r.path)) if r.path else r for r in cfg.rewards]
@@ -62,8 +60,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"opd rl: {e}", file=sys.stderr)
         return 2
-    from opd.rl.trainer import GRPOTrainer
-
     # A CheckpointError, DataError, ... is printed as one line by opd.cli, exit 1.
     trainer = GRPOTrainer(cfg, config_dir=Path(args.config).resolve().parent, resume=args.resume,
                           overwrite=args.overwrite)

@@ -13,7 +13,8 @@ Each step:
 
 The card is written at the start and rewritten with the results at the end. A checkpoint
 holds the run's config: `--resume` with another value of a key that defines the objective
-(RESUME_FIXED) is refused, other changes are listed in the card.
+(RESUME_FIXED) is refused, other changes are listed in the card. Loading the policy, the
+rollout engine, the optimizer and the run directory are the training spine's (opd/spine).
 
 Deviation from DeepSeekMath's GRPO worth knowing: the importance ratio is taken against
 the rollout engine's raw log-probs (what `Rollout.logprobs` holds), not a recomputed
@@ -21,7 +22,7 @@ forward pass; with the hf engine these are the same weights, so the first epoch'
 is 1 up to float noise. For that the policy's dropout is off (`disable_dropout`): the
 engines sample without it. See docs/grpo.md.
 
-With `cluster.mode: ray` step 1 runs on `rollout.actors` Ray actors (opd/cluster_rollout.py),
+With `cluster.mode: ray` step 1 runs on `rollout.actors` Ray actors (opd/cluster/rollout.py),
 each with its own copy of the policy; after step 5 the trainable weights are written to
 RUN/rollout_weights.safetensors and every actor loads that file (only the path goes
 through Ray), so the next step samples from the updated policy. docs/multi_machine.md.
@@ -38,19 +39,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from opd.card import write_card
-from opd.checkpoint import (CheckpointError, claim_run_dir, latest_checkpoint, load_checkpoint, resume_changes,
-                            save_checkpoint, save_final_model)
+from opd.rl.card import summary as summarize
+from opd.rl.card import write_grpo_card
+from opd.cluster.rollout import PoolEngine
+from opd.cluster.session import RayCluster
 from opd.config import to_dict
 from opd.data import Cycler, encode_prompt, load_jsonl
-from opd.lora import add_lora
-from opd.metrics import MetricsLogger, plot_metrics, read_metrics
+from opd.metrics import read_metrics
 from opd.rl import grpo
 from opd.rl.config import RLConfig
 from opd.rl.rewards import accuracy, build_reward, verify_batch
 from opd.rl.rewards.combine import check_reward_fields, reward_labels
 from opd.rollout import SamplingParams
 from opd.rope import rope_groups
+from opd.spine.model import load_policy, make_engine
+from opd.spine.optim import NonfiniteSteps, build_optimizer, optimizer_step
+from opd.spine.run import RunDir
 
 PLOT_GROUPS = {
     "reward": ["reward"], "groups": ["groups"], "length": ["length"], "kl": ["kl"],
@@ -66,7 +70,8 @@ PLOT_GROUPS = {
 # memory change nothing the policy learns.
 RESUME_FIXED = ("model.*", "rollout.group_size", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
                 "algorithm.*", "rewards", "rewards.*", "data.train", "data.prompts_per_step", "run.seed")
-RESUME_FREE = ("model.device", "algorithm.micro_batch_size")
+RESUME_FREE = ("model.device", "model.gradient_checkpointing", "algorithm.micro_batch_size",
+               "algorithm.max_grad_norm")   # retired: optim.grad_clip (a checkpoint from before has it)
 
 
 def _resume_view(config: dict | None) -> dict | None:
@@ -80,63 +85,11 @@ def _resume_view(config: dict | None) -> dict | None:
     return {**config, "rewards": {label: r for label, r in zip(labels, rewards)}}
 
 
-# ---- building blocks (model, engine, batch) -----------------------------------------------
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def load_policy(cfg: RLConfig):
-    """(model, tokenizer) with LoRA applied when configured; the model is in train mode."""
-    from transformers import AutoModelForCausalLM
-
-    from opd.fingerprint import load_model_tokenizer
-
-    dtype = getattr(torch, cfg.model.dtype)
-    tokenizer = load_model_tokenizer(cfg.model.path, "model.path")
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
-    model.to(resolve_device(cfg.model.device))
-    if cfg.model.lora is not None:
-        model = add_lora(model, cfg.model.lora, cfg.model.path)
-    disable_dropout(model)
-    model.train()
-    return model, tokenizer
-
-
-def disable_dropout(model) -> None:
-    """Every dropout of the policy off, in train mode too. The importance ratio compares the
-    policy with the rollout engine's dropout-free log-probs: with LoRA dropout 0.05 (a tiny
-    model, T 0.7), 39 % of a first epoch's tokens were clipped (ratios 0.2-2.5) where every
-    ratio should be 1."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):   # transformers' attention
-            module.attention_dropout = 0.0
-    config = getattr(model, "config", None)
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if isinstance(getattr(config, key, None), float):
-            setattr(config, key, 0.0)
-
-
-def make_engine(cfg: RLConfig, model, tokenizer):
-    if cfg.rollout.engine == "hf":
-        from opd.rollout.hf import HFRolloutEngine
-
-        return HFRolloutEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
-    from opd.rollout.vllm import VLLMRolloutEngine  # lazy: vLLM is heavy and optional
-
-    lora = {"rank": cfg.model.lora.rank} if cfg.model.lora is not None else None
-    engine = VLLMRolloutEngine(cfg.model.path, lora=lora, max_model_len=cfg.rollout.max_model_len,
-                               seed=cfg.run.seed, dtype=cfg.model.dtype)
-    engine.sync_weights(model)
-    return engine
-
+# ---- building blocks (the batch as tensors, the response logits) -----------------------------
 
 @dataclasses.dataclass
-class Batch:
+class PaddedRollouts:
+    """A batch of rollouts as tensors, every response starting at column `start`."""
     input_ids_B_L: torch.Tensor
     attention_B_L: torch.Tensor
     position_B_L: torch.Tensor
@@ -145,12 +98,12 @@ class Batch:
     old_logprobs_B_T: torch.Tensor  # rollout policy's raw log-probs
     start: int                      # column where every response begins
 
-    def rows(self, idx: slice | torch.Tensor) -> "Batch":
-        return Batch(self.input_ids_B_L[idx], self.attention_B_L[idx], self.position_B_L[idx],
+    def rows(self, idx: slice | torch.Tensor) -> "PaddedRollouts":
+        return PaddedRollouts(self.input_ids_B_L[idx], self.attention_B_L[idx], self.position_B_L[idx],
                      self.response_B_T[idx], self.mask_B_T[idx], self.old_logprobs_B_T[idx], self.start)
 
 
-def collate(rollouts, pad_id: int) -> Batch:
+def collate(rollouts, pad_id: int) -> PaddedRollouts:
     """Left-pad prompts so every response starts at the same column W, right-pad responses."""
     W = max(len(r.prompt_ids) for r in rollouts)
     T = max(max(len(r.response_ids) for r in rollouts), 1)
@@ -169,10 +122,10 @@ def collate(rollouts, pad_id: int) -> Batch:
         mask[i, :n] = 1.0
         old[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # the positions `generate` used with left padding
-    return Batch(ids, attn, pos, resp, mask, old, W)
+    return PaddedRollouts(ids, attn, pos, resp, mask, old, W)
 
 
-def response_logits(model, batch: Batch) -> torch.Tensor:
+def response_logits(model, batch: PaddedRollouts) -> torch.Tensor:
     """Logits that predict each response token: [B, T, V]."""
     device = next(model.parameters()).device
     T = batch.response_B_T.shape[1]
@@ -215,20 +168,19 @@ class GRPOTrainer:
         """overwrite: a fresh run may replace an earlier run in run.out_dir (else it is refused)."""
         self.cfg = cfg
         self.out = Path(cfg.run.out_dir)
-        self.ckpt_dir = self.out / "checkpoints"
-        claim_run_dir(self.out, resume=resume, overwrite=overwrite)
+        # --resume: the checkpoint's config checked against this one before the model loads.
+        self.run_dir = RunDir(self.out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=RESUME_FIXED,
+                              free=RESUME_FREE, view=_resume_view)
         # Data and rewards before the model: their mistakes are said in a second, not after a load.
         train_samples, self.train_report = load_jsonl(cfg.data.train, on_error=cfg.data.on_error)
         self.eval_samples = (load_jsonl(cfg.data.eval, on_error=cfg.data.on_error)[0][:cfg.data.eval_prompts]
                              if cfg.data.eval else [])
         self.reward = build_reward(cfg.rewards, base_dir=config_dir)
         check_reward_fields(cfg.rewards, train_samples, cfg.data.train)
-        # --resume: the checkpoint's config checked against this one before the model loads.
-        ckpt = self.check_resume() if resume else None
         torch.manual_seed(cfg.run.seed)
-        self.model, self.tokenizer = load_policy(cfg)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-            else self.tokenizer.eos_token_id
+        # Dropout off: the importance ratio compares with the engines' dropout-free log-probs.
+        self.model, self.tokenizer = load_policy(cfg.model, dropout=False)
+        self.pad_id = self.tokenizer.pad_token_id
         self.is_lora = cfg.model.lora is not None
         # Full fine-tuning needs its own frozen reference; LoRA switches the adapter off instead.
         self.reference = None
@@ -236,52 +188,37 @@ class GRPOTrainer:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.data = Cycler(train_samples, seed=cfg.run.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-        warm = cfg.optim.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
-        self.start_step = 0
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.run.steps)
+        self.nonfinite = NonfiniteSteps("Check the rewards, optim.lr and model.dtype")
         self.last_flat_warning = -10**9
-        # The card's history, kept in every checkpoint: the flat-group warnings printed and the
-        # resumes (each with the config keys changed since its checkpoint).
+        # The card's history, kept in every checkpoint: the warnings printed and the resumes
+        # (each with the config keys changed since its checkpoint).
         self.warnings: list[str] = []
         self.resumes: list[dict] = []
-        if ckpt is not None:
-            state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        state = self.run_dir.restore(self.model, self.optimizer, self.scheduler)
+        self.start_step = int(state.get("step", 0))
+        if state:
             self.data.load_state(state["data"])
-            self.start_step = int(state["step"])
             self.warnings = list(state.get("warnings", []))
             self.last_flat_warning = int(state.get("last_flat_warning", self.last_flat_warning))
             self.resumes = list(state.get("resumes", [])) + [
-                {"at_step": self.start_step, "checkpoint": ckpt.name, "changed": self.resume_changed}]
+                {"at_step": self.start_step, "checkpoint": self.run_dir.resume_from.name,
+                 "changed": self.run_dir.changed}]
         self.cluster, self._ray_started = None, False
         self.engine = self.start_ray_engine() if cfg.cluster.mode == "ray" \
-            else make_engine(cfg, self.model, self.tokenizer)
-
-    def check_resume(self) -> Path:
-        """The checkpoint --resume continues. A key that defines the run (RESUME_FIXED) changed
-        since it was written is refused; the others are kept for the card as "KEY: OLD -> NEW"
-        (self.resume_changed; None for a checkpoint from before configs were saved in it)."""
-        ckpt = latest_checkpoint(self.ckpt_dir)
-        if ckpt is None:
-            raise CheckpointError(f"--resume: no checkpoint under {self.ckpt_dir}")
-        saved = json.loads((ckpt / "state.json").read_text()).get("config")
-        now = _resume_view(to_dict(self.cfg))
-        changed = resume_changes(_resume_view(saved), now, RESUME_FIXED, RESUME_FREE)
-        self.resume_changed = None if saved is None else changed
-        return ckpt
+            else make_engine(cfg.rollout, cfg.model, self.model, self.tokenizer, seed=cfg.run.seed)
 
     # -- the loop --------------------------------------------------------------------------
 
     def train(self) -> dict:
         cfg, P, G = self.cfg, self.cfg.data.prompts_per_step, self.cfg.rollout.group_size
-        logger = MetricsLogger(self.out, resume_step=self.start_step if self.start_step else None)
+        logger = self.run_dir.metrics(tensorboard=cfg.run.tensorboard)
         # After --resume the summary covers the whole run: the steps before it from metrics.jsonl.
         history = [r for r in read_metrics(self.out / "metrics.jsonl")
                    if "reward/mean" in r and r.get("step", 0) <= self.start_step] if self.start_step else []
         self.write_card()   # the settings now; rewritten with the results at the end
         bar = tqdm(range(self.start_step, cfg.run.steps), initial=self.start_step, total=cfg.run.steps,
-                   desc="grpo", dynamic_ncols=True)
+                   desc="grpo", dynamic_ncols=True, disable=not cfg.run.progress)
         try:
             for step in bar:
                 t0 = time.time()
@@ -304,8 +241,13 @@ class GRPOTrainer:
                 # 4. reference log-probs of the sampled tokens
                 batch = collate(rollouts_B, self.pad_id)
                 ref_B_T = self.reference_logprobs(batch) if cfg.algorithm.kl_beta > 0 else None
-                # 5. clipped updates
+                # 5. clipped updates (an optimizer step whose gradient is not finite is skipped)
                 upd = self.update(batch, adv_B, ref_B_T)
+                skipped = self.nonfinite.check(step + 1, not upd["steps_skipped"],
+                                               f" in {upd['steps_skipped']:.0f} of its optimizer steps")
+                if skipped:
+                    self.warnings.append(skipped)
+                    tqdm.write(f"[opd rl] warning: {skipped}")
                 if cfg.rollout.engine != "hf" or self.cluster is not None:
                     self.engine.sync_weights(self.model)
                 # 6. metrics, warnings, eval, checkpoint
@@ -323,20 +265,17 @@ class GRPOTrainer:
                 history.append({"step": done, **metrics})
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", flat=f"{metrics['groups/all_equal']:.2f}",
                                 kl=f"{metrics['kl']:.4f}")
-                if (cfg.run.ckpt_every and done % cfg.run.ckpt_every == 0) or done == cfg.run.steps:
-                    save_checkpoint(self.ckpt_dir, done, model=self.model, optimizer=self.optimizer,
-                                    scheduler=self.scheduler, keep=cfg.run.keep_checkpoints,
-                                    state={"data": self.data.state(), "config": to_dict(cfg),
-                                           "warnings": self.warnings, "last_flat_warning": self.last_flat_warning,
-                                           "resumes": self.resumes})
+                if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps:
+                    self.run_dir.save(done, self.model, self.optimizer, self.scheduler, keep=cfg.run.keep_checkpoints,
+                                      state={"data": self.data.state(), "warnings": self.warnings,
+                                             "last_flat_warning": self.last_flat_warning, "resumes": self.resumes})
         finally:
             bar.close()
             logger.close()
             self.engine.close()
             self.close_cluster()
-        plot_metrics(self.out, PLOT_GROUPS)
-        self.save_final_model()
-        summary = self.summary(history)
+        self.run_dir.finish(self.model, self.tokenizer, PLOT_GROUPS)   # RUN/model: a LoRA adapter merged in
+        summary = summarize(history)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         self.write_card(history)
         return summary
@@ -345,10 +284,7 @@ class GRPOTrainer:
 
     def start_ray_engine(self):
         """Join (or start) Ray and start the rollout actors; a resumed run pushes its weights to them."""
-        import ray
-
-        from opd.cluster import RayCluster
-        from opd.cluster_rollout import PoolEngine
+        import ray   # optional, and about a second to import: only cluster.mode ray needs it
 
         r = self.cfg.rollout
         self._ray_started = not ray.is_initialized()   # a Ray session this run opened is closed by it
@@ -382,7 +318,7 @@ class GRPOTrainer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+    def reference_logprobs(self, batch: PaddedRollouts) -> torch.Tensor:
         out = []
         mb = self.cfg.algorithm.micro_batch_size
         for i in range(0, batch.mask_B_T.shape[0], mb):
@@ -395,13 +331,13 @@ class GRPOTrainer:
             out.append(grpo.token_logprobs(logits, part.response_B_T.to(logits.device)).cpu())
         return torch.cat(out)
 
-    def update(self, batch: Batch, adv_B: torch.Tensor, ref_B_T: torch.Tensor | None) -> dict:
+    def update(self, batch: PaddedRollouts, adv_B: torch.Tensor, ref_B_T: torch.Tensor | None) -> dict:
         """`epochs` passes, each split into `minibatches` optimizer steps of micro-batches."""
         a = self.cfg.algorithm
         B = adv_B.shape[0]
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "ratio": 0.0,
                 "grad_norm": 0.0}
-        n_tok_total, n_steps = 0.0, 0
+        n_tok_total, n_steps, skipped = 0.0, 0, 0
         self.model.train()
         for _epoch in range(a.epochs):
             order = torch.randperm(B) if a.minibatches > 1 else torch.arange(B)
@@ -410,7 +346,6 @@ class GRPOTrainer:
             for rows in torch.tensor_split(order, a.minibatches):
                 mini = batch.rows(rows)
                 n_seq, n_tok = len(rows), float(mini.mask_B_T.sum())
-                self.optimizer.zero_grad(set_to_none=True)
                 for u0 in range(0, n_seq, a.micro_batch_size):
                     sl = slice(u0, u0 + a.micro_batch_size)
                     part = mini.rows(sl)
@@ -440,9 +375,9 @@ class GRPOTrainer:
                         sums["ratio"] += float((torch.exp(lp.detach() - part.old_logprobs_B_T.to(dev)) * mask).sum())
                         sums["loss"] += float(loss.detach())
                         sums["pg_loss"] += float(pg.detach())
-                norm = torch.nn.utils.clip_grad_norm_(self.params, a.max_grad_norm if a.max_grad_norm > 0 else float("inf"))
-                sums["grad_norm"] += float(norm)
-                self.optimizer.step()
+                norm, applied = optimizer_step(self.optimizer, self.params, self.cfg.optim.grad_clip)
+                sums["grad_norm"] += norm
+                skipped += not applied
                 n_steps += 1
         lr = self.optimizer.param_groups[0]["lr"]   # the rate these updates used, not the next step's
         self.scheduler.step()
@@ -450,7 +385,7 @@ class GRPOTrainer:
         return {"loss": sums["loss"] / n_steps, "loss/pg": sums["pg_loss"] / n_steps,
                 "kl": sums["kl"] / per_tok, "clip_fraction": sums["clip_fraction"] / per_tok,
                 "entropy": sums["entropy"] / per_tok, "ratio/mean": sums["ratio"] / per_tok,
-                "grad_norm": sums["grad_norm"] / n_steps, "lr": lr}
+                "grad_norm": sums["grad_norm"] / n_steps, "lr": lr, "steps_skipped": float(skipped)}
 
     def step_metrics(self, rewards_P_G: torch.Tensor, parts: dict, rollouts_B, upd: dict) -> dict:
         flat_P = grpo.equal_groups(rewards_P_G)
@@ -515,81 +450,8 @@ class GRPOTrainer:
     # -- outputs ---------------------------------------------------------------------------
 
     def write_card(self, history: list[dict] | None = None) -> None:
-        """card.md / card.json: the settings, the resumes, and with `history` (every step's
-        metrics, the steps before a resume included) the results; without it, at the start,
-        the results section says the run is in progress."""
-        c = self.cfg
-        facts = {
-            "model": {"start": c.model.path, "training": "LoRA" if self.is_lora else "full fine-tuning",
-                      **({"lora": to_dict(c.model.lora)} if self.is_lora else {}), "dtype": c.model.dtype,
-                      "dropout": "off (the ratio is taken against dropout-free rollouts)"},
-            "objective": {"advantage estimator": c.algorithm.advantage, "group size G": c.rollout.group_size,
-                          "prompts per step P": c.data.prompts_per_step, "eps_low": c.algorithm.eps_low,
-                          "eps_high": c.algorithm.eps_high, "epochs per batch": c.algorithm.epochs,
-                          "minibatches": c.algorithm.minibatches, "kl beta": c.algorithm.kl_beta,
-                          "kl estimator": c.algorithm.kl_estimator,
-                          "reference": ("adapter off (LoRA)" if self.is_lora else "frozen copy")
-                          if c.algorithm.kl_beta > 0 else "none (beta = 0)",
-                          "loss aggregation": c.algorithm.loss_aggregation},
-            "rewards": self.reward.describe(),
-            "sampling": {"engine": c.rollout.engine, "temperature": c.rollout.temperature, "top_p": c.rollout.top_p,
-                         "max_new_tokens": c.rollout.max_new_tokens,
-                         **({"rollout actors (Ray)": c.rollout.actors} if c.cluster.mode == "ray" else {})},
-            "data": {"train": c.data.train, "train samples": self.train_report.loaded,
-                     "skipped lines": self.train_report.skipped, "eval": c.data.eval or "(none)"},
-            "optimizer": {"AdamW lr": c.optim.lr, "weight decay": c.optim.weight_decay,
-                          "warmup steps": c.optim.warmup_steps, "max grad norm": c.algorithm.max_grad_norm},
-            "run": {"steps": c.run.steps, "seed": c.run.seed, "out": str(self.out)},
-        }
-        if self.resumes:
-            facts["resumes"] = {
-                f"resumed at step {r['at_step']} ({r['checkpoint']})":
-                    "changed since the checkpoint: " + ("; ".join(r["changed"]) or "nothing")
-                    if r["changed"] is not None else
-                    "changed since the checkpoint: unknown (the checkpoint has no saved config)"
-                for r in self.resumes}
-        facts["results"] = self.results(history) if history is not None else \
-            {"status": f"in progress from step {self.start_step} (rewritten with the results when the run ends)"}
-        write_card(self.out, "GRPO training card", facts)
-
-    def results(self, history: list[dict]) -> dict:
-        """The card's results: rewards, evaluation, all-equal groups and the warnings printed."""
-        if not history:
-            return {"steps trained": 0}
-        rewards = [h["reward/mean"] for h in history]
-        flat = [h["groups/all_equal"] for h in history if "groups/all_equal" in h]
-        out = {"steps trained": len(history), "final reward": rewards[-1],
-               "mean reward": sum(rewards) / len(rewards)}
-        for key, label in (("eval/reward", "eval reward (greedy, held-out)"),
-                           ("eval/accuracy", "eval accuracy (share fully correct)"),
-                           ("eval/verifier_score", "eval verifier score (mean, partial credit)")):
-            vals = [(h["step"], h[key]) for h in history if key in h]
-            if vals:
-                out[label] = f"{vals[-1][1]:.4g} (step {vals[-1][0]})"
-        if flat:
-            out["all-equal groups, mean"] = sum(flat) / len(flat)
-            out["all-equal groups, last step"] = flat[-1]
-        out["flat-group warnings"] = (f"{len(self.warnings)} printed" + (", the last 10 below"
-                                      if len(self.warnings) > 10 else "")) if self.warnings else "none"
-        for i, text in enumerate(self.warnings[-10:]):
-            out[f"warning {len(self.warnings) - min(10, len(self.warnings)) + i + 1}"] = text
-        return out
-
-    def save_final_model(self) -> None:
-        """RUN/model: a full, loadable model directory (a LoRA adapter is merged into it)."""
-        save_final_model(self.model, self.tokenizer, self.out / "model")
-
-    @staticmethod
-    def summary(history: list[dict]) -> dict:
-        if not history:
-            return {}
-        rewards = [h["reward/mean"] for h in history]
-        k = max(1, len(rewards) // 4)
-        out = {"steps": len(history), "reward_first": rewards[0], "reward_last": rewards[-1],
-               "reward_first_quarter": sum(rewards[:k]) / k, "reward_last_quarter": sum(rewards[-k:]) / k}
-        out["reward_rose"] = out["reward_last_quarter"] > out["reward_first_quarter"]
-        for key in ("eval/reward", "eval/accuracy", "eval/verifier_score"):
-            vals = [h[key] for h in history if key in h]
-            if vals:
-                out[key.replace("/", "_") + "_last"] = vals[-1]
-        return out
+        """card.md / card.json (opd.rl.card): the settings, the resumes, and with `history` (every
+        step's metrics, the steps before a resume included) the results; without it, at the
+        start, the results section says the run is in progress."""
+        write_grpo_card(self.out, self.cfg, reward=self.reward.describe(), train_report=self.train_report,
+                        resumes=self.resumes, warnings=self.warnings, start_step=self.start_step, history=history)

@@ -31,9 +31,18 @@ from typing import Any, Literal
 
 from tqdm import tqdm
 
-from opd.config import ConfigError, check_top_p, describe, field, load_yaml, near
+from opd.config import ConfigError, check_top_p, describe, field, load_yaml, near, to_dict
+from opd.data import encode_prompt, load_jsonl
 from opd.fingerprint import check_model_dir, load_model_tokenizer
-from opd.rl.train import HelpFormatter
+from opd.rl.rewards import accuracy, correct, verify_batch
+from opd.rl.rewards.code import limits_from
+from opd.rl.train import HelpFormatter, load_config
+from opd.rl.trainer import GRPOTrainer
+from opd.rollout import SamplingParams
+from opd.rollout.hf import HFRolloutEngine
+from opd.rollout.vllm import VLLMRolloutEngine   # imports vllm only when an engine is built
+from opd.spine.config import ModelConfig
+from opd.spine.model import load_policy
 
 
 @dataclass(frozen=True)
@@ -90,8 +99,6 @@ class ValidateConfig:
             raise ValueError(f"one held-out set per domain, got domains {domains}")
         if self.grpo is not None and self.grpo.model not in names:
             raise ValueError(f"grpo.model {self.grpo.model!r} is not one of the models {names}")
-        from opd.rl.rewards.code import limits_from
-
         try:   # a value the sandbox cannot use failed only at the first code answer (a float memory_mb: all 0)
             limits_from(self.code)
         except ValueError as e:
@@ -114,37 +121,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 # ---- evaluation ---------------------------------------------------------------------------
 
-def _load_model(path: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    p = Path(path)
-    tokenizer = load_model_tokenizer(p, "model")
-    if (p / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).merge_and_unload()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
-    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    return model, tokenizer
-
-
 def _engine(cfg: ValidateConfig, path: str):
+    """(rollout engine, tokenizer) of one model: vLLM on its directory, or the hf engine over a
+    frozen fp32 copy (a peft adapter directory merged into its base) on cuda when there is one."""
     if cfg.engine == "vllm":
-        from opd.rollout.vllm import VLLMRolloutEngine
-
-        tokenizer = load_model_tokenizer(path, "model")
-        return VLLMRolloutEngine(path, seed=cfg.seed), tokenizer
-    from opd.rollout.hf import HFRolloutEngine
-
-    model, tok = _load_model(path)
+        return VLLMRolloutEngine(path, seed=cfg.seed), load_model_tokenizer(path, "model")
+    model, tok = load_policy(ModelConfig(path=str(path)), train=False, what="model")
     return HFRolloutEngine(model, tok, batch_size=cfg.batch_size), tok
 
 
 def _answers(engine, tokenizer, samples, params) -> list[str]:
-    from opd.data import encode_prompt
-
     rollouts = engine.generate([encode_prompt(tokenizer, s.prompt) for s in samples], params)
     texts = []
     for r in rollouts:
@@ -158,9 +144,6 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
     model. `greedy` is an accuracy (the share of greedy answers the verifier scores 1, as pass@k
     counts), `score` and `greedy_score` mean verifier scores (partial credit for code). `bar`: a
     tqdm bar advanced by each set's prompts once they are scored."""
-    from opd.rl.rewards import accuracy, correct, verify_batch
-    from opd.rollout import SamplingParams
-
     engine, tok = _engine(cfg, path)
     workers = int(cfg.code.get("workers", 2))
     code_opts = {k: v for k, v in cfg.code.items() if k != "workers"}
@@ -199,8 +182,6 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
 def grpo_config(cfg: ValidateConfig, base_dir: Path, out_dir: Path):
     """The RL config of the GRPO check: its own config file with the check's model, lr and
     steps, run in OUT/grpo_check. Loaded before any evaluation, so that a bad file fails fast."""
-    from opd.rl.train import load_config
-
     check = cfg.grpo
     rl_path = Path(check.config)
     if not rl_path.is_absolute() and not rl_path.is_file():
@@ -210,13 +191,11 @@ def grpo_config(cfg: ValidateConfig, base_dir: Path, out_dir: Path):
     return dataclasses.replace(rl, model=dataclasses.replace(rl.model, path=path),
                                optim=dataclasses.replace(rl.optim, lr=check.lr),
                                run=dataclasses.replace(rl.run, steps=check.steps, out_dir=str(out_dir / "grpo_check"),
-                                                       ckpt_every=0, keep_checkpoints=1)), rl_path.parent
+                                                       checkpoint_every=0, keep_checkpoints=1)), rl_path.parent
 
 
 def grpo_check(cfg: ValidateConfig, rl, config_dir: Path) -> dict:
     """A short low-lr GRPO pass from one model: does the mean reward still rise?"""
-    from opd.rl.trainer import GRPOTrainer
-
     # OUT/grpo_check belongs to this validation: a rerun replaces it, as it replaces the report.
     summary = GRPOTrainer(rl, config_dir=config_dir, overwrite=True).train()
     return {"model": cfg.grpo.model, "steps": cfg.grpo.steps, "lr": cfg.grpo.lr, **summary,
@@ -277,15 +256,11 @@ def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> 
     lines += [f"Evaluation took {extra['seconds']:.1f} s.", ""]
     md, js = out / "report.md", out / "report.json"
     md.write_text("\n".join(lines))
-    from opd.config import to_dict
-
     js.write_text(json.dumps({"config": to_dict(cfg), "results": results, **extra}, indent=1))
     return md, js
 
 
 def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
-    from opd.data import load_jsonl
-
     t0 = time.time()
     out = Path(cfg.out_dir)
     sets = {}

@@ -11,6 +11,7 @@ its address and what differs.
 from __future__ import annotations
 
 from opd.routing.config import TeacherSpec
+from opd.teachers.client import TeacherClient
 
 
 class TeacherCheckError(RuntimeError):
@@ -56,8 +57,6 @@ def check_teachers(teachers: list[TeacherSpec], student_tokenizer_fingerprint: s
     opd.teachers.client.TeacherClient.
     """
     if client_factory is None:
-        from opd.teachers.client import TeacherClient
-
         def client_factory(address, timeout_s, curve):
             return TeacherClient(address, timeout_s=timeout_s, retries=0, curve=curve)
 

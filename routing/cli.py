@@ -19,6 +19,10 @@ from collections import Counter
 from pathlib import Path
 
 from opd.config import number_arg, positive_int
+from opd.data import load_jsonl
+from opd.routing.classifier import fit
+from opd.routing.merge import load_merge_config
+from opd.routing.router import Router, RoutingError, preview
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,9 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _fit(args) -> int:
-    from opd.data import load_jsonl
-    from opd.routing.classifier import fit
-
     if not 0 <= args.holdout < 1:
         print(f"error: --holdout is the held-out share, 0 <= h < 1; got {args.holdout}", file=sys.stderr)
         return 2
@@ -88,10 +89,6 @@ def _fit(args) -> int:
 
 
 def _explain(args) -> int:
-    from opd.data import load_jsonl
-    from opd.routing.merge import load_merge_config
-    from opd.routing.router import Router, RoutingError, preview
-
     cfg = load_merge_config(args.config)
     router = Router(cfg.routing, cfg.teachers, base_dir=args.config.resolve().parent)
     default, why = _default_domain(cfg, args)

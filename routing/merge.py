@@ -39,12 +39,9 @@ def load_merge_config(path: str | Path) -> MergeConfig:
         top = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
-    if isinstance(top, dict) and "merge" in top and "teachers" not in top:
-        from opd.train_config import TrainConfig
-
-        cfg = load_yaml(p, TrainConfig).merge  # the whole train config is checked, with file:line errors
-    else:
-        cfg = load_yaml(p, MergeConfig)
+    # A train config's `merge:` section is checked as a merge config, with file:line errors.
+    section = "merge" if isinstance(top, dict) and "merge" in top and "teachers" not in top else None
+    cfg = load_yaml(p, MergeConfig, section=section)
     return resolve_merge_paths(cfg, p.resolve().parent)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from opd.data import Sample
@@ -38,11 +38,12 @@ class RoutingError(ValueError):
 
 @dataclass(frozen=True)
 class Route:
-    teacher: str                              # the chosen teacher (highest weight)
-    weights: dict[str, float]                 # teacher -> weight, sums to 1
-    rule: str                                 # "domain_field", "pattern[1]", "classifier", "fallback", ...
-    reason: str                               # "domain 'math' -> teacher math"
-    domain: str | None = field(default=None)  # the domain the sample is counted under (metrics)
+    """Where a sample goes, and why: what `opd route explain` prints and `opd train` follows."""
+    teacher: str                # the chosen teacher (highest weight)
+    weights: dict[str, float]   # teacher -> weight > 0, sums to 1
+    rule: str                   # "domain_field", "pattern[1]", "classifier", "fallback", ...
+    reason: str                 # "domain 'math' -> teacher math"
+    domain: str                 # the domain the sample is counted under (metrics, domain weights)
 
 
 def preview(text: str, n: int = 60) -> str:
@@ -127,7 +128,8 @@ class Router:
         return {n: v / total for n, v in raw.items()}
 
     def _to_domain(self, domain: str, rule: str, reason: str) -> Route:
-        weights = self.domain_weights(domain)
+        # A teacher of weight 0 (a pass rate of 0 beside better ones) is not asked at all.
+        weights = {n: float(w) for n, w in self.domain_weights(domain).items() if w > 0}
         # An unmeasured teacher is given the mean of the measured rates: on a tie, the measured one wins.
         measured = self.pass_rates.get(domain, {})
         best = max(weights, key=lambda n: (weights[n], n in measured, -self.names.index(n)))

@@ -12,7 +12,7 @@ import pytest
 
 from opd.teachers.launch import free_port
 from opd.data import load_jsonl
-from opd.demo_data import DOMAINS, make_split, write_demo_data
+from opd.tiny.data import DOMAINS, make_split, write_demo_data
 
 REPO = Path(__file__).resolve().parents[1]
 

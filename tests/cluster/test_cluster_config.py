@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from opd.cluster import ClusterConfig, RayCluster
+from opd.cluster.config import ClusterConfig
+from opd.cluster.session import RayCluster
 from opd.config import ConfigError, from_dict, load_yaml
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "cluster_ray.yaml"
@@ -22,7 +23,7 @@ def test_example_config_loads():
     # student workers, which opd train refuses).
     import yaml
 
-    from opd.train_config import TrainConfig
+    from opd.distill.config import TrainConfig
 
     section = yaml.safe_load(EXAMPLE.read_text())
     train = from_dict({"student": {"path": "s"}, "cluster": section,

@@ -54,7 +54,7 @@ def forward_logprobs(model_dir, state_dict, rollouts) -> tuple[torch.Tensor, tor
 
 def test_opd_rl_on_ray_samples_on_both_actors_and_pushes_weights(tmp_path, tiny_model_dir, ray_cluster,
                                                                  monkeypatch):
-    from opd.cluster_rollout import RolloutPool
+    from opd.cluster.rollout import RolloutPool
     from opd.rl.trainer import GRPOTrainer
 
     calls, weights = [], []
@@ -81,11 +81,12 @@ def test_opd_rl_on_ray_samples_on_both_actors_and_pushes_weights(tmp_path, tiny_
     assert [c["per_actor"] for c in calls] == [[4, 4], [8, 8], [12, 12]]
     # Step 2 sampled from the weights after step 1: the actors' log-probs equal a transformers
     # forward pass of those weights, and are far from the starting weights' (the push mattered).
-    from opd.cluster_dp import load_student
+    from opd.spine.config import ModelConfig
+    from opd.spine.model import load_policy
 
     lp, rollout_lp, mask = forward_logprobs(tiny_model_dir, weights[0], calls[1]["rollouts"])
     assert torch.allclose(lp[mask], rollout_lp[mask], atol=1e-3), (lp[mask] - rollout_lp[mask]).abs().max()
-    start = load_student(str(tiny_model_dir)).state_dict()
+    start = load_policy(ModelConfig(path=str(tiny_model_dir)), train=False)[0].state_dict()
     lp0, _, _ = forward_logprobs(tiny_model_dir, start, calls[1]["rollouts"])
     assert (lp0[mask] - rollout_lp[mask]).abs().max() > 0.05
 

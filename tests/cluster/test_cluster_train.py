@@ -11,7 +11,7 @@ import yaml
 from opd.cli import main
 from opd.data import write_jsonl
 from opd.metrics import read_metrics
-from opd.trainer import Trainer
+from opd.distill.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(240)
 

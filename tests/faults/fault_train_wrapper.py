@@ -31,7 +31,7 @@ def main() -> int:
 
         ckpt._fsync_tree = dying_fsync
     elif mode == "disk-full-after-checkpoint":
-        import opd.trainer
+        import opd.spine.run
 
         save = ckpt.save_checkpoint
 
@@ -41,7 +41,7 @@ def main() -> int:
             resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
             return out
 
-        opd.trainer.save_checkpoint = save_then_fill
+        opd.spine.run.save_checkpoint = save_then_fill
     else:
         raise SystemExit(f"unknown mode {mode}")
     from opd.cli import main as opd_main

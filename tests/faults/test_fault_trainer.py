@@ -27,8 +27,8 @@ from opd.data import write_jsonl
 from opd.metrics import read_metrics
 from opd.teachers.launch import start_server_process
 from opd.tiny import lm_head_teacher
-from opd.train_config import TrainConfig
-from opd.trainer import Trainer, TrainError
+from opd.distill.config import TrainConfig
+from opd.distill.trainer import Trainer, TrainError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -212,8 +212,8 @@ def test_trainer_sigkilled_while_writing_a_checkpoint_resumes(world):
     ckpts = out / "checkpoints"
     assert latest_checkpoint(ckpts).name == "step_000002"                  # the torn step 4 is not it
     assert any(".tmp-" in p.name for p in ckpts.iterdir())                 # (it was caught mid-write)
-    from opd.trainer import load_student
-    model, _ = load_student(from_dict(yaml.safe_load(config.read_text()), TrainConfig).student, 0)
+    from opd.spine.model import load_policy
+    model, _ = load_policy(from_dict(yaml.safe_load(config.read_text()), TrainConfig).student, seed=0)
     assert load_checkpoint(latest_checkpoint(ckpts), model=model)["step"] == 2
     assert sorted(losses(out)) == [1, 2, 3, 4]                             # step 4 was logged, then death
 
@@ -238,8 +238,8 @@ def test_disk_full_at_a_checkpoint_is_a_clear_error_and_keeps_the_last_one(world
     err = full.stderr
     ckpts = out / "checkpoints"
     assert latest_checkpoint(ckpts).name == "step_000002"                  # the last good one is intact
-    from opd.trainer import load_student
-    model, _ = load_student(from_dict(yaml.safe_load(config.read_text()), TrainConfig).student, 0)
+    from opd.spine.model import load_policy
+    model, _ = load_policy(from_dict(yaml.safe_load(config.read_text()), TrainConfig).student, seed=0)
     assert load_checkpoint(ckpts / "step_000002", model=model)["step"] == 2
     assert sorted(losses(out)) == [1, 2, 3, 4]
     print("\ndisk full at checkpoint 4, last stderr line: " + err.strip().splitlines()[-1][:300])

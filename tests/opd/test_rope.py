@@ -47,7 +47,7 @@ def _sequences():
 
 
 def test_student_rows_of_a_longrope_model_are_each_sequences_own(phi):
-    from opd.distill import pack, student_rows
+    from opd.spine.rows import pack, student_rows
 
     seqs = _sequences()
     packed = pack([p for p, _ in seqs], [r for _, r in seqs], pad_id=0)
@@ -70,8 +70,12 @@ def test_student_rows_of_a_longrope_model_are_each_sequences_own(phi):
 
 
 def test_sft_losses_of_a_longrope_model_are_the_sequences_own(phi):
-    from opd.cluster_dp import token_loss_sum
-    from opd.sft import collate, response_loss
+    from opd.sft.trainer import collate, response_loss
+    from opd.spine.rows import padded_cross_entropy
+
+    def token_loss_sum(model, batch):   # (summed loss, tokens): the data-parallel split of the mean
+        loss = padded_cross_entropy(model, batch["input_ids"], batch["labels"], batch.get("attention_mask"), "sum")
+        return loss, (batch["labels"][:, 1:] != -100).sum()
 
     seqs = _sequences()
     pairs = [(p + r, [-100] * len(p) + r) for p, r in seqs]

@@ -215,7 +215,7 @@ def test_reward_option_values_are_refused_before_the_model_loads(tmp_path, tiny_
     from opd.rl import trainer as rl_trainer
     from opd.rl.trainer import GRPOTrainer
 
-    monkeypatch.setattr(rl_trainer, "load_policy", lambda cfg: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(rl_trainer, "load_policy", lambda *a, **kw: pytest.fail("the model was loaded"))
     cfg = from_dict({**to_dict(make_config(tmp_path, tiny_model_dir)), "rewards": [reward]}, RLConfig)
     with pytest.raises(ConfigError, match=error) as e:
         GRPOTrainer(cfg)
@@ -265,10 +265,10 @@ def test_resume_refuses_another_objective_and_the_card_lists_what_changed(tmp_pa
 
     loads = []
     load_policy = rl_trainer.load_policy
-    monkeypatch.setattr(rl_trainer, "load_policy", lambda cfg: (loads.append(1), load_policy(cfg))[1])
+    monkeypatch.setattr(rl_trainer, "load_policy", lambda *a, **kw: (loads.append(1), load_policy(*a, **kw))[1])
     cfg = _variant(make_config(tmp_path, tiny_model_dir), **{
         "rollout.group_size": 4, "rollout.temperature": 1.0, "data.prompts_per_step": 2, "algorithm.epochs": 1,
-        "run.steps": 2, "run.ckpt_every": 2})
+        "run.steps": 2, "run.checkpoint_every": 2})
     GRPOTrainer(cfg).train()
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
     assert state["config"] == to_dict(cfg)
@@ -320,7 +320,7 @@ def test_the_card_is_rewritten_with_the_results_of_the_whole_run(tmp_path, tiny_
 
     cfg = _variant(make_config(tmp_path, tiny_model_dir), **{
         "rollout.group_size": 2, "data.prompts_per_step": 2, "data.eval": str(tmp_path / "train.jsonl"),
-        "data.eval_prompts": 2, "algorithm.epochs": 1, "run.steps": 3, "run.ckpt_every": 3, "run.flat_warning": 0.4})
+        "data.eval_prompts": 2, "algorithm.epochs": 1, "run.steps": 3, "run.checkpoint_every": 3, "run.flat_warning": 0.4})
     cfg = _variant(cfg, rewards=[*to_dict(cfg)["rewards"],
                                  {"name": "length", "weight": 0.1, "options": {"hard_max": 30, "soft_max": 20}}])
     trainer = GRPOTrainer(cfg)

@@ -19,7 +19,7 @@ def _eval_rows(out_dir: Path) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_student_kl_to_each_teacher_falls_on_its_own_domain(tmp_path, tiny_model_dir):
     from opd.cli import main
-    from opd.demo_data import write_demo_data
+    from opd.tiny.data import write_demo_data
     from opd.teachers.launch import start_server_process
     from opd.tiny import perturb_model
 

@@ -21,7 +21,7 @@ CONFIGS = ["merge_math_code.yaml", "merge_math_code_general.yaml"]
 @pytest.fixture(scope="module")
 def demo_tree(tmp_path_factory):
     """configs/ copied next to runs/demo/data/ with the demo's data generator, as `make demo` lays it out."""
-    from opd.demo_data import write_demo_data
+    from opd.tiny.data import write_demo_data
 
     root = tmp_path_factory.mktemp("repo")
     shutil.copytree(REPO / "configs", root / "configs")
@@ -31,7 +31,7 @@ def demo_tree(tmp_path_factory):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_example_configs_load_and_route_demo_data(demo_tree, name):
-    from opd.train_config import load_train_config
+    from opd.distill.config import load_train_config
 
     path = demo_tree / "configs" / name
     train = load_train_config(path)               # valid as an `opd train` config

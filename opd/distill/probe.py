@@ -33,6 +33,16 @@ from pathlib import Path
 import torch
 
 from opd.config import number_arg, positive_int
+from opd.data import DataError, encode_prompt, load_jsonl
+from opd.diagnostics import topk_overlap
+from opd.fingerprint import load_model_tokenizer, tokenizer_fingerprint
+from opd.kernels import TopKTeacher, distill_loss
+from opd.rollout.base import SamplingParams
+from opd.rollout.hf import HFRolloutEngine
+from opd.spine.config import ModelConfig
+from opd.spine.model import load_policy
+from opd.spine.rows import pack, student_rows
+from opd.teachers.client import TeacherClient, TeacherError
 
 # The teacher scores at temperature 1: the distribution it would be distilled from in top-k mode.
 TEACHER_TEMPERATURE = 1.0
@@ -70,17 +80,6 @@ def verdict(overlap: float, tail_mass: float, k: int) -> str:
 
 def probe(student_dir: str | Path, teacher: str, prompts: list[str], *, k: int = 16, max_new_tokens: int = 64,
           temperature: float = 1.0, seed: int = 0, device: str = "cpu", timeout_s: float = 30.0) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from opd.data import encode_prompt
-    from opd.diagnostics import topk_overlap
-    from opd.distill import pack, student_rows
-    from opd.fingerprint import load_model_tokenizer, tokenizer_fingerprint
-    from opd.kernels import TopKTeacher, distill_loss
-    from opd.rollout.base import SamplingParams
-    from opd.rollout.hf import HFRolloutEngine
-    from opd.teachers.client import TeacherClient
-
     tok = load_model_tokenizer(student_dir, "--student")
     client = TeacherClient(teacher, timeout_s=timeout_s, retries=1)
     try:
@@ -93,7 +92,7 @@ def probe(student_dir: str | Path, teacher: str, prompts: list[str], *, k: int =
         if k < k_requested:
             print(f"note: the teacher at {teacher} answers top-k for k up to {welcome.max_k} (its --max-k): "
                   f"k {k_requested} lowered to {k}", file=sys.stderr, flush=True)
-        model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32).to(device).eval()
+        model, _ = load_policy(ModelConfig(path=str(student_dir), device=device), tokenizer=tok, train=False)
         engine = HFRolloutEngine(model, tok)
         ids = [encode_prompt(tok, p) for p in prompts]
         rollouts = engine.generate(ids, SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
@@ -132,9 +131,6 @@ def probe(student_dir: str | Path, teacher: str, prompts: list[str], *, k: int =
 
 
 def run(args: argparse.Namespace) -> int:
-    from opd.data import DataError, load_jsonl
-    from opd.teachers.client import TeacherError
-
     try:
         samples, _ = load_jsonl(args.prompts)
         report = probe(args.student, args.teacher, [s.prompt for s in samples[:args.num_prompts]], k=args.k,

@@ -1,20 +1,11 @@
-"""Scale-out on Ray: where teacher replicas and student workers run, and how to reach them.
+"""The `cluster:` section of `opd train` and `opd rl`: where teacher replicas, rollout actors
+and (later) the student's ranks run.
 
-Ray only places and supervises processes; it never carries logits. Each teacher replica is
-an `opd serve-teacher` process started by a Ray actor (opd/cluster_teachers.py) and talked
-to over ZeroMQ by a `ReplicaPool` (opd/cluster_pool.py), which balances requests across a
-teacher's replicas. The student trains data-parallel in Ray actors running
-torch.distributed (opd/cluster_dp.py).
-
-    cluster = RayCluster.start(cfg.cluster)       # connects to (or starts) Ray
-    math = cluster.teacher_pool("math")           # drop-in for TeacherClient
-    ...
-    cluster.shutdown()
-
-With `mode: local` nothing here is used: the trainer connects to the addresses in its
-merge config as before. With `mode: fork` (one machine, no Ray) `opd train` starts each of
-`teachers` itself, forked after its imports so both hold one copy of the Python and torch
-runtime (opd.teachers.launch.fork_server), bound at its merge address.
+    ClusterConfig    mode local | fork | ray, the Ray address, and the lists below
+    TeacherReplicas  one teacher's `opd serve-teacher` processes: model, backend, replicas,
+                     resources, placement strategy, supervision
+    StudentWorkers   the student's processes: one today (`num_workers` must be 1 in both
+                     trainers; sharded training over several ranks is the next step)
 """
 
 from __future__ import annotations
@@ -63,7 +54,8 @@ class TeacherReplicas:
 
 @dataclass(frozen=True)
 class StudentWorkers:
-    num_workers: int = field(1, help="data-parallel student workers (1: train in the driver process)", min=1)
+    num_workers: int = field(1, help="student processes; 1 (the trainer's own process) is the only value the "
+                                     "trainers take today", min=1)
     num_cpus_per_worker: float = field(1.0, help="CPUs reserved per worker", min=0.0)
     num_gpus_per_worker: float = field(0.0, help="GPUs reserved per worker (one for NCCL)", min=0.0)
     backend: Literal["auto", "gloo", "nccl"] = field(
@@ -90,7 +82,7 @@ class ClusterConfig:
     teachers: list[TeacherReplicas] = field(default_factory=list,
                                             help="teacher replicas to place on Ray (mode ray) or to fork (mode "
                                                  "fork: one replica each)")
-    student: StudentWorkers = field(default_factory=StudentWorkers, help="data-parallel student workers")
+    student: StudentWorkers = field(default_factory=StudentWorkers, help="the student's processes (one today)")
     # --- replica pool (client side)
     request_timeout_s: float = field(120.0, help="a replica silent this long is taken as dead and the request "
                                                  "goes to another", min=0.1)
@@ -119,81 +111,3 @@ class ClusterConfig:
             if t.name == name:
                 return t
         raise KeyError(f"no teacher {name!r} in cluster.teachers (have {[t.name for t in self.teachers]})")
-
-
-def connect(cfg: ClusterConfig) -> None:
-    """Connect this process to Ray as `cfg` says (idempotent)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if cfg.address is None:
-        ray.init(num_cpus=cfg.num_cpus, namespace=cfg.namespace, include_dashboard=False)
-    else:
-        ray.init(address=cfg.address, namespace=cfg.namespace)
-
-
-class RayCluster:
-    """One run's view of the cluster: its teacher groups (started lazily) and their pools."""
-
-    def __init__(self, cfg: ClusterConfig):
-        self.cfg = cfg
-        self._groups: dict = {}
-        self._pools: dict = {}
-
-    @classmethod
-    def start(cls, cfg: ClusterConfig, *, start_teachers: bool = True) -> "RayCluster":
-        if cfg.mode != "ray":
-            raise ValueError("RayCluster needs cluster.mode: ray")
-        connect(cfg)
-        self = cls(cfg)
-        if start_teachers:
-            for t in cfg.teachers:
-                self.teacher_group(t.name)
-        return self
-
-    def teacher_group(self, name: str):
-        """The supervised replicas of teacher `name` (started on first use)."""
-        from opd.cluster_teachers import TeacherGroup
-
-        if name not in self._groups:
-            self._groups[name] = TeacherGroup.start(self.cfg.teacher(name), bind=self.cfg.bind)
-        return self._groups[name]
-
-    def teacher_pool(self, name: str, **client_kwargs):
-        """A client with TeacherClient's API that balances over the replicas of `name`.
-
-        `client_kwargs` go to ReplicaPool (timeout_s, retries, backoff_s, heartbeat_s, curve, name);
-        timeout_s and recheck_s default to this config's request_timeout_s and recheck_s.
-        """
-        from opd.cluster_pool import ReplicaPool
-
-        if name not in self._pools:
-            group = self.teacher_group(name)
-            kwargs = {"timeout_s": self.cfg.request_timeout_s, "recheck_s": self.cfg.recheck_s, **client_kwargs}
-            self._pools[name] = ReplicaPool(group.addresses, **kwargs)
-        return self._pools[name]
-
-    def data_parallel(self, model_dir: str, **kwargs):
-        """Data-parallel student workers as configured in `cluster.student`."""
-        from opd.cluster_dp import DataParallelGroup
-
-        return DataParallelGroup.start(model_dir, self.cfg.student, **kwargs)
-
-    def rollout_pool(self, model_dir: str, num_workers: int, **kwargs):
-        """Student sampling spread over `num_workers` rollout actors (opd/cluster_rollout.py)."""
-        from opd.cluster_rollout import RolloutPool
-
-        return RolloutPool.start(model_dir, num_workers, **kwargs)
-
-    def shutdown(self, *, disconnect: bool = False) -> None:
-        for pool in self._pools.values():
-            pool.close()
-        for group in self._groups.values():
-            group.shutdown()
-        self._pools.clear()
-        self._groups.clear()
-        if disconnect:
-            import ray
-
-            ray.shutdown()

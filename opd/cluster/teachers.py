@@ -5,7 +5,7 @@ Each `TeacherReplica` actor starts one `opd serve-teacher` process with
 server's ZeroMQ address and fingerprints, and supervises it: a background thread notices
 the process exiting (crash, OOM kill, SIGKILL) and starts it again on the same port when
 it can, on a fresh one otherwise. The actor never touches a request; clients connect to
-the server directly (opd/cluster_pool.py), so logits never enter Ray's object store.
+the server directly (opd/cluster/pool.py), so logits never enter Ray's object store.
 
 A `TeacherGroup` is the N replicas of one teacher. Their resources (CPUs, GPUs) are
 reserved together in one placement group (SPREAD across nodes by default), so a replica
@@ -14,6 +14,8 @@ and the server process inherits it.
 
 Bind address: loopback when the cluster has one node; the node's IP otherwise, which
 `opd serve-teacher` refuses without CURVE keys (or `--insecure` in `serve_args`).
+
+Ray is imported inside the functions that use it (optional, about a second to import).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import signal
 import threading
 import time
 
-from opd.cluster import TeacherReplicas
+from opd.cluster.config import TeacherReplicas
+from opd.teachers.launch import start_server_process
 
 log = logging.getLogger("opd.cluster.teachers")
 
@@ -55,8 +58,6 @@ class TeacherReplica:
         return self.spec.server_args(f"tcp://{self.host}:{port}")
 
     def _start(self) -> None:
-        from opd.teachers.launch import start_server_process
-
         threads = max(1, int(self.spec.num_cpus))
 
         def start(port: str):

@@ -7,7 +7,10 @@
     loss      what is done with the teacher's answers (normalization, trimming, fused path)
     optim     AdamW and its schedule, accumulation, micro-batches
     run       steps, evaluation, checkpoints, seed, output directory, pipelining
-    cluster   local, or ray: teacher replicas placed on a Ray cluster (opd/cluster.py)
+    cluster   local; fork: opd train starts its teachers; ray: teacher replicas on Ray (opd/cluster)
+
+`student`, and the shared fields of `rollout`, `optim` and `run`, are the training spine's
+sections (opd/spine/config.py), the same classes `opd rl` uses.
 
 Per-teacher loss settings (mode, k, beta, temperature, T^2, weight) live on each teacher
 in `merge.teachers`, because in a merge every teacher may need its own. Relative paths
@@ -21,40 +24,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from opd.cluster import ClusterConfig
-from opd.config import check_device, check_top_p, check_vllm_lora, field, load_yaml, near
-from opd.lora import LoraSpec
+from opd.spine import config as spine
+from opd.cluster.config import ClusterConfig
+from opd.config import check_vllm_lora, field, load_yaml, near
 from opd.routing.config import MergeConfig
 
 
 @dataclass(frozen=True)
-class StudentConfig:
-    path: str = field(help="local model directory of the student (transformers format)")
-    dtype: Literal["float32", "bfloat16", "float16"] = field("float32", help="dtype of the trained weights")
-    device: str = field("cpu", help="torch device of the student, e.g. cpu, cuda, cuda:1")
-    lora: LoraSpec | None = field(None, help="train a peft LoRA adapter instead of every weight (omit: full fine-tuning)")
-    gradient_checkpointing: bool = field(False, help="recompute activations in backward (less memory, slower)")
-
-    def __post_init__(self):
-        check_device(self.device)
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    engine: Literal["hf", "vllm"] = field("hf", help="hf: a KV-cached sampling loop over the trained model; "
-                                                     "vllm: a vLLM engine that receives the weights after each step")
+class RolloutConfig(spine.RolloutConfig):
     prompts_per_step: int = field(8, help="prompts drawn per optimizer step", min=1)
     samples_per_prompt: int = field(1, help="responses sampled per prompt", min=1)
-    temperature: float = field(1.0, help="student sampling temperature (0: greedy)", min=0.0)
-    top_p: float = field(1.0, help="nucleus sampling threshold", min=0.0, max=1.0)
-    max_new_tokens: int = field(64, help="length limit of a response", min=1)
-    batch_size: int = field(64, help="sequences generated together (hf engine)", min=1)
-    vllm_max_model_len: int = field(2048, help="vllm engine: longest prompt + response it holds", min=16)
-    vllm_gpu_memory_utilization: float = field(0.3, help="vllm engine: share of GPU memory it may take",
-                                               min=0.01, max=1.0)
-
-    def __post_init__(self):
-        check_top_p(self.top_p, "rollout.top_p")
 
 
 @dataclass(frozen=True)
@@ -79,22 +58,10 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    lr: float = field(1e-5, help="peak AdamW learning rate", min=0.0)
-    schedule: Literal["constant", "cosine", "linear"] = field("constant", help="learning-rate schedule after warm-up")
-    warmup_steps: int = field(0, help="linear warm-up steps from 0 to lr", min=0)
-    min_lr_ratio: float = field(0.0, help="cosine/linear: final lr as a fraction of lr", min=0.0, max=1.0)
-    weight_decay: float = field(0.0, help="AdamW weight decay", min=0.0)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], help="AdamW betas")
-    eps: float = field(1e-8, help="AdamW epsilon", min=0.0)
-    grad_clip: float = field(1.0, help="clip the global gradient norm to this (0: no clipping)", min=0.0)
+class OptimConfig(spine.OptimConfig):
     grad_accum: int = field(1, help="optimizer steps accumulate this many step batches", min=1)
     micro_batch_size: int = field(8, help="sequences per forward/backward pass (memory bound); the step's "
                                           "loss is the same for any value", min=1)
-
-    def __post_init__(self):
-        if len(self.betas) != 2:
-            raise ValueError(f"betas needs two values, got {self.betas}")
 
 
 @dataclass(frozen=True)
@@ -111,28 +78,21 @@ class TeacherClientSettings:
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    steps: int = field(100, help="optimizer steps", min=1)
-    out_dir: str = field("runs/opd", help="run directory: metrics, plots, checkpoints, card")
-    seed: int = field(0, help="seed of sampling, data order and initialization", min=0)
-    pipeline: bool = field(True, help="sample the next batch and send it to the teachers before training the "
-                                      "current one; its rollouts then come from weights one step old")
+class RunConfig(spine.RunConfig):
     eval_every: int = field(0, help="evaluate on the held-out prompts every N steps (0: only at start and end)",
                             min=0)
+    pipeline: bool = field(True, help="sample the next batch and send it to the teachers before training the "
+                                      "current one; its rollouts then come from weights one step old")
     eval_prompts: int = field(16, help="held-out prompts per evaluation (from datasets' eval_path)", min=1)
-    checkpoint_every: int = field(0, help="checkpoint every N steps (0: only at the end)", min=0)
-    keep_checkpoints: int = field(2, help="newest checkpoints kept on disk", min=1)
     ngram: int = field(4, help="n of the repeated n-gram ratio diagnostic", min=1)
     lopsided_factor: float = field(3.0, help="warn when a domain's loss share or eval accuracy is this many "
                                              "times above (or below 1/this of) the median over domains", min=1.01)
-    progress: bool = field(True, help="show a progress bar")
     on_data_error: Literal["stop", "skip"] = field("stop", help="malformed JSONL lines: stop, or skip and count")
-    tensorboard: bool = field(True, help="also write TensorBoard events when it is installed")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    student: StudentConfig = field(help="the model being trained")
+    student: spine.ModelConfig = field(help="the model being trained")
     merge: MergeConfig = field(help="teachers, prompt sets, routing, SFT mix, domain weights")
     rollout: RolloutConfig = field(default_factory=RolloutConfig, help="student sampling")
     loss: LossConfig = field(default_factory=LossConfig, help="normalization, trimming, kernel path")
@@ -164,7 +124,7 @@ class TrainConfig:
                              f"rollout.temperature to the teacher's temperature and rollout.top_p to 1")
         if self.cluster.student.num_workers != 1:
             raise ValueError("cluster.student.num_workers: opd train trains the student in one process; "
-                             "data-parallel workers are used from Python (RayCluster.data_parallel)")
+                             "it must be 1")
 
 
 def resolve_paths(cfg: TrainConfig, base_dir: str | Path) -> TrainConfig:

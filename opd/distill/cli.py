@@ -1,6 +1,6 @@
 """`opd train CONFIG.yaml`: on-policy distillation of a student from live teacher servers.
 
-The config (opd/train_config.py) is checked completely before anything loads; every
+The config (opd/distill/config.py) is checked completely before anything loads; every
 teacher is then checked (reachable, same tokenizer as the student) before any compute.
 """
 
@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from opd.config import ConfigError, describe, positive_int
-from opd.train_config import TrainConfig, load_train_config
+from opd.distill.config import TrainConfig, load_train_config
+from opd.distill.trainer import Trainer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,10 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from opd.trainer import Trainer
-
     if args.resume and args.overwrite:
         print("error: --resume continues the run in run.out_dir, --overwrite deletes it: pass one", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from opd.config import ConfigError, from_dict
-from opd.train_config import TrainConfig, load_train_config
+from opd.distill.config import TrainConfig, load_train_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "configs" / "train_single.yaml"
@@ -86,7 +86,7 @@ def test_bad_config_names_file_line_and_key(tmp_path):
     with pytest.raises(ConfigError, match=r"bad.yaml:7: key 'rollout.top_p' must be a finite number"):
         load_train_config(p)
     p.write_text(base.replace("  path: s\n", "  path: s\n  device: cpuu\n"))   # failed at the model's .to()
-    with pytest.raises(ConfigError, match=r"device 'cpuu': expected cpu, cuda or cuda:N"):
+    with pytest.raises(ConfigError, match=r"device 'cpuu': expected auto, cpu, cuda or cuda:N"):
         load_train_config(p)
 
 

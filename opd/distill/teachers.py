@@ -2,7 +2,7 @@
 
 `connect_teachers` refuses, before any compute, a teacher that is unreachable, has another
 tokenizer than the student, or cannot answer the configured mode and k; with `cluster.mode: ray`
-a teacher of `cluster.teachers` is a ReplicaPool over its Ray-placed replicas (opd/cluster.py). `TeacherSet.request`
+a teacher of `cluster.teachers` is a ReplicaPool over its Ray-placed replicas (opd/cluster). `TeacherSet.request`
 sends one teacher the sequences routed to it and returns a Future of an `Answer`, so the
 next batch can be scored while the current one trains. A full-vocabulary answer is a
 `RowStream`: the loss reads its rows micro-batch by micro-batch as the chunks arrive, so the
@@ -16,12 +16,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoConfig
 
-from opd.distill import take_rows
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue; the message says what to change."""
+from opd.kernels import TopKTeacher
+from opd.routing.checks import check_welcome
+from opd.spine.optim import TrainError
+from opd.spine.rows import take_rows
+from opd.teachers.client import TeacherClient, TeacherError, _as_curve
+from opd.teachers.protocol import default_chunk_rows
 
 
 FULL_WINDOW = 4   # full mode: chunks a teacher may send ahead of the loss reading them (per request)
@@ -132,8 +134,6 @@ class RowStream:
 
     def open(self) -> None:
         """Send the request now (it is sent at the first read otherwise)."""
-        from opd.teachers.client import TeacherError
-
         if self._chunks is None:
             try:
                 self._chunks = iter(self._send())
@@ -142,8 +142,6 @@ class RowStream:
 
     def _next(self):
         """The next chunk, or None at the end of the stream (the server's DONE)."""
-        from opd.teachers.client import TeacherError
-
         t0 = time.perf_counter()
         try:
             self.open()
@@ -179,8 +177,6 @@ def teacher_curve(cfg, i: int, spec):
                          f"teacher_client.curve_secret_key is not set: give the client's .key_secret file "
                          f"(`opd keys generate`; its public key must be on the server's --curve-allow list)")
     try:
-        from opd.teachers.client import _as_curve
-
         _as_curve((secret, spec.curve_server_key))  # readable, and a secret key where one is needed
     except (OSError, ValueError) as e:
         raise TrainError(f"merge.teachers[{i}] ({spec.name}): cannot load the CURVE keys "
@@ -190,8 +186,6 @@ def teacher_curve(cfg, i: int, spec):
 
 
 def _check_welcome(i: int, spec, where: str, welcome, student_fingerprint: str, student_path: str) -> None:
-    from opd.routing.checks import check_welcome
-
     problems = check_welcome(spec, welcome, student_fingerprint, at=where)
     if problems:
         raise TrainError(f"merge.teachers[{i}] ({spec.name}), student {student_path}: " + "; ".join(problems))
@@ -202,8 +196,6 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=N
     the configured mode and k. A teacher listed in `cluster.teachers` (cluster.mode: ray) gets the
     cluster's ReplicaPool over its replicas instead of a TeacherClient at its merge address.
     Returns {name: (client, welcome)}."""
-    from opd.teachers.client import TeacherClient, TeacherError
-
     s = cfg.teacher_client
     on_ray = {t.name for t in cfg.cluster.teachers} if cluster is not None else set()
     out: dict = {}
@@ -251,8 +243,6 @@ def full_logits_bytes(cfg, vocab_size: int, teachers: int = 1) -> int:
     and cast to fp32 for the loss (a copy only for bf16/fp16 rows); plus, per full-mode teacher
     and stream alive (the current batch's, and the next one's with run.pipeline), the chunks in
     flight (FULL_WINDOW + 1)."""
-    from opd.teachers.protocol import default_chunk_rows
-
     r, dtype = cfg.rollout, cfg.loss.full_dtype
     item = 4 if dtype == "float32" else 2
     rows = min(cfg.optim.micro_batch_size, r.prompts_per_step * r.samples_per_prompt) * r.max_new_tokens
@@ -302,8 +292,6 @@ def _vocab_limits(specs: dict, welcome, student_path: str) -> tuple[dict[str, in
     server before 2.3, any server before 2.2) is said in the card: its top-k answers still name
     the rows the student has, almost always."""
     try:
-        from transformers import AutoConfig
-
         rows = int(getattr(AutoConfig.from_pretrained(student_path), "vocab_size", 0) or 0)
     except (OSError, ValueError):   # a peft adapter directory: no config of its own
         return {}, []
@@ -347,8 +335,6 @@ class TeacherSet:
 
     def request(self, teacher: str, sequences: list[list[int]], starts: list[int]) -> Future:
         """Future of `teacher`'s Answer for these sequences (prompt + response, response from starts)."""
-        from opd.teachers.client import TeacherError
-
         spec, client = self.specs[teacher], self.clients[teacher][0]
         t0 = time.perf_counter()
         if spec.mode == "full":
@@ -381,8 +367,6 @@ class TeacherSet:
                 fut.set_exception(e)
             return fut
 
-        from opd.kernels import TopKTeacher
-
         outer: Future = Future()
         try:
             inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature,
@@ -403,8 +387,6 @@ class TeacherSet:
 
     def answers(self, futures: dict[str, Future]) -> dict[str, Answer]:
         """Wait for every teacher's answer; a teacher that changed its model stops the run."""
-        from opd.teachers.client import TeacherError
-
         out = {}
         for t, fut in futures.items():
             try:

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from opd.config import ConfigError, from_dict
-from opd.sft import SFTConfig, encode_pair, lr_at
+from opd.sft.config import SFTConfig
+from opd.sft.trainer import encode_pair
+from opd.spine.optim import lr_lambda
 
 
 def test_prompt_is_masked_and_eos_is_a_target(tiny_model_dir):
@@ -25,7 +27,8 @@ def test_rows_whose_prompt_fills_max_length_are_dropped(tiny_model_dir, tmp_path
     from transformers import AutoTokenizer
 
     from opd.data import write_jsonl
-    from opd.sft import SFTDataset, _load_sets
+    from opd.sft.config import SFTDataset
+    from opd.sft.trainer import _load_sets
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * 40, "response": "y"}, {"prompt": "1+1=", "response": "2"}])
@@ -43,8 +46,9 @@ def test_config_needs_exactly_one_start():
         from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}]}, SFTConfig)
     cfg = from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}], "tiny": {"layers": 1},
                      "steps": 10, "warmup_steps": 2, "lr": 0.01}, SFTConfig)
-    assert lr_at(0, cfg) == pytest.approx(0.005) and lr_at(2, cfg) == pytest.approx(0.01)
-    assert lr_at(9, cfg) < 0.001
+    lr_at = lr_lambda(cfg.optim_config(), cfg.steps)   # the multiplier of cfg.lr at each step
+    assert cfg.lr * lr_at(0) == pytest.approx(0.005) and cfg.lr * lr_at(2) == pytest.approx(0.01)
+    assert cfg.lr * lr_at(9) < 0.001
 
 
 def test_short_run_lowers_eval_loss_and_saves_model(tmp_path, capsys):
@@ -92,7 +96,7 @@ def test_an_interrupted_run_resumes_exactly(tmp_path, monkeypatch, capsys):
     import torch
     from safetensors.torch import load_file
 
-    import opd.sft as sft
+    import opd.sft.trainer as sft
     from opd.cli import main
     from opd.data import write_jsonl
     from opd.metrics import read_metrics
@@ -142,13 +146,13 @@ def test_an_interrupted_run_resumes_exactly(tmp_path, monkeypatch, capsys):
 def test_all_zero_ratios_are_refused_at_load(tmp_path, monkeypatch, capsys):
     # With every train[].ratio 0 the mixture has nothing to draw from: the model loaded, then
     # MixtureSampler raised a ValueError traceback. Refused with the config file's line instead.
-    import opd.sft as sft
+    import opd.sft.trainer as sft
     from opd.cli import main
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the config was refused")
 
-    monkeypatch.setattr(sft, "_build_model", no_model)
+    monkeypatch.setattr(sft, "load_policy", no_model)
     (tmp_path / "sft.yaml").write_text("out_dir: run\nmodel: m\n"
                                        "train: [{path: a.jsonl, ratio: 0}, {path: b.jsonl, ratio: 0.0}]\n")
     assert main(["sft", str(tmp_path / "sft.yaml")]) == 2

@@ -6,11 +6,13 @@ one per worker, and concatenates the answers in prompt order, so `generate` retu
 one engine would (exactly so when greedy; with sampling each worker draws from its own
 seed, hashed from (seed, rank)).
 
-On-policy weights: after a training step rank 0 writes a checkpoint (opd/cluster_dp.py);
-`sync_weights(checkpoint_dir)` makes every worker load its `trainable.safetensors`. The
-weights travel by file (a shared filesystem across nodes), not through Ray's object store.
-`sync_weights` also takes a bare `.safetensors` file of named parameters, which is what
-`PoolEngine` (a RolloutEngine over a pool, used by `opd rl` on Ray) writes after each step.
+On-policy weights: `sync_weights(checkpoint_dir)` makes every worker load a checkpoint's
+`trainable.safetensors` (opd/checkpoint.py), or a bare `.safetensors` file of named
+parameters, which is what `PoolEngine` (a RolloutEngine over a pool, used by `opd rl` on Ray)
+writes after each step. The weights travel by file (a shared filesystem across nodes), not
+through Ray's object store.
+
+Ray is imported inside the functions that use it (optional, about a second to import).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import dataclasses
 import os
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
+from opd.checkpoint import load_checkpoint
 from opd.rollout.base import Rollout, RolloutEngine, SamplingParams, prompt_seed
+from opd.rollout.hf import HFRolloutEngine
+from opd.spine.config import ModelConfig
+from opd.spine.model import load_policy
 
 
 class RolloutWorkerDiedError(RuntimeError):
@@ -31,17 +40,11 @@ class RolloutWorker:
 
     def __init__(self, model_dir: str, *, threads: int = 1, batch_size: int = 64, device: str = "cpu",
                  dtype: str = "float32"):
-        import torch
-        from transformers import AutoTokenizer
-
-        from opd.cluster_dp import load_student
-        from opd.rollout.hf import HFRolloutEngine
-
         torch.set_num_threads(max(1, threads))
         # The trainer's dtype: rollout log-probs of an fp32 copy of a bf16 policy put the GRPO
         # ratio off 1 (max |log ratio| 0.12) before any update.
-        self.model = load_student(model_dir, device, dtype).eval()
-        self.engine = HFRolloutEngine(self.model, AutoTokenizer.from_pretrained(str(model_dir)), batch_size=batch_size)
+        self.model, tokenizer = load_policy(ModelConfig(path=str(model_dir), dtype=dtype, device=device), train=False)
+        self.engine = HFRolloutEngine(self.model, tokenizer, batch_size=batch_size)
         self.generated = 0   # samples this actor produced (a pool's spread is visible from outside)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
@@ -54,9 +57,6 @@ class RolloutWorker:
 
     def load_weights(self, path: str) -> int:
         """Load a `.safetensors` file of named parameters (all of the trained ones); returns their count."""
-        import torch
-        from safetensors.torch import load_file
-
         weights = load_file(path)
         params = dict(self.model.named_parameters())
         unknown = [n for n in weights if n not in params]
@@ -69,8 +69,6 @@ class RolloutWorker:
 
     def load_checkpoint(self, path: str) -> int:
         """Load a checkpoint's trained weights (opd/checkpoint.py layout); returns its step."""
-        from opd.checkpoint import load_checkpoint
-
         return int(load_checkpoint(path, model=self.model, restore_rng=False)["step"])
 
 
@@ -155,8 +153,6 @@ class PoolEngine(RolloutEngine):
         return self.pool.generate(prompts, params)
 
     def sync_weights(self, model) -> None:
-        from safetensors.torch import save_file
-
         self.weights_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.weights_path.with_name(f"{self.weights_path.stem}.tmp-{os.getpid()}.safetensors")
         save_file({n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad},

@@ -1,7 +1,7 @@
 """The teachers an `opd train` run starts itself, before it connects to them (`cluster.mode`).
 
   local  nothing: the teachers at the merge config's addresses are already serving;
-  ray    join (or start) a Ray cluster and its teacher replicas (opd.cluster);
+  ray    join (or start) a Ray cluster and its teacher replicas (opd.cluster.session);
   fork   fork each of `cluster.teachers` from the trainer right after its imports, bound at
          its merge address (`tcp://127.0.0.1:*` picks a port), seeing only its `gpus` when
          they are given (CUDA_VISIBLE_DEVICES). The child shares the trainer's
@@ -25,7 +25,15 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-from opd.train_teachers import TrainError
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+# The teacher server's modules, imported before the fork so that a forked server finds them on
+# pages it shares with the trainer (`_preload`).
+import opd.teachers.serve  # noqa: F401
+from opd.cluster.session import RayCluster
+from opd.spine.optim import TrainError
+from opd.teachers import launch
 
 
 class RunTeachers:
@@ -85,13 +93,11 @@ class RunTeachers:
                         self._event(f"teacher {name!r}: watchdog error {type(e).__name__}: {e}")
 
     def _restart(self, name: str, dead, code: int) -> None:
-        from opd.teachers.launch import start_server_process
-
         t = self._specs[name]
         self.restarts[name] = self.restarts.get(name, 0) + 1
         what = f"teacher {name!r} (pid {dead.proc.pid}) exited with {code}"
         try:
-            server = start_server_process(_args(t, dead.address), timeout_s=t.startup_timeout_s, threads=None,
+            server = launch.start_server_process(_args(t, dead.address), timeout_s=t.startup_timeout_s, threads=None,
                                           die_with_parent=True, env=t.server_env())
         except RuntimeError as e:
             self._event(f"{what}; restart {self.restarts[name]} of {t.max_restarts} failed: {str(e)[-500:]}")
@@ -105,9 +111,7 @@ class RunTeachers:
         print(msg, flush=True)
 
     def _start_ray(self, cluster_cfg):
-        import ray
-
-        from opd.cluster import RayCluster
+        import ray   # optional, and about a second to import: only mode ray needs it
 
         self._ray_started = not ray.is_initialized()
         try:
@@ -119,17 +123,15 @@ class RunTeachers:
                 from None
 
     def _start_server(self, t, args: list[str], log: Path):
-        from opd.teachers.launch import ForkUnsafe, fork_server, start_server_process
-
         try:
             if not self.fork:
-                raise ForkUnsafe("Trainer(fork_teachers=False)")
+                raise launch.ForkUnsafe("Trainer(fork_teachers=False)")
             _preload(t.model)
-            return fork_server(args, log_path=log, timeout_s=t.startup_timeout_s, env=t.server_env())
-        except ForkUnsafe as e:
+            return launch.fork_server(args, log_path=log, timeout_s=t.startup_timeout_s, env=t.server_env())
+        except launch.ForkUnsafe as e:
             print(f"teacher {t.name!r}: not forked ({e}); started as a subprocess, which holds its own copy "
                   f"of the runtime", flush=True)
-            return start_server_process(args, timeout_s=t.startup_timeout_s, threads=None, die_with_parent=True,
+            return launch.start_server_process(args, timeout_s=t.startup_timeout_s, threads=None, die_with_parent=True,
                                         env=t.server_env())
 
     def stop_servers(self) -> None:
@@ -156,15 +158,10 @@ def _args(t, bind: str) -> list[str]:
 
 
 def _preload(model_dir: str) -> None:
-    """Import what loading this teacher imports (its architecture's module, the server), so the
-    forked server finds it on pages it shares with the trainer; errors are the server's to report."""
-    import opd.teachers.hf_backend  # noqa: F401
-    import opd.teachers.server  # noqa: F401
-
+    """Import what loading this teacher imports (its architecture's module; the server's modules,
+    opd.teachers.serve and its backends, are imported with this one), so the forked server finds it on pages it shares with the
+    trainer; errors are the server's to report."""
     try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
         MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
     except (KeyError, OSError, ValueError):
         pass

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from opd.distill import pack, response_mask, row_weights, trim_length
+from opd.spine.rows import pack, response_mask, row_weights, trim_length
 from opd.tiny import build_tokenizer
 
 
@@ -78,7 +78,7 @@ def test_row_weights_skip_empty_sequences():
 def test_student_rows_equal_the_models_own_logits_at_the_response_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from opd.distill import select_rows, student_rows
+    from opd.spine.rows import select_rows, student_rows
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     packed = pack([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], pad_id=0)
@@ -119,7 +119,7 @@ def test_student_rows_follow_what_comes_after_the_lm_head(family, fusable):
     # Soft-cap (Gemma 2), scales (Cohere, Granite), a bias (Phi) or a LoRA adapter on the head:
     # the rows equal the model's own logits; only a plain head may go through the fused loss,
     # which sees hidden @ lm_head.weight.T alone.
-    from opd.distill import student_rows
+    from opd.spine.rows import student_rows
     from opd.lm_head import head_form
 
     model = _tiny(family.split("-")[0])
@@ -145,7 +145,7 @@ def test_student_rows_follow_what_comes_after_the_lm_head(family, fusable):
 
 
 def test_take_rows_copies_only_a_real_selection():
-    from opd.distill import take_rows
+    from opd.spine.rows import take_rows
 
     t = torch.arange(12.0).view(4, 3)
     assert take_rows(t, torch.arange(4)) is t

@@ -1,4 +1,4 @@
-"""From rollouts and teacher answers to one distillation loss (the maths of a train step).
+"""Response rows: from rollouts to the rows a loss is taken over, for every loop.
 
 Shapes use suffixes: B sequences, L padded length, N response rows (all sequences'
 response tokens concatenated, sequence by sequence), V vocabulary, H hidden, k top-k.
@@ -201,7 +201,7 @@ def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t[index], without the copy when index is every row in order (one teacher for the whole
     micro-batch, the usual case: at V = 152,064 a copy of 256 rows is 155 MB). `t` may also be
-    a full-mode teacher stream (opd.train_teachers.RowStream), which gathers rows itself."""
+    a full-mode teacher stream (opd.distill.teachers.RowStream), which gathers rows itself."""
     if not isinstance(t, torch.Tensor):
         return t[index]
     n, index = len(t), index.to(t.device)
@@ -220,7 +220,7 @@ def select_rows(rows, index: torch.Tensor):
 def padded_cross_entropy(model, input_B_L: torch.Tensor, labels_B_L: torch.Tensor,
                           mask_B_L: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
     """Next-token cross-entropy of a right-padded batch over the tokens whose label is not -100:
-    their mean, or their sum (`reduction`). Shared by `opd sft` and data-parallel SFT. A longrope
+    their mean, or their sum (`reduction`): `opd sft`'s loss. A longrope
     model gets one pass per side of its switch length (opd.rope), each cut to its last real
     column, so no sequence's loss depends on its batch."""
     def cross_entropy(rows=slice(None), width=None, reduction=reduction) -> torch.Tensor:

@@ -21,8 +21,8 @@ from opd.config import from_dict
 from opd.data import write_jsonl
 from opd.metrics import read_metrics
 from opd.tiny import lm_head_teacher
-from opd.train_config import TrainConfig
-from opd.trainer import Trainer, TrainError
+from opd.distill.config import TrainConfig
+from opd.distill.trainer import Trainer, TrainError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -218,8 +218,8 @@ def test_the_share_trimmed_after_the_answer_is_measured_per_step_and_for_the_run
     cfg = _cfg(setup, "trimmed", steps=3, **{"loss.trim": "marker", "loss.answer_end_marker": "1"})
     trainer = Trainer(cfg)
     # The tiny random student seldom writes the marker; an answer "ending" after 5 tokens
-    # makes the counts certain (the cut itself: tests/opd/test_distill_rows.py).
-    trainer._trim = lambda response: min(len(response), 5)
+    # makes the counts certain (the cut itself: tests/spine/test_rows.py).
+    trainer.trim = lambda response: min(len(response), 5)
     trainer.run()
     rows = [r for r in read_metrics(setup["root"] / "trimmed" / "metrics.jsonl") if "loss" in r]
     sampled = [round(r["response_len"] * cfg.rollout.prompts_per_step) for r in rows]   # 1 sample per prompt
@@ -239,10 +239,10 @@ def test_eval_accuracy_counts_fully_correct_answers_and_the_score_is_its_own_met
     trainer.setup()
     trainer.verify = lambda samples, texts: scores[:len(texts)]
     try:
-        trainer._evaluate()
+        trainer.evaluate()
     finally:
         trainer.close()
-    row = trainer.evals[-1]
+    row = trainer.history.evals[-1]
     assert row["eval/accuracy"] == pytest.approx(0.5) and row["eval/verifier_score"] == pytest.approx(7 / 12)
     assert row["eval/accuracy/gen"] == pytest.approx(0.5)
 
@@ -361,7 +361,7 @@ def test_fork_mode_starts_and_stops_its_teacher(setup, capsys, monkeypatch):
 def test_fingerprint_change_stops_with_both_names():
     from opd.routing.config import TeacherSpec
     from opd.teachers.client import TeacherError
-    from opd.train_teachers import TeacherSet
+    from opd.distill.teachers import TeacherSet
 
     teachers = TeacherSet.__new__(TeacherSet)   # no connection: only the answer handling is tested
     teachers.specs = {"t": TeacherSpec(name="t", address="tcp://127.0.0.1:1")}
@@ -373,7 +373,7 @@ def test_fingerprint_change_stops_with_both_names():
 
 def test_probe_measures_student_teacher_gap(setup, capsys):
     from opd.cli import main
-    from opd.probe import probe
+    from opd.distill.probe import probe
 
     prompts = [f"held out {i}" for i in range(4)]
     teacher_dir = setup["root"] / "teacher"
@@ -433,7 +433,7 @@ def test_prompts_too_long_for_the_teacher_are_refused_or_left_out_at_load(setup)
         Trainer(_cfg(setup, "too_long", steps=1, **{"merge.datasets": datasets})).run()
     skipping = Trainer(_cfg(setup, "too_long_skip", steps=1, **{"merge.datasets": datasets, "run.on_data_error": "skip"}))
     skipping.run()
-    assert [len(s.prompt) < 600 for s in skipping.datasets["gen"]] == [True] * 6   # left out, not only said
+    assert [len(s.prompt) < 600 for s in skipping.prompts.datasets["gen"]] == [True] * 6   # left out, not only said
     warnings = json.loads((root / "too_long_skip" / "card.json").read_text())["run"]["warnings"]
     assert any("1 of 7 prompts leave no room" in w and w.endswith("left out") for w in warnings)
 
@@ -456,8 +456,9 @@ def test_each_prompt_is_held_to_the_teacher_it_is_routed_to_and_unrouted_prompts
         over = {"merge.teachers": teachers, "merge.datasets": datasets, "merge.routing.rules": rules}
         trainer = Trainer(_cfg(setup, "two_limits", steps=1, **over))
         trainer.run()
-        assert len(trainer.datasets["gen"]) == 5 and len(trainer.datasets["math"]) == 4
-        assert {trainer.routes[id(s)].domain for s in trainer.datasets["math"]} == {"math"}
+        prompts = trainer.prompts
+        assert len(prompts.datasets["gen"]) == 5 and len(prompts.datasets["math"]) == 4
+        assert {prompts.routes[id(s)].domain for s in prompts.datasets["math"]} == {"math"}
 
         # The same long prompt in the short teacher's domain is refused, naming that teacher.
         write_jsonl(root / "math_long.jsonl", [{"prompt": f"{i}+{i}="} for i in range(4)] + [{"prompt": "y" * 300}])
@@ -501,7 +502,7 @@ def test_a_step_with_a_nonfinite_gradient_is_skipped_and_three_in_a_row_stop_the
 
     trainer.metrics.log = snapshot_after_step_1
     try:
-        trainer._loop()
+        trainer.train()
     finally:
         trainer.close()
     rows = {r["step"]: r for r in read_metrics(setup["root"] / "nonfinite" / "metrics.jsonl") if "loss" in r}
@@ -524,7 +525,7 @@ def test_a_step_with_a_nonfinite_gradient_is_skipped_and_three_in_a_row_stop_the
     always._train_batch = nan_every_step
     with pytest.raises(TrainError, match="3 steps in a row had a gradient that is not finite"):
         try:
-            always._loop()
+            always.train()
         finally:
             always.close()
 
@@ -573,9 +574,9 @@ def test_cli_runs_a_yaml_config_with_relative_paths_and_resumes(setup, tmp_path,
 def test_full_mode_that_cannot_fit_is_refused_before_training(setup, monkeypatch):
     # 4 sequences x 12 rows x V=260 x (4 + 4 + 4) B, and 2 streams x 5 chunks of 1 MiB in flight:
     # 10.3 MiB of teacher logits at most; say 64 KiB are free.
-    import opd.train_teachers
+    import opd.distill.teachers
 
-    monkeypatch.setattr(opd.train_teachers, "_mem_available", lambda: 64 << 10)
+    monkeypatch.setattr(opd.distill.teachers, "_mem_available", lambda: 64 << 10)
     trainer = Trainer(_cfg(setup, "full_too_big", mode="full", steps=2))
     with pytest.raises(TrainError, match=r"mode full holds up to 10\.3 MiB of teacher logits \(optim.micro_batch_size 4 x "
                                          r"rollout.max_new_tokens 12 rows x V=260 in float32"):

@@ -10,8 +10,8 @@ from opd.config import from_dict
 from oracles import forward_logprobs
 from opd.data import write_jsonl
 from opd.metrics import read_metrics
-from opd.train_config import TrainConfig
-from opd.trainer import Trainer
+from opd.distill.config import TrainConfig
+from opd.distill.trainer import Trainer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,0 +1,97 @@
+"""Held-out evaluation of a distillation run: the divergence to each prompt's teacher, accuracy.
+
+The held-out prompts (datasets' eval_path) are answered once by the student at the training
+temperature with a fixed seed; each teacher scores the answers routed to it, and the KL is
+the training divergence per response row (without T^2). Where the verifiers of opd.rl.rewards
+check a prompt (an `answer` or `tests` field), the accuracy is the share of fully correct
+answers and the verifier score the mean (a code answer's partial credit included). The random
+generators are left as they were, so training does not depend on when it is evaluated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opd.checkpoint import rng_state, set_rng_state
+from opd.diagnostics import DomainTally, topk_overlap
+from opd.distill.batch import Batch
+from opd.kernels import TopKTeacher, distill_loss
+from opd.rl.rewards import accuracy as share_correct
+from opd.rollout.base import SamplingParams
+from opd.spine.rows import pack, student_rows
+
+
+@torch.no_grad()
+def evaluate(trainer) -> dict:
+    """The metrics of one evaluation (eval/...), for `trainer`'s held-out prompts."""
+    state = rng_state()
+    try:
+        return _evaluate(trainer)
+    finally:
+        set_rng_state(state)
+
+
+def _evaluate(tr) -> dict:
+    cfg, prompts = tr.cfg, tr.prompts
+    samples, routes = prompts.eval_samples, prompts.eval_routes
+    r = cfg.rollout
+    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, n=1,
+                            seed=cfg.run.seed + 12_345)
+    rollouts = tr.engine.generate([tr.encode(s) for s in samples], params)
+    keep = [tr.trim(ro.response_ids) for ro in rollouts]
+    batch = tr._submit(Batch(index=-1, samples=samples, routes=routes, rollouts=rollouts, keep=keep,
+                             policy_version=tr.version))
+    answers = tr.teachers.answers(batch.futures)
+    tally = DomainTally()
+    for ro, route in zip(rollouts, routes):
+        tally.add_response(route.domain, ro.response_ids, ro.finish_reason)
+    scores: dict[str, list[float]] = {}
+    if tr.verify is not None:
+        texts = [tr.tok.decode(ro.response_ids, skip_special_tokens=True) for ro in rollouts]
+        for route, v in zip(routes, tr.verify(samples, texts)):
+            if v is not None:
+                scores.setdefault(route.domain, []).append(float(v))
+    was = tr.model.training
+    tr.model.eval()
+    for t, seqs in batch.members.items():
+        spec, ans = tr.teachers.specs[t], answers[t]
+        for j, s in enumerate(seqs):
+            n = keep[s]
+            if n == 0:
+                continue
+            packed = pack([rollouts[s].prompt_ids], [rollouts[s].response_ids[:n]], tr.tok.pad_token_id)
+            logits = student_rows(tr.model, packed, fused=False).float()
+            idx = torch.arange(ans.row_offsets[j], ans.row_offsets[j] + n)
+            teacher = ans.logits[idx].float().to(logits.device) if ans.topk is None else \
+                TopKTeacher(*(x[idx].to(logits.device) for x in ans.topk))
+            if isinstance(teacher, torch.Tensor) and teacher.shape[1] != logits.shape[1]:
+                v = min(teacher.shape[1], logits.shape[1])
+                teacher, logits = teacher[:, :v], logits[:, :v]
+            kl = distill_loss(logits, teacher, beta=spec.divergence_beta, temperature=spec.temperature,
+                              reduction="none")
+            domain = routes[rollouts[s].prompt_index].domain
+            tally.add_rows(domain, "kl", kl)
+            tally.add_rows(domain, "topk_overlap", topk_overlap(logits, tr.teachers.topk_ids(spec, ans, idx)))
+    tr.model.train(was)
+    tr.teachers.finish(answers)
+    diag = tally.metrics(tr.stop_ids, cfg.run.ngram, prefix="eval")
+    row = {k: v for k, v in diag.items() if not k.endswith("loss_share")}
+    kl = tally.row_mean("kl")
+    if kl is not None:
+        row["eval/kl"] = kl
+    for d in {k.split("/")[1] for k in diag}:
+        if f"eval/{d}/kl" in diag:
+            row[f"eval/kl/{d}"] = diag[f"eval/{d}/kl"]
+    row["eval/response_len"] = sum(len(ro.response_ids) for ro in rollouts) / len(rollouts)
+    if scores:
+        # Accuracy counts fully correct answers (score 1); the mean verifier score, with a code
+        # answer's partial credit for the share of tests it passes, is its own metric.
+        every = [x for v in scores.values() for x in v]
+        row["eval/accuracy"] = share_correct(every)
+        row["eval/verifier_score"] = sum(every) / len(every)
+        for d, v in scores.items():
+            row[f"eval/accuracy/{d}"] = share_correct(v)
+        if len(scores) > 1:
+            tr.history.warn_lopsided(tr.step, {d: row[f"eval/accuracy/{d}"] for d in scores}, "eval accuracy",
+                                     cfg.run.lopsided_factor)
+    return row

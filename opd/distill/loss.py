@@ -1,0 +1,147 @@
+"""The distillation objective of one batch: each teacher's rows, weighted, backward in micro-batches.
+
+    L = sum_d lambda_d * L^d  +  lambda_sft * L_SFT
+
+L^d is the mean loss (per token or per sequence, `loss.length_norm`) of the response rows
+routed to domain d, each row's loss the divergence to its teacher (top-k with the tail bucket,
+full vocabulary, or the sampled-token reverse-KL advantage) times that teacher's weight and
+share of the sample (opd.spine.rows.row_weights). Rows come from opd.kernels, on the student's
+response rows only: prompt and padding are never scored, and the rows past the answer's end
+were trimmed before the teachers saw them.
+
+`train_batch` runs the first micro-batch's student forward before it waits for the teachers
+(they score in their own processes meanwhile), and reads a full-vocabulary answer's rows
+micro-batch by micro-batch as they stream in.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from opd.data import encode_prompt
+from opd.diagnostics import topk_overlap
+from opd.distill.batch import Batch
+from opd.distill.stats import StepStats
+from opd.distill.teachers import Answer, TeacherSet
+from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
+from opd.spine.optim import TrainError
+from opd.spine.rows import pack, row_weights, rows_logits, select_rows, sft_loss, student_rows, take_rows
+
+
+def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.Tensor, impl: str):
+    """(loss rows with grad, divergence rows for metrics) of one teacher on the student's rows
+    `rows` (logits [n, V], or (hidden [n, H], lm_head weight [V, H]) when fused) against its
+    answer rows `idx`; targets [n]: the sampled tokens. T^2 is applied when the spec asks."""
+    t2 = spec.temperature ** 2 if spec.scale_by_t2 else 1.0
+    if spec.mode == "sampled":
+        logits = rows if not isinstance(rows, tuple) else rows[0] @ rows[1].T
+        student_lp = torch.log_softmax(logits.float() / spec.temperature, -1).gather(
+            -1, targets[:, None].to(logits.device)).squeeze(-1)
+        est = sampled_token_reverse_kl(student_lp, answer.token_logprob[idx].to(student_lp.device))
+        # Policy gradient with advantage -est: d/dθ of est * log p_student(x).
+        return est * student_lp * t2, est
+    device = rows[0].device if isinstance(rows, tuple) else rows.device
+    if spec.mode == "full":
+        teacher = take_rows(answer.logits, idx).float().to(device)
+    else:
+        teacher = type(answer.topk)(*(take_rows(x, idx).to(device) for x in answer.topk))
+    if isinstance(rows, tuple):
+        hidden, weight = rows
+        if isinstance(teacher, torch.Tensor) and teacher.shape[1] != weight.shape[0]:
+            raise TrainError(f"teacher vocabulary {teacher.shape[1]} != student LM head {weight.shape[0]}")
+        kl = fused_linear_distill_loss(hidden, weight, teacher, beta=spec.beta, temperature=spec.temperature,
+                                       reduction="none", impl=impl)
+    else:
+        if isinstance(teacher, torch.Tensor) and teacher.shape[1] != rows.shape[1]:
+            v = min(teacher.shape[1], rows.shape[1])   # a padded LM head on one side: its common rows
+            teacher, rows = teacher[:, :v], rows[:, :v]
+        kl = distill_loss(rows, teacher, beta=spec.beta, temperature=spec.temperature, reduction="none", impl=impl)
+    return kl * t2, kl.detach()
+
+
+def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str, float], pad_id: int,
+                scale: float, stats: StepStats) -> None:
+    """Loss and backward of one batch, micro-batch by micro-batch (the gradients accumulate).
+    lam: each domain's lambda (merge.domain_weights times its normalizer multiplier); scale: the
+    batch's share of the optimizer step (1 / grad_accum)."""
+    responses = batch.responses()
+    offsets = [0]
+    for r in responses:
+        offsets.append(offsets[-1] + len(r))
+    domains = [batch.route_of(s).domain for s in range(len(responses))]
+    weights_N = row_weights(offsets, domains, lam, cfg.loss.length_norm) * scale
+    answers: dict[str, Answer] | None = None
+    mb = cfg.optim.micro_batch_size
+    for a in range(0, len(responses), mb):
+        seqs = list(range(a, min(a + mb, len(responses))))
+        packed = pack([batch.rollouts[s].prompt_ids for s in seqs], [responses[s] for s in seqs], pad_id)
+        if packed.row_offsets[-1] == 0:
+            continue
+        rows = student_rows(model, packed, fused=cfg.loss.fused_linear)
+        if answers is None:   # only now does the student need them: they were computed meanwhile
+            answers = _wait(teachers, batch, stats)
+            where = {t: {seq: answers[t].row_offsets[j] for j, seq in enumerate(members)}
+                     for t, members in batch.members.items()}   # a sequence's first row in each answer
+        device = rows[0].device if isinstance(rows, tuple) else rows.device
+        loss = torch.zeros((), device=device)
+        diag_logits = None
+        for t in batch.members:
+            local, remote, w_rows, row_domain = _routed_rows(t, batch, seqs, packed.row_offsets, where[t], offsets,
+                                                             weights_N, teachers.specs[t].weight)
+            if not local:
+                continue
+            local_i, remote_i = torch.tensor(local), torch.tensor(remote)
+            loss_rows, kl_rows = teacher_loss(teachers.specs[t], select_rows(rows, local_i.to(device)), answers[t],
+                                              remote_i, packed.targets_N[local_i], cfg.loss.impl)
+            weighted = torch.cat(w_rows).to(device) * loss_rows
+            loss = loss + weighted.sum()
+            # Diagnostics, from the same rows.
+            diag_logits = rows_logits(rows) if diag_logits is None else diag_logits
+            overlap = topk_overlap(diag_logits[local_i.to(diag_logits.device)],
+                                   teachers.topk_ids(teachers.specs[t], answers[t], remote_i))
+            topk = answers[t].topk
+            tail = topk.tail_logmass[remote_i].exp() if topk is not None else None
+            stats.add_teacher_rows(t, row_domain, weighted, kl_rows, overlap, tail, lam)
+        loss.backward()
+        stats.loss += float(loss.detach())
+    if answers is None:   # every response trimmed to nothing: the answers are collected all the same
+        answers = _wait(teachers, batch, stats)
+    stats.wait_s += teachers.finish(answers)   # full mode: the time blocked on streamed rows
+    stats.latencies += [a.latency_s for a in answers.values()]
+
+
+def _routed_rows(t: str, batch: Batch, seqs: list[int], local_offsets: list[int], first_row: dict[int, int],
+                 offsets: list[int], weights_N: torch.Tensor, teacher_weight: float):
+    """The rows of micro-batch `seqs` that teacher `t` scores: their indices in the micro-batch
+    (local) and in t's answer (remote), their weights, and their domains."""
+    local, remote, w_rows, row_domain = [], [], [], []
+    for j, s in enumerate(seqs):
+        w = batch.route_of(s).weights.get(t, 0.0)
+        if w <= 0 or s not in first_row:
+            continue
+        n = offsets[s + 1] - offsets[s]
+        local.extend(range(local_offsets[j], local_offsets[j] + n))
+        remote.extend(range(first_row[s], first_row[s] + n))
+        w_rows.append(weights_N[offsets[s]:offsets[s] + n] * w * teacher_weight)
+        row_domain += [batch.route_of(s).domain] * n
+    return local, remote, w_rows, row_domain
+
+
+def _wait(teachers: TeacherSet, batch: Batch, stats: StepStats) -> dict[str, Answer]:
+    t0 = time.perf_counter()
+    answers = teachers.answers(batch.futures)
+    stats.wait_s += time.perf_counter() - t0
+    return answers
+
+
+def sft_mix(model, tokenizer, pairs, lambda_sft: float, scale: float) -> float:
+    """merge.sft's cross-entropy on reference responses (prompt masked, EOS appended), backward
+    at weight lambda_sft * scale; returns the unweighted loss."""
+    prompts = [encode_prompt(tokenizer, s.prompt) for s in pairs]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    responses = [tokenizer(s.response, add_special_tokens=False)["input_ids"] + eos for s in pairs]
+    ce = sft_loss(model, prompts, responses, tokenizer.pad_token_id)
+    (lambda_sft * scale * ce).backward()
+    return float(ce.detach())

@@ -1,0 +1,306 @@
+"""`opd train`'s loop: on-policy distillation of a student from live teacher servers.
+
+One optimizer step (`Trainer.step`, read top to bottom):
+  1. sample: draw prompts from the domains' mixture (each routed to its teachers when the
+     data loaded, opd.distill.prompts) and let the student roll them out (rollout engine);
+  2. submit: send each teacher the sequences routed to it, trimmed after the answer's end;
+  3. forward: the student's response rows of the first micro-batch, while the teachers score;
+  4. loss / backward: each teacher's divergence on its rows, per-domain weights, the SFT mix,
+     micro-batch by micro-batch (opd.distill.loss);
+  5. optimizer step (skipped, and said, when the gradient is not finite), then the rollout
+     engine receives the new weights (weight sync).
+With `run.pipeline`, steps 1-2 of the NEXT batch happen before steps 3-4 of the current one
+(opd.distill.batch.Prefetcher), so the teachers score while the student trains; that batch's
+rollouts then come from weights one optimizer step old (staleness 1, recorded per step and in
+the card). Without it every batch is sampled from the current weights (staleness 0).
+
+Deviation from the textbook: with `merge.normalize: running_mean`, a domain's multiplier is
+its running mean loss up to the previous step (the current step's loss is only known after
+its backward); the first step uses 1.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from opd.config import to_dict
+from opd.data import encode_prompt
+from opd.distill.batch import Batch, Prefetcher
+from opd.distill.card import write_train_card
+from opd.distill.config import TrainConfig
+from opd.distill.evaluate import evaluate
+from opd.distill.launch import RunTeachers
+from opd.distill.loss import sft_mix, train_batch
+from opd.distill.prompts import load_prompts
+from opd.distill.stats import History, StepStats
+from opd.distill.teachers import TeacherSet
+from opd.fingerprint import model_fingerprint, tokenizer_fingerprint
+from opd.lm_head import FUSED_REFUSED, head_form
+from opd.rl.rewards import verify_batch
+from opd.rollout.base import SamplingParams, eos_ids
+from opd.routing.normalize import DomainLossNormalizer
+from opd.spine.model import load_policy, load_tokenizer, make_engine
+from opd.spine.optim import NonfiniteSteps, TrainError, build_optimizer, optimizer_step
+from opd.spine.rows import trim_length
+from opd.spine.run import RunDir
+
+__all__ = ["Trainer", "TrainError"]
+
+# Config keys a resumed run must share with its checkpoint (opd.checkpoint.resume_changes):
+# they define the objective, so another value would make the card's one description of the
+# run false for the steps before the resume. Other keys (steps, lr, evaluation, where the
+# teachers listen, ...) may change and are listed in the card.
+RESUME_FIXED = ("student.path", "student.dtype", "student.lora", "student.lora.*", "merge.teachers.*",
+                "merge.datasets", "merge.routing.*", "merge.sft", "merge.sft.*", "merge.domain_weights*",
+                "merge.normalize*", "loss.*", "rollout.temperature", "rollout.top_p", "rollout.samples_per_prompt",
+                "rollout.prompts_per_step", "rollout.max_new_tokens", "run.seed")
+RESUME_FREE = ("merge.teachers.*.address", "merge.teachers.*.curve_server_key", "loss.impl", "loss.fused_linear")
+NONFINITE_HINT = "Check the domain's teachers (probe them with `opd probe`), optim.lr, and student.dtype"
+PLOTS = {"loss": ["loss", "sft_loss"], "kl": ["kl", "eval/kl"], "response_length": ["response_len", "eval/response_len"],
+         "eval_accuracy": ["eval/accuracy"]}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, resume: str | Path | bool | None = None, base_dir: str | Path = ".",
+                 fork_teachers: bool = False, overwrite: bool = False):
+        """resume: True (the newest checkpoint under run.out_dir) or a checkpoint directory.
+        overwrite: a fresh run may replace an earlier run in run.out_dir (else it is refused).
+        fork_teachers: with cluster.mode fork, fork the teacher servers from this process (what
+        `opd train` does, before it computes anything); False starts them as subprocesses, which
+        a process that may already have run torch (a notebook, a test) needs: a forked child
+        hangs in the OpenMP thread pool its parent used."""
+        self.cfg = cfg
+        self.out = Path(cfg.run.out_dir)
+        self.launched = RunTeachers(self.out, fork=fork_teachers)   # what cluster.mode starts
+        self.base_dir = Path(base_dir)
+        self.resume, self.overwrite = resume, overwrite
+        self.steps_done = 0       # optimizer steps, skipped ones included
+        self.version = 0          # optimizer steps applied: the weights' version
+        self.batches = 0          # batches drawn (the data position)
+        self.last_batch = cfg.run.steps * cfg.optim.grad_accum
+        self.history = History.start([t.name for t in cfg.merge.teachers])
+        self.verify = verify_batch   # (samples, texts) -> [score | None]: evaluation's accuracy
+
+    # -- setup: everything checked before the first step ----------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run_dir = RunDir(self.out, to_dict(cfg), resume=self.resume, overwrite=self.overwrite,
+                              fixed=RESUME_FIXED, free=RESUME_FREE)
+        if self.run_dir.changed:
+            self.history.warnings.append(f"resumed from {self.run_dir.resume_from.name}; changed since that "
+                                         f"checkpoint: {', '.join(self.run_dir.changed)}")
+        # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
+        tokenizer = load_tokenizer(cfg.student.path, "student.path")
+        self.student_fp = tokenizer_fingerprint(tokenizer)
+        self.cfg = cfg = self.launched.start(cfg)   # forked teachers: bound ports in the addresses
+        self.run_dir.config = to_dict(cfg)
+        self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.launched.cluster)
+        for note in [self.teachers.memory_note, *self.teachers.vocab_notes]:
+            if note:
+                self.history.warn(note)
+        torch.manual_seed(cfg.run.seed)
+        self.model, self.tok = load_policy(cfg.student, seed=cfg.run.seed, tokenizer=tokenizer)
+        if cfg.loss.fused_linear and not head_form(self.model).fusable:
+            raise TrainError(f"loss.fused_linear: student {cfg.student.path}: {FUSED_REFUSED}")
+        self.student_model_fp = model_fingerprint(cfg.student.path)
+        teacher_positions = {t: self.teachers.welcome(t).max_positions for t in self.teachers.specs}
+        self.prompts = load_prompts(cfg, self.tok, self.base_dir,
+                                    getattr(self.model.config, "max_position_embeddings", 0) or 0,
+                                    {t: n for t, n in teacher_positions.items() if n > 0})
+        self.history.warnings += self.prompts.warnings
+        self.stop_ids = eos_ids(self.tok, getattr(self.model, "generation_config", None))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.run.steps)
+        self.nonfinite = NonfiniteSteps(NONFINITE_HINT)
+        self.normalizer = DomainLossNormalizer(cfg.merge.normalize, cfg.merge.normalize_momentum)
+        self.multipliers: dict[str, float] = {}
+        self.prefetch = Prefetcher(self._sample_batch, self._submit, enabled=cfg.run.pipeline)
+        self._restore(self.run_dir.restore(self.model, self.optimizer, self.scheduler))
+        self.engine = make_engine(cfg.rollout, cfg.student, self.model, self.tok, seed=cfg.run.seed)
+        self.metrics = self.run_dir.metrics(tensorboard=cfg.run.tensorboard)
+
+    # -- one optimizer step ---------------------------------------------------------------------
+    def step(self) -> dict:
+        """One optimizer step, top to bottom; its metrics line."""
+        cfg, accum = self.cfg, self.cfg.optim.grad_accum
+        stats, t_step = StepStats(), time.perf_counter()
+        for i in range(accum):
+            # 1-2. sample, route and submit: this batch was sampled and sent by the look-ahead a
+            # step ago (run.pipeline), or is now; the look-ahead then samples the next one, and
+            # sends it unless an evaluation comes first or the run ends with this batch.
+            t0 = time.perf_counter()
+            batch = self.prefetch.take()
+            evaluation_next = i == accum - 1 and self._due(cfg.run.eval_every, self.steps_done + 1)
+            self.prefetch.look_ahead(send=self.batches <= self.last_batch and not evaluation_next)
+            stats.rollout_s += time.perf_counter() - t0
+            stats.add_batch(batch, self.version)
+            # 3-4. the student's rows, the teachers' answers, loss and backward per micro-batch.
+            self._train_batch(batch, stats, 1.0 / accum)
+            if self.prompts.sft is not None:   # the SFT mix: cross-entropy on reference responses
+                sft = cfg.merge.sft
+                ce = sft_mix(self.model, self.tok, self.prompts.sft.take(sft.batch_size), sft.lambda_sft, 1 / accum)
+                stats.sft_losses.append(ce)
+                stats.loss += sft.lambda_sft * ce / accum
+        # 5. the optimizer step (skipped if the gradient is not finite), then the weight sync.
+        lr = self.optimizer.param_groups[0]["lr"]   # the rate this step uses, not the next one
+        grad_norm, applied = optimizer_step(self.optimizer, self.params, cfg.optim.grad_clip)
+        skipped = self.nonfinite.check(self.steps_done + 1, applied, self._nonfinite_detail(stats))
+        self.scheduler.step()
+        self.steps_done += 1
+        if applied:
+            self.version += 1
+            self.engine.sync_weights(self.model)
+            for d, v in stats.domain_loss.items():   # running-mean multipliers for the next step
+                self.multipliers[d] = self.normalizer.scale(d, v)
+        else:
+            self.history.warn(skipped)
+        self.history.add_step(stats)
+        row = stats.row(lr=lr, grad_norm=grad_norm, elapsed=time.perf_counter() - t_step, stop_ids=self.stop_ids,
+                        ngram=cfg.run.ngram)
+        self.history.warn_lopsided(self.steps_done, StepStats.loss_shares(row), "loss share", cfg.run.lopsided_factor)
+        return row
+
+    def _sample_batch(self) -> Batch:
+        """Draw prompts (each with the route it got at load) and sample the student's responses."""
+        r = self.cfg.rollout
+        samples = self.prompts.sampler.sample(r.prompts_per_step)
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches)
+        rollouts = self.engine.generate([self.encode(s) for s in samples], params)
+        batch = Batch(index=self.batches, samples=samples, routes=[self.prompts.routes[id(s)] for s in samples],
+                      rollouts=rollouts, keep=[self.trim(ro.response_ids) for ro in rollouts],
+                      policy_version=self.version)
+        self.batches += 1
+        return batch
+
+    def _submit(self, batch: Batch) -> Batch:
+        """Send every teacher the sequences routed to it (prompt + trimmed response)."""
+        for t, (sequences, starts) in batch.requests().items():
+            batch.futures[t] = self.teachers.request(t, sequences, starts)
+        return batch
+
+    def _train_batch(self, batch: Batch, stats: StepStats, scale: float) -> None:
+        domains = {batch.route_of(s).domain for s in range(len(batch.rollouts))}
+        lam = {d: self.cfg.merge.domain_weights.get(d, 1.0) * self.multipliers.get(d, 1.0) for d in domains}
+        train_batch(self.model, batch, self.teachers, cfg=self.cfg, lam=lam, pad_id=self.tok.pad_token_id,
+                    scale=scale, stats=stats)
+
+    @staticmethod
+    def _nonfinite_detail(stats: StepStats) -> str:
+        bad = sorted(d for d, v in stats.domain_loss.items() if not math.isfinite(v))
+        return f" (loss {stats.loss:.4g}{f', from domain {bad}' if bad else ''})"
+
+    # -- the run --------------------------------------------------------------------------------
+    def run(self) -> dict:
+        try:
+            self.setup()
+            return self.train()
+        finally:
+            self.close()
+
+    def train(self) -> dict:
+        """Steps until run.steps, with evaluations and checkpoints; then the model, plots, card."""
+        cfg = self.cfg
+        if self.steps_done == 0:
+            self.evaluate()
+        bar = tqdm(total=cfg.run.steps, initial=self.steps_done, disable=not cfg.run.progress, desc="opd train",
+                   dynamic_ncols=True)
+        while self.steps_done < cfg.run.steps:
+            row = self.step()
+            self.metrics.log(self.steps_done, row)
+            bar.update(1)
+            per_domain = {k.split("/", 1)[1]: f"{v:.3f}" for k, v in row.items() if k.startswith("kl/")}
+            bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row.get('kl', float('nan')):.4f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}", teacher_s=f"{row['teacher_latency_s']:.3f}",
+                            **(per_domain if len(per_domain) > 1 else {}))
+            # Evaluation first, so that a checkpoint holds it (the card's history after a resume).
+            if self._due(cfg.run.eval_every, self.steps_done):
+                self.evaluate()
+                if self.batches <= self.last_batch:
+                    self.prefetch.send_held()
+            if self._due(cfg.run.checkpoint_every, self.steps_done):
+                self._checkpoint()
+        bar.close()
+        return self._finish()
+
+    def evaluate(self) -> dict | None:
+        """A held-out evaluation (opd.distill.evaluate), logged and kept for the card."""
+        if not self.prompts.eval_samples:
+            return None
+        row = evaluate(self)
+        self.metrics.log(self.steps_done, row)
+        self.history.evals.append({"step": self.steps_done, **row})
+        return row
+
+    def _due(self, every: int, step: int) -> bool:
+        """Whether something done every `every` steps (0: never), and after the last, falls on `step`."""
+        return bool(every and step % every == 0) or step == self.cfg.run.steps
+
+    def encode(self, sample) -> list[int]:
+        return encode_prompt(self.tok, sample.prompt)
+
+    def trim(self, response: list[int]) -> int:
+        loss = self.cfg.loss
+        return trim_length(response, eos_ids=self.stop_ids, trim=loss.trim, marker=loss.answer_end_marker,
+                           tokenizer=self.tok)
+
+    # -- checkpoints, the end -------------------------------------------------------------------
+    def _checkpoint(self) -> Path:
+        history = self.history.state()
+        # the watchdog's restarts too: after a resume they are history the card keeps
+        history["warnings"] = history["warnings"] + self.launched.events
+        state = {"batches": self.batches, "version": self.version, "sampler": self.prompts.sampler.state(),
+                 "sft": self.prompts.sft.state() if self.prompts.sft is not None else None,
+                 "normalizer": self.normalizer.state(), "multipliers": self.multipliers,
+                 "pending": self.prefetch.state(), **history}
+        return self.run_dir.save(self.steps_done, self.model, self.optimizer, self.scheduler, state=state,
+                                 keep=self.cfg.run.keep_checkpoints)
+
+    def _restore(self, state: dict) -> None:
+        """The run's position from a checkpoint's state ({}: a fresh run)."""
+        if not state:
+            return
+        self.steps_done = state["step"]
+        self.version = state.get("version", self.steps_done)   # fewer than steps when a step was skipped
+        self.batches = state["batches"]
+        self.prompts.sampler.load_state(state["sampler"])
+        if self.prompts.sft is not None and state.get("sft") is not None:
+            self.prompts.sft.load_state(state["sft"])
+        self.normalizer.load_state(state["normalizer"])
+        self.multipliers = state["multipliers"]
+        self.history.load_state(state)
+        self.prefetch.load_state(state.get("pending"))
+        print(f"resumed from {self.run_dir.resume_from} at step {self.steps_done}", flush=True)
+
+    def _finish(self) -> dict:
+        if self.launched.servers:  # the forked teachers are done (their clients first); the card keeps their WELCOMEs
+            self.teachers.close()
+            self.launched.stop_servers()
+        self.run_dir.finish(self.model, self.tok, PLOTS)   # RUN/model: the distilled student, LoRA merged in
+        h = self.history
+        write_train_card(
+            self.out, self.cfg, welcomes={t: self.teachers.welcome(t) for t in self.teachers.specs},
+            student={"model_fingerprint": self.student_model_fp, "tokenizer_fingerprint": self.student_fp,
+                     "trained_parameters": sum(p.numel() for p in self.params)},
+            teacher_samples=h.teacher_samples, tail_mass=h.tail_mass, staleness=h.staleness,
+            prompts={d: len(v) for d, v in self.prompts.datasets.items()},
+            eval_prompts=len(self.prompts.eval_samples), evals=h.evals, warnings=h.warnings + self.launched.events,
+            steps=self.steps_done,
+            skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
+                           for p, r in self.prompts.reports.items() if r.skipped},
+            trimmed=h.trimmed)
+        return {"step": self.steps_done, "evals": h.evals, "out_dir": str(self.out)}
+
+    def close(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.close()
+        if hasattr(self, "metrics"):
+            self.metrics.close()
+        if hasattr(self, "teachers"):
+            self.teachers.close()
+        self.launched.close()

@@ -1,0 +1,46 @@
+"""`opd sft CONFIG.yaml`: supervised fine-tuning, the recipe's start point (opd.sft.trainer)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from opd.config import ConfigError, describe, load_yaml
+from opd.sft.config import SFTConfig
+from opd.sft.trainer import train
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("config", nargs="?", help="SFT config YAML (e.g. configs/demo/sft_base.yaml)")
+    parser.add_argument("--describe", action="store_true", help="print every config key with its help and exit")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in out_dir from its newest checkpoint (see checkpoint_every)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh even if out_dir holds an earlier run: delete its metrics, plots, card, "
+                             "checkpoints and model first (without it such a run is refused)")
+    parser.epilog = ("Config keys (YAML; unknown keys are refused with file:line; relative paths are relative "
+                     "to the config file):\n\n" + describe(SFTConfig, "  "))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.describe:
+        print(describe(SFTConfig))
+        return 0
+    if not args.config:
+        print("opd sft: error: a config file is needed: opd sft CONFIG.yaml (e.g. configs/demo/sft_base.yaml; "
+              "--describe lists its keys)", file=sys.stderr)
+        return 2
+    if args.resume and args.overwrite:
+        print("opd sft: --resume continues the run in out_dir, --overwrite deletes it: pass one", file=sys.stderr)
+        return 2
+    cfg_path = Path(args.config).resolve()
+    try:
+        cfg = load_yaml(cfg_path, SFTConfig)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model_dir = train(cfg, cfg_path, overwrite=args.overwrite, resume=args.resume)
+    print(f"sft: model saved to {model_dir}")
+    return 0

@@ -1,0 +1,232 @@
+"""`opd sft`'s loop: supervised fine-tuning on prompt/response JSONL, the recipe's start point.
+
+Full fine-tuning of a causal LM on (prompt, response + EOS) pairs; the loss is the
+token-mean cross-entropy over response tokens only (the prompt is context, never a
+target). The model starts from a local model directory (`model:`) or, for the demo and
+tests, from a freshly initialised tiny Qwen2-style model (`tiny:`, see opd.tiny).
+
+Each step: one batch from one training set (SetPerBatchSampler), loss, backward, and the
+spine's optimizer step (opd.spine: AdamW, warm-up then cosine or constant, clipping, a
+non-finite step skipped). Writes to `out_dir` (opd.spine.run.RunDir):
+    model/          the trained model + tokenizer (save_pretrained): what later stages load
+    checkpoints/    every `checkpoint_every` steps: weights, optimizer, schedule, RNG and data
+                    positions, so that `--resume` continues exactly where the run stopped
+    metrics.jsonl   loss, lr, grad norm per logged step; eval loss per domain
+    plots/*.png     the same, over steps
+    card.md/.json   every setting that changes the result
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from opd.card import write_card
+from opd.config import ConfigError, to_dict
+from opd.data import Cycler, encode_prompt, load_jsonl
+from opd.metrics import read_metrics
+from opd.sft.config import SFTConfig, SFTDataset, resolve
+from opd.spine.model import load_policy
+from opd.spine.optim import NonfiniteSteps, build_optimizer, optimizer_step
+from opd.spine.rows import padded_cross_entropy
+from opd.spine.run import RunDir
+from opd.tiny import build_tiny_model
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def encode_pair(tokenizer, prompt: str, response: str, max_length: int) -> tuple[list[int], list[int]]:
+    """(input ids, labels): labels are -100 on the prompt, the response ids + EOS after it."""
+    p = encode_prompt(tokenizer, prompt)
+    r = list(tokenizer(response, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    ids = (p + r)[:max_length]
+    labels = ([-100] * len(p) + r)[:max_length]
+    return ids, labels
+
+
+def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):
+    """Right-padded (input ids, labels, attention mask), each [B, T]."""
+    width = max(len(ids) for ids, _ in pairs)
+    input_B_T = torch.full((len(pairs), width), pad_id, dtype=torch.long)
+    labels_B_T = torch.full((len(pairs), width), -100, dtype=torch.long)
+    mask_B_T = torch.zeros((len(pairs), width), dtype=torch.long)
+    for b, (ids, labels) in enumerate(pairs):
+        input_B_T[b, :len(ids)] = torch.tensor(ids)
+        labels_B_T[b, :len(labels)] = torch.tensor(labels)
+        mask_B_T[b, :len(ids)] = 1
+    return input_B_T, labels_B_T, mask_B_T
+
+
+def response_loss(model, input_B_T, labels_B_T, mask_B_T):
+    """Token-mean cross-entropy over response positions (labels != -100)."""
+    return padded_cross_entropy(model, input_B_T, labels_B_T, mask_B_T)
+
+
+class SetPerBatchSampler:
+    """Each batch comes from one data set, chosen by ratio; each set is cycled in shuffled passes.
+
+    One set per batch (not per row, as opd.routing.mixture.MixtureSampler mixes the domains of
+    `opd train`) keeps padding short when lengths differ by domain: a batch of 5-token
+    arithmetic answers does not pay for the longest code sample.
+    """
+
+    def __init__(self, sets: list[list], ratios: list[float], seed: int):
+        total = sum(ratios)
+        if total <= 0:
+            raise ValueError("the mixture ratios of the training sets sum to 0")
+        self.weights = [r / total for r in ratios]
+        self.cyclers = [Cycler(s, seed=seed + i) for i, s in enumerate(sets)]
+        self.rng = random.Random(seed)
+
+    def take(self, n: int) -> list:
+        i = self.rng.choices(range(len(self.cyclers)), weights=self.weights, k=1)[0]
+        return self.cyclers[i].take(n)
+
+    def state(self) -> dict:
+        version, internal, gauss = self.rng.getstate()
+        return {"rng": [version, list(internal), gauss], "cyclers": [c.state() for c in self.cyclers]}
+
+    def load_state(self, state: dict) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        for c, st in zip(self.cyclers, state["cyclers"], strict=True):
+            c.load_state(st)
+
+
+def _load_sets(cfg_path: Path, specs: list[SFTDataset], tokenizer, max_length: int):
+    sets, names = [], []
+    for spec in specs:
+        path = resolve(cfg_path, spec.path)
+        samples, _ = load_jsonl(path)
+        missing = [i for i, s in enumerate(samples) if s.response is None]
+        if missing:
+            raise ConfigError(f"{path}: {len(missing)} rows have no `response` (first: row {missing[0] + 1}); "
+                              f"SFT needs a reference response per prompt")
+        pairs = [encode_pair(tokenizer, s.prompt, s.response, max_length) for s in samples]
+        # A prompt that fills max_length leaves no response token to learn: such a row would
+        # train nothing, and a batch of only such rows has a NaN loss.
+        kept = [pair for pair in pairs if any(label != -100 for label in pair[1][1:])]
+        if not kept:
+            raise ConfigError(f"{path}: every prompt fills max_length ({max_length} tokens): no response token "
+                              f"is left to learn; raise max_length")
+        if len(kept) < len(pairs):
+            print(f"warning: {path}: {len(pairs) - len(kept)} of {len(pairs)} rows dropped: their prompt fills "
+                  f"max_length ({max_length} tokens)", flush=True)
+        sets.append(kept)
+        names.append(spec.domain or samples[0].domain or path.stem)
+    return sets, names
+
+
+def eval_loss(model, sets: list[list], pad_id: int, batch_size: int) -> list[float]:
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for pairs in sets:
+            total, n = 0.0, 0
+            for i in range(0, len(pairs), batch_size):
+                chunk = pairs[i:i + batch_size]
+                batch = collate(chunk, pad_id)
+                tokens = int((batch[1][:, 1:] != -100).sum())
+                total += float(response_loss(model, *batch)) * tokens
+                n += tokens
+            out.append(total / max(1, n))
+    model.train()
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+
+
+# What a resumed run must share with the checkpointed one to continue it: another value of any
+# of these makes the checkpoint's weights, optimizer or data positions belong to another run.
+SAME_RUN = ("model", "tiny", "tiny.*", "train", "batch_size", "max_length", "seed")
+PLOTS = {"loss": ["loss", "eval_loss"], "lr": ["lr"], "grad_norm": ["grad_norm"]}
+
+
+def start_point(cfg: SFTConfig, cfg_path: Path, out: Path) -> Path:
+    """The model directory the run starts from: `model`, or a fresh tiny model built in OUT/init."""
+    if cfg.tiny is None:
+        return resolve(cfg_path, cfg.model)
+    t = cfg.tiny
+    return build_tiny_model(out / "init", layers=t.layers, hidden=t.hidden, heads=t.heads, kv_heads=t.kv_heads,
+                            intermediate=t.intermediate, max_positions=t.max_positions, seed=t.seed)
+
+
+def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bool = False) -> Path:
+    """overwrite: replace an earlier run in out_dir (else it is refused: opd.checkpoint.claim_run_dir).
+    resume: continue from the newest checkpoint in OUT/checkpoints, drawing the batches and
+    dropout masks the uninterrupted run would have drawn."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = resolve(cfg_path, cfg.out_dir)
+    run = RunDir(out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=SAME_RUN,
+                 hint=" (set checkpoint_every to write them)")
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    src = start_point(cfg, cfg_path, out)
+    model, tokenizer = load_policy(cfg.model_config(src), what=f"{cfg_path}: `model`")
+    pad_id = tokenizer.pad_token_id
+    train_sets, train_names = _load_sets(cfg_path, cfg.train, tokenizer, cfg.max_length)
+    eval_sets, eval_names = _load_sets(cfg_path, cfg.eval, tokenizer, cfg.max_length) if cfg.eval else ([], [])
+    sampler = SetPerBatchSampler(train_sets, [s.ratio for s in cfg.train], cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt, schedule = build_optimizer(model, cfg.optim_config(), cfg.steps)
+    nonfinite = NonfiniteSteps("Check the data and lr")
+    state = run.restore(model, opt, schedule)
+    if state:
+        sampler.load_state(state["sampler"])
+    start = int(state.get("step", 0))
+    log = run.metrics(tensorboard=False)
+    warnings: list[str] = []
+    t0 = time.time()
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="sft", unit="step", dynamic_ncols=True)
+    for step in bar:
+        lr = opt.param_groups[0]["lr"]
+        loss = response_loss(model, *collate(sampler.take(cfg.batch_size), pad_id))
+        loss.backward()
+        gnorm, applied = optimizer_step(opt, params, cfg.grad_clip)
+        if not applied:
+            warnings.append(nonfinite.check(step + 1, applied, f" (loss {loss.item():.4g})"))
+            tqdm.write(f"warning: {warnings[-1]}")
+        schedule.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}")
+        metrics = {}
+        if (step + 1) % cfg.log_every == 0 or step == cfg.steps - 1:
+            metrics = {"loss": loss.item(), "lr": lr, "grad_norm": gnorm}
+        if eval_sets and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1):
+            for name, v in zip(eval_names, eval_loss(model, eval_sets, pad_id, 64)):
+                metrics[f"eval_loss/{name}"] = v
+        if metrics:
+            log.log(step + 1, metrics)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            run.save(step + 1, model, opt, schedule, state={"sampler": sampler.state()}, keep=cfg.keep_checkpoints)
+    bar.close()
+    log.close()
+    elapsed = time.time() - t0
+    # The last step's row (always logged); after a resume it may come from the earlier session.
+    last = read_metrics(out / "metrics.jsonl")[-1]
+    run.finish(model, tokenizer, PLOTS)
+    n_params = sum(p.numel() for p in model.parameters())
+    write_card(out, "SFT run", {
+        "model": {"start": str(src), "parameters": n_params, "tiny": to_dict(cfg.tiny) if cfg.tiny else "no",
+                  "output": str(out / "model")},
+        "objective": {"loss": "token-mean cross-entropy on response tokens + EOS (prompt masked)",
+                      "max_length": cfg.max_length},
+        "data": {f"train[{i}]": f"{resolve(cfg_path, s.path)} (ratio {s.ratio}, {len(train_sets[i])} rows)"
+                 for i, s in enumerate(cfg.train)},
+        "optimisation": {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "schedule": cfg.schedule,
+                         "warmup_steps": cfg.warmup_steps, "weight_decay": cfg.weight_decay,
+                         "grad_clip": cfg.grad_clip, "seed": cfg.seed,
+                         "checkpoint_every": cfg.checkpoint_every or "never"},
+        "result": {"final_loss": last["loss"], "wall_s": round(elapsed, 1),
+                   **({"resumed_at_step": start, "changed_since_checkpoint": ", ".join(run.changed or []) or "nothing"}
+                      if resume else {}),
+                   **{k: v for k, v in last.items() if k.startswith("eval_loss/")},
+                   "warnings": warnings or "none"},
+    })
+    return out / "model"

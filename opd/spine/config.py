@@ -1,0 +1,85 @@
+"""The config sections every training loop shares: the model it trains, how it samples, how it
+optimizes and how its run is kept.
+
+    ModelConfig    the trained model: local directory, dtype, device, LoRA, checkpointing
+    RolloutConfig  how the model samples: engine, temperature, top-p, lengths (a loop adds
+                   its batch shape: prompts and samples per step, or GRPO's group size)
+    OptimConfig    AdamW, its learning-rate schedule and gradient clipping
+    RunConfig      steps, seed, output directory, evaluation and checkpoint cadence
+
+`opd train` (student:, rollout:, optim:, run:) and `opd rl` (model:, rollout:, optim:, run:)
+use these, each subclassing where it adds fields or has other defaults; `opd sft` keeps its
+flat config and builds a ModelConfig and an OptimConfig from it. One class per section means
+one loader, one optimizer and one checkpoint cadence for all three (opd.spine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from opd.config import check_device, check_top_p, field
+from opd.lora import LoraSpec
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = field(help="local model directory (transformers format; a peft adapter directory is merged "
+                           "into its base)")
+    dtype: DType = field("float32", help="dtype of the trained weights")
+    device: str = field("auto", help="torch device: auto (cuda when available), cpu, cuda, cuda:N")
+    lora: LoraSpec | None = field(None, help="train a peft LoRA adapter instead of every weight (omit: full "
+                                             "fine-tuning; a reference policy is then the base with the adapter off)")
+    gradient_checkpointing: bool = field(False, help="recompute activations in backward (less memory, slower)")
+
+    def __post_init__(self):
+        check_device(self.device, auto=True)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = field("hf", help="hf: a KV-cached sampling loop over the trained model itself "
+                                                     "(exact); vllm: a vLLM engine that receives the weights after "
+                                                     "each optimizer step")
+    temperature: float = field(1.0, help="sampling temperature (0: greedy)", min=0.0)
+    top_p: float = field(1.0, help="nucleus sampling threshold", min=0.0, max=1.0)
+    max_new_tokens: int = field(64, help="length limit of a response", min=1)
+    batch_size: int = field(64, help="sequences generated together (hf engine)", min=1)
+    vllm_max_model_len: int = field(2048, help="vllm engine: longest prompt + response it holds", min=16,
+                                    aliases=("max_model_len",))
+    vllm_gpu_memory_utilization: float = field(0.3, help="vllm engine: share of GPU memory it may take (the "
+                                                         "trained model shares the GPU)", min=0.01, max=1.0)
+
+    def __post_init__(self):
+        check_top_p(self.top_p, "rollout.top_p")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = field(1e-5, help="peak AdamW learning rate", min=0.0)
+    schedule: Literal["constant", "cosine", "linear"] = field("constant", help="learning-rate schedule after warm-up")
+    warmup_steps: int = field(0, help="linear warm-up steps from 0 to lr", min=0)
+    min_lr_ratio: float = field(0.0, help="cosine/linear: final lr as a fraction of lr", min=0.0, max=1.0)
+    weight_decay: float = field(0.0, help="AdamW weight decay", min=0.0)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], help="AdamW betas")
+    eps: float = field(1e-8, help="AdamW epsilon", min=0.0)
+    grad_clip: float = field(1.0, help="clip the global gradient norm to this (0: no clipping)", min=0.0)
+
+    def __post_init__(self):
+        if len(self.betas) != 2:
+            raise ValueError(f"betas needs two values, got {self.betas}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = field(100, help="optimizer steps", min=1)
+    out_dir: str = field("runs/opd", help="run directory: metrics.jsonl, plots/, checkpoints/, card.md, model/")
+    seed: int = field(0, help="seed of sampling, data order and initialization", min=0)
+    eval_every: int = field(0, help="evaluate on the held-out prompts every N steps (0: only at the end)", min=0)
+    checkpoint_every: int = field(0, help="checkpoint every N steps (0: only at the end)", min=0,
+                                  aliases=("ckpt_every",))
+    keep_checkpoints: int = field(2, help="newest checkpoints kept on disk", min=1)
+    progress: bool = field(True, help="show a progress bar")
+    tensorboard: bool = field(True, help="also write TensorBoard events when it is installed")

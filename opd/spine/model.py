@@ -1,0 +1,120 @@
+"""The trained model and what samples from it: one loader and one rollout-engine factory.
+
+    load_policy(cfg)        (model, tokenizer): dtype, device, LoRA through peft, gradient
+                            checkpointing, dropout off when the loop compares with the
+                            rollout engine's log-probs (GRPO's ratio)
+    make_engine(...)        the rollout engine a loop samples from: hf (the model itself) or
+                            vLLM (a copy that receives the weights after every step)
+
+`opd sft`, `opd train` and `opd rl` train what `load_policy` returns; `opd validate`, `opd probe`
+and the Ray rollout actors load their frozen copies with it too (`train=False`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from opd.fingerprint import load_model_tokenizer
+from opd.lora import LoraSpec
+from opd.rollout.base import RolloutEngine
+from opd.rollout.hf import HFRolloutEngine
+from opd.rollout.vllm import VLLMRolloutEngine   # imports vllm only when an engine is built
+from opd.spine.config import ModelConfig, RolloutConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto`: cuda when it is available, else cpu; anything else as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_tokenizer(path: str | Path, what: str = "model.path"):
+    """The model directory's tokenizer, with a pad token (EOS when it has none): every loop pads."""
+    tokenizer = load_model_tokenizer(path, what)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, train: bool = True,
+                dropout: bool = True, what: str = "model.path"):
+    """(model, tokenizer) of `cfg.path` in `cfg.dtype` on `cfg.device`.
+
+    train: gradient checkpointing and a fresh peft LoRA adapter as `cfg` says, train mode; False:
+    a frozen copy in eval mode (no adapter, no checkpointing). dropout False turns every dropout
+    off in train mode too (`disable_dropout`). A peft adapter directory is loaded onto its base
+    and merged in. seed: the torch seed set before the weights exist (a LoRA adapter's init).
+    tokenizer: one already loaded by `load_tokenizer`, else it is loaded here (`what` names the
+    config key in its errors)."""
+    tokenizer = tokenizer or load_tokenizer(cfg.path, what)
+    if seed is not None:
+        torch.manual_seed(seed)
+    dtype = TORCH_DTYPES[cfg.dtype]
+    if (Path(cfg.path) / "adapter_config.json").is_file():
+        model = AutoPeftModelForCausalLM.from_pretrained(str(cfg.path), dtype=dtype).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(cfg.path), dtype=dtype)
+    model.to(resolve_device(cfg.device))
+    if not train:
+        return model.eval(), tokenizer
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if cfg.lora is not None:
+        model = add_lora(model, cfg.lora, cfg.path)
+        if cfg.gradient_checkpointing:
+            model.enable_input_require_grads()
+    if not dropout:
+        disable_dropout(model)
+    model.train()
+    return model, tokenizer
+
+
+def add_lora(model, spec: LoraSpec, model_path: str = ""):
+    """`model` wrapped by peft with a fresh adapter on the target modules that exist in it.
+
+    A target module missing from this architecture is skipped; none present is an error.
+    """
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = [t for t in spec.target_modules if t in present]
+    if not targets:
+        raise ValueError(f"none of lora.target_modules {list(spec.target_modules)} exist in {model_path or 'the model'}")
+    return get_peft_model(model, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                                            target_modules=targets, task_type="CAUSAL_LM"))
+
+
+def disable_dropout(model) -> None:
+    """Every dropout of the model off, in train mode too. GRPO's importance ratio compares the
+    policy with the rollout engine's dropout-free log-probs: with LoRA dropout 0.05 (a tiny
+    model, T 0.7), 39 % of a first epoch's tokens were clipped (ratios 0.2-2.5) where every
+    ratio should be 1."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):   # transformers' attention
+            module.attention_dropout = 0.0
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, key, None), float):
+            setattr(config, key, 0.0)
+
+
+def make_engine(rollout: RolloutConfig, model_cfg: ModelConfig, model, tokenizer, *, seed: int) -> RolloutEngine:
+    """The rollout engine of `rollout.engine`. hf samples from `model` itself (always on-policy);
+    vllm holds its own copy of `model_cfg.path`, given `model`'s weights now (a resumed or LoRA
+    model differs from the directory) and after every optimizer step (`sync_weights`)."""
+    if rollout.engine == "hf":
+        return HFRolloutEngine(model, tokenizer, batch_size=rollout.batch_size)
+    lora = {"rank": model_cfg.lora.rank} if model_cfg.lora is not None else None
+    engine = VLLMRolloutEngine(model_cfg.path, lora=lora, seed=seed, dtype=model_cfg.dtype,
+                               max_model_len=rollout.vllm_max_model_len,
+                               gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+    engine.sync_weights(model)
+    return engine

@@ -1,0 +1,89 @@
+"""A run directory, the same for every loop: claimed, resumed, checkpointed, finished.
+
+    RUN/metrics.jsonl   one JSON line per logged step (opd.metrics), TensorBoard in RUN/tb
+    RUN/checkpoints/    step_NNNNNN/ written atomically every run.checkpoint_every steps and at
+                        the end (opd.checkpoint); `--resume` continues from the newest
+    RUN/plots/*.png     the metrics over steps, at the end
+    RUN/model/          the trained model as a loadable directory (a LoRA adapter merged in)
+    RUN/card.md, .json  every setting that changes the result (each loop writes its facts)
+
+`RunDir` does what all three loops did alike: refuse a fresh run into a directory that holds
+one (unless --overwrite), find the checkpoint --resume continues and refuse it when a setting
+that defines the objective changed (the loop's `fixed` keys; the rest are listed for the card),
+restore weights, optimizer, schedule and random state, and save them again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from opd.checkpoint import (CheckpointError, claim_run_dir, latest_checkpoint, load_checkpoint, resume_changes,
+                            save_checkpoint, save_final_model)
+from opd.metrics import MetricsLogger, plot_metrics
+from opd.spine.optim import align_schedule
+
+
+class RunDir:
+    def __init__(self, out: str | Path, config: dict, *, resume: bool | str | Path | None = None,
+                 overwrite: bool = False, fixed: tuple[str, ...] = (), free: tuple[str, ...] = (),
+                 view: Callable[[dict], dict] = lambda config: config, hint: str = ""):
+        """config: the run's config as a plain dict (opd.config.to_dict), saved in every checkpoint.
+        resume: True for the newest checkpoint under OUT/checkpoints, or a checkpoint directory
+        (or a checkpoints/ folder); None/False for a fresh run. fixed / free: fnmatch patterns of
+        the keys a resumed run must keep / may change anyway (opd.checkpoint.resume_changes), as
+        they appear in `view(config)` (e.g. a list keyed by its entries' labels).
+        hint: what the "no checkpoint" error adds (e.g. the key that writes them)."""
+        self.out = Path(out)
+        self.config = config
+        self.checkpoints = self.out / "checkpoints"
+        claim_run_dir(self.out, resume=bool(resume), overwrite=overwrite)
+        self.resume_from: Path | None = None
+        self.changed: list[str] | None = []   # keys changed since the checkpoint; None: it saved no config
+        if resume:
+            self.resume_from = self._find(resume, hint)
+            saved = json.loads((self.resume_from / "state.json").read_text()).get("config")
+            self.changed = None if saved is None else resume_changes(view(saved), view(config), fixed, free)
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def _find(self, resume, hint: str) -> Path:
+        ckpt = Path(resume) if not isinstance(resume, bool) else latest_checkpoint(self.checkpoints)
+        if ckpt is not None and ckpt.name == "checkpoints":
+            ckpt = latest_checkpoint(ckpt)
+        if ckpt is None or not (ckpt / "state.json").is_file():
+            raise CheckpointError(f"--resume: no complete checkpoint under {self.checkpoints}{hint}")
+        return ckpt
+
+    def restore(self, model, optimizer=None, scheduler=None) -> dict:
+        """Load the resumed checkpoint into the model, optimizer, schedule and random generators;
+        its state.json as a dict ({} for a fresh run). The schedule gives the resumed step the
+        rate this run's schedule has there (`align_schedule`), also for a checkpoint that holds
+        no schedule (it is then placed at the checkpoint's step)."""
+        if self.resume_from is None:
+            return {}
+        state = load_checkpoint(self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
+        if scheduler is not None:
+            if scheduler.last_epoch == 0:   # a checkpoint without a schedule (`opd sft` wrote none before)
+                scheduler.last_epoch = int(state["step"])
+            align_schedule(scheduler)
+        return state
+
+    def save(self, step: int, model, optimizer=None, scheduler=None, *, state: dict, keep: int) -> Path:
+        """Checkpoint `step` (atomic; the newest `keep` are kept) with `state` and the config."""
+        return save_checkpoint(self.checkpoints, step, model=model, optimizer=optimizer, scheduler=scheduler,
+                               state={**state, "config": self.config}, keep=keep)
+
+    def metrics(self, *, tensorboard: bool = True) -> MetricsLogger:
+        """The metrics log: a resumed run drops the lines past its checkpoint's step."""
+        step = None
+        if self.resume_from is not None:
+            step = int(json.loads((self.resume_from / "state.json").read_text())["step"])
+        return MetricsLogger(self.out, tensorboard=tensorboard, resume_step=step)
+
+    def finish(self, model, tokenizer, plots: dict[str, list[str]]) -> Path:
+        """RUN/model (LoRA merged in, with the tokenizer) and RUN/plots; returns RUN/model."""
+        target = save_final_model(model, tokenizer, self.out / "model")
+        plot_metrics(self.out, plots)
+        return target
+
