@@ -36,16 +36,27 @@ class HFBackend(TeacherBackend):
 
     def __init__(self, model_dir: str | Path, *, name: str = "teacher", max_k: int = 64,
                  max_positions: int | None = None, dtype: str = "float32", device: str = "cpu",
-                 row_chunk: int = 1024, batch_tokens: int = 8192):
+                 row_chunk: int = 1024, batch_tokens: int = 8192, device_map: str | None = None):
+        """`device_map` (with device="cuda"): transformers' placement of the layers over the visible
+        GPUs ("auto", "balanced", "balanced_low_0", "sequential"), for a teacher larger than one
+        GPU; None: the whole model on `device`."""
         from transformers import AutoModelForCausalLM   # lazy: seconds to import; only a model load needs it
 
+        if device_map is not None and device != "cuda":
+            raise ValueError(f"device_map={device_map!r} spreads the model over GPUs: it needs device='cuda', "
+                             f"not {device!r}")
         self.teacher = name
         self.model_id = str(model_dir)
         # First: it refuses a path that is no model directory (or has no tokenizer) before the load.
         self.tokenizer_fingerprint = tokenizer_fingerprint_of_dir(model_dir)
-        self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=TORCH_DTYPES[dtype])
-        self.model.to(self.device).eval().requires_grad_(False)
+        placement = {} if device_map is None else {"device_map": device_map}
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=TORCH_DTYPES[dtype], **placement)
+        if device_map is None:
+            self.model.to(device)
+        self.model.eval().requires_grad_(False)
+        # Where the token ids go: the input embeddings' device (with a device_map, accelerate's
+        # hooks move each layer's input to that layer's GPU, and the logits come out on the head's).
+        self.device = self.model.get_input_embeddings().weight.device
         self.body = self.model.get_decoder()          # hidden states without the LM head
         self.lm_head = self.model.get_output_embeddings()
         # What the model applies after its head (Gemma 2's soft-cap, Cohere's and Granite's
@@ -136,7 +147,7 @@ class HFBackend(TeacherBackend):
         z = self._logits(hidden, req) / req.temperature                        # [rows, V]
         lse = torch.logsumexp(z, dim=-1)
         top_z, top_ids = z.topk(k, dim=-1)
-        token_lp = z.gather(1, targets[:, None]).squeeze(1) - lse
+        token_lp = z.gather(1, targets.to(z.device)[:, None]).squeeze(1) - lse
         # The tail in place: z is not needed after this, and a copy is [rows, V] fp32 again.
         tail = torch.logsumexp(z.scatter_(1, top_ids, float("-inf")), dim=-1) - lse  # -inf when k == V
         return top_ids.int(), top_z - lse[:, None], tail, token_lp, lse
@@ -149,5 +160,5 @@ class HFBackend(TeacherBackend):
             logits = self._logits(hidden[a:a + req.chunk_rows], req)
             z = logits / req.temperature
             lse = torch.logsumexp(z, dim=-1)
-            token_lp = z.gather(1, targets[a:a + req.chunk_rows, None]).squeeze(1) - lse
+            token_lp = z.gather(1, targets[a:a + req.chunk_rows, None].to(z.device)).squeeze(1) - lse
             yield FullChunkAnswer(a, logits.to(out_dtype).cpu(), lse.cpu(), token_lp.cpu())

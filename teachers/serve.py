@@ -31,9 +31,20 @@ from opd.teachers.lifecycle import READY  # noqa: F401 (callers import READY fro
 from opd.teachers.lifecycle import PARENT_ENV, die_with_parent, ready_line
 from opd.teachers.server import ServerLimits
 from opd.teachers.server import serve as run_server   # not `serve`: the name of this module
-from opd.teachers.vllm_backend import VLLMBackend   # vllm itself is imported only when a VLLMBackend starts
+from opd.teachers.vllm_backend import VLLMBackend   # imports vllm only when a backend starts
+from opd.vllm_args import cpu_binding_problem
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")   # transformers' strategies over GPUs
+VLLM_ONLY = ("tensor_parallel_size", "gpu_memory_utilization", "enforce_eager")
+
+
+def fraction(text: str) -> float:
+    """argparse type of a share in (0, 1]."""
+    value = number_arg(float, 0, strict=True)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be at most 1 (a share of the memory), got {text}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,6 +57,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-k", type=positive_int, default=64, help="largest k a top-k request may ask for")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="model weights dtype")
+    p.add_argument("--device-map", choices=DEVICE_MAPS, default=None,
+                   help="hf backend, with --device cuda: spread the model's layers over all visible GPUs "
+                        "(transformers' device_map: auto or balanced even them out, balanced_low_0 spares GPU 0, "
+                        "sequential fills GPU 0 first) for a teacher larger than one GPU; None: one GPU")
+    # None for the three vllm options: given with --backend hf they are refused (check_backend_args)
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=None,
+                   help="vllm backend: GPUs the model is split over (tensor parallelism); None: 1. On vLLM's "
+                        "CPU build each rank needs a NUMA node, or VLLM_CPU_OMP_THREADS_BIND with one CPU list per rank")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=None,
+                   help="vllm backend: share of each GPU's memory vLLM takes for weights, activations and KV cache "
+                        "(0 to 1); None: vLLM's default (0.92). Lower it when another process shares the GPU")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="vllm backend: run the model eagerly, without CUDA graphs or torch.compile; default: on for "
+                        "vLLM's CPU build (which would compile at every start), off on CUDA (CUDA graphs)")
     p.add_argument("--max-positions", type=positive_int, default=None,
                    help="longest sequence accepted (at most the model's); None: the model's max_position_embeddings")
     p.add_argument("--max-tokens-per-request", type=positive_int, default=32768, help="larger SCORE requests get TOO_LONG")
@@ -107,12 +132,30 @@ def port_taken(address: str) -> bool:
     return False
 
 
+def check_backend_args(args) -> str | None:
+    """An error message when the placement flags do not fit --backend and --device, else None."""
+    if args.backend == "hf":
+        given = ["--" + n.replace("_", "-") for n in VLLM_ONLY if getattr(args, n) is not None]
+        if given:
+            return (f"{', '.join(given)}: for the vllm backend only; the hf backend spreads a model over several "
+                    f"GPUs with --device cuda --device-map auto")
+        if args.device_map is not None and args.device != "cuda":
+            return f"--device-map {args.device_map} spreads the model over GPUs: pass --device cuda with it"
+    elif args.device_map is not None:
+        return ("--device-map: an hf backend option; vLLM places the model itself, over several GPUs "
+                "with --tensor-parallel-size N")
+    elif (args.tensor_parallel_size or 1) > 1:
+        return cpu_binding_problem(args.tensor_parallel_size)   # before a load that would fail minutes later
+    return None
+
+
 def load_backend(args):
     kwargs = dict(name=args.name or Path(args.model).name, max_k=args.max_k, max_positions=args.max_positions,
                   dtype=args.dtype, device=args.device)
     if args.backend == "vllm":
-        return VLLMBackend(args.model, **kwargs)
-    return HFBackend(args.model, **kwargs, batch_tokens=args.batch_tokens)
+        return VLLMBackend(args.model, **kwargs, tensor_parallel_size=args.tensor_parallel_size or 1,
+                           gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+    return HFBackend(args.model, **kwargs, batch_tokens=args.batch_tokens, device_map=args.device_map)
 
 
 def run(args, on_ready=None) -> int:
@@ -122,7 +165,7 @@ def run(args, on_ready=None) -> int:
     if parent:
         die_with_parent(int(parent))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    problem = check_bind(args.bind, args.curve_secret_key is not None, args.insecure)
+    problem = check_backend_args(args) or check_bind(args.bind, args.curve_secret_key is not None, args.insecure)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint_of_dir
+from opd.vllm_args import engine_options
 from opd.teachers.backend import (FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer,
                                   tail_logmass_from_topk)
 
@@ -73,9 +74,14 @@ class VLLMBackend(TeacherBackend):
 
     def __init__(self, model_dir: str | Path, *, name: str = "teacher", max_k: int = 64,
                  max_positions: int | None = None, dtype: str = "float32", device: str = "cpu",
-                 **llm_kwargs):
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
+                 enforce_eager: bool | None = None, **llm_kwargs):
         """`device` is informational: vLLM runs on the platform its build targets (the CPU
-        build here, CUDA for the `vllm` wheel). Extra keyword arguments go to `vllm.LLM`."""
+        build here, CUDA for the `vllm` wheel). `tensor_parallel_size`: ranks (GPUs) the model
+        is split over; `gpu_memory_utilization`: vLLM's share of each GPU (None: vLLM's
+        default; on the CPU build a share of RAM, unused when VLLM_CPU_KVCACHE_SPACE is set);
+        `enforce_eager`: None means eager on the CPU build, CUDA graphs elsewhere
+        (`engine_options`). Extra keyword arguments go to `vllm.LLM`."""
         from vllm import LLM   # lazy: vllm is optional and heavy (the module imports without it)
 
         self.teacher = name
@@ -90,8 +96,9 @@ class VLLMBackend(TeacherBackend):
         self.vocab_size = int(cfg["vocab_size"])
         self.max_k = min(max_k, self.vocab_size)
         kwargs = dict(model=str(model_dir), dtype=dtype, max_model_len=model_len,
-                      max_logprobs=self.max_k, enforce_eager=True, logprobs_mode="raw_logprobs",
-                      worker_extension_cls=f"{__name__}.HeadRows")
+                      max_logprobs=self.max_k, logprobs_mode="raw_logprobs",
+                      worker_extension_cls=f"{__name__}.HeadRows",
+                      **engine_options(tensor_parallel_size, gpu_memory_utilization, enforce_eager))
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self.model_fingerprint = model_fingerprint(model_dir)

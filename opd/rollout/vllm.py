@@ -25,21 +25,27 @@ from pathlib import Path
 
 from opd.lora import vllm_max_lora_rank
 from opd.rollout.base import Rollout, RolloutEngine, SamplingParams, prompt_seed
+from opd.vllm_args import engine_options
 
 WORKER_EXTENSION = "opd.rollout.vllm_worker.WeightSync"
 
 
 class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, model_dir: str | Path, *, lora: dict | None = None, max_model_len: int = 1024,
-                 seed: int = 0, dtype: str = "float32", max_num_seqs: int = 256, **llm_kwargs):
+                 seed: int = 0, dtype: str = "float32", max_num_seqs: int = 256,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
+                 enforce_eager: bool | None = None, **llm_kwargs):
         """`lora`: None for a full-weight student, else {"rank": R} for a peft LoRA student
-        (R = the adapter's rank; vLLM sizes its LoRA buffers from it). Extra keyword
-        arguments go to `vllm.LLM` unchanged."""
+        (R = the adapter's rank; vLLM sizes its LoRA buffers from it). `tensor_parallel_size`:
+        ranks (GPUs) the model is split over; `gpu_memory_utilization`: vLLM's share of each
+        GPU (None: vLLM's default); `enforce_eager`: None means eager on the CPU build, CUDA
+        graphs elsewhere (`engine_options`). Extra keyword arguments go to `vllm.LLM` unchanged."""
         from vllm import LLM
 
         kwargs = dict(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                      enforce_eager=True, max_num_seqs=max_num_seqs, logprobs_mode="raw_logprobs",
-                      worker_extension_cls=WORKER_EXTENSION)
+                      max_num_seqs=max_num_seqs, logprobs_mode="raw_logprobs",
+                      worker_extension_cls=WORKER_EXTENSION,
+                      **engine_options(tensor_parallel_size, gpu_memory_utilization, enforce_eager))
         if lora is not None:
             kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(int(lora["rank"])), max_loras=1)
         kwargs.update(llm_kwargs)
