@@ -3,6 +3,7 @@
     opd bench kernels    fused distillation losses vs the naive reference (and Liger)
     opd bench transport  teacher transport vs bare ZeroMQ and HTTP/JSON
     opd bench step       one on-policy distillation step vs TRL's GKDTrainer
+    opd bench grpo       GRPO's token log-probs + entropy + backward, with and without [B, T, V]
     opd bench all        the three, plus runs/bench/summary.md
 
 Benchmarks are not tests: they report numbers, they do not assert them.
@@ -17,6 +18,7 @@ SUBJECTS = {
     "kernels": ("opd.benchmarks.kernels", "distillation loss kernels: peak extra memory and median time"),
     "transport": ("opd.benchmarks.transport", "teacher transport: positions/s vs bare ZeroMQ and HTTP/JSON"),
     "step": ("opd.benchmarks.step", "one OPD training step vs TRL GKDTrainer (lmbda=1)"),
+    "grpo": ("opd.benchmarks.grpo", "GRPO token log-probs + entropy + backward: [B, T, V] logits vs chunked"),
     "all": ("opd.benchmarks.all", "run kernels, transport and step and write summary.md"),
 }
 

@@ -1,0 +1,70 @@
+"""GRPO's batch as tensors: rollouts left-padded so every response starts at one column.
+
+    collate(rollouts, pad_id) -> PaddedRollouts   ids, masks, positions, the rollout log-probs
+    response_logits(model, batch) -> [B, T, V]     the logits that predict each response token
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from opd.rope import rope_groups
+
+
+@dataclasses.dataclass
+class PaddedRollouts:
+    """A batch of rollouts as tensors, every response starting at column `start`."""
+    input_ids_B_L: torch.Tensor
+    attention_B_L: torch.Tensor
+    position_B_L: torch.Tensor
+    response_B_T: torch.Tensor      # response token ids
+    mask_B_T: torch.Tensor          # 1 on real response tokens
+    old_logprobs_B_T: torch.Tensor  # rollout policy's raw log-probs
+    start: int                      # column where every response begins
+
+    def rows(self, idx: slice | torch.Tensor) -> "PaddedRollouts":
+        return PaddedRollouts(self.input_ids_B_L[idx], self.attention_B_L[idx], self.position_B_L[idx],
+                     self.response_B_T[idx], self.mask_B_T[idx], self.old_logprobs_B_T[idx], self.start)
+
+
+def collate(rollouts, pad_id: int) -> PaddedRollouts:
+    """Left-pad prompts so every response starts at the same column W, right-pad responses."""
+    W = max(len(r.prompt_ids) for r in rollouts)
+    T = max(max(len(r.response_ids) for r in rollouts), 1)
+    B = len(rollouts)
+    ids = torch.full((B, W + T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, W + T), dtype=torch.long)
+    resp = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    old = torch.zeros((B, T), dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        ids[i, W - p:W] = torch.tensor(r.prompt_ids)
+        ids[i, W:W + n] = torch.tensor(r.response_ids, dtype=torch.long)
+        attn[i, W - p:W + n] = 1
+        resp[i, :n] = torch.tensor(r.response_ids, dtype=torch.long)
+        mask[i, :n] = 1.0
+        old[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # the positions `generate` used with left padding
+    return PaddedRollouts(ids, attn, pos, resp, mask, old, W)
+
+
+def response_logits(model, batch: PaddedRollouts) -> torch.Tensor:
+    """Logits that predict each response token: [B, T, V]."""
+    device = next(model.parameters()).device
+    T = batch.response_B_T.shape[1]
+
+    def logits(rows=slice(None)) -> torch.Tensor:
+        out = model(input_ids=batch.input_ids_B_L[rows].to(device), attention_mask=batch.attention_B_L[rows].to(device),
+                    position_ids=batch.position_B_L[rows].to(device))
+        return out.logits[:, batch.start - 1:batch.start - 1 + T]
+
+    groups = rope_groups(model, batch.attention_B_L.sum(1).tolist())
+    if len(groups) == 1:
+        return logits()
+    # a longrope model: one pass per side of its switch length (opd.rope), rows put back in order
+    outs = torch.cat([logits(torch.tensor(g)) for g in groups])
+    back = torch.argsort(torch.cat([torch.tensor(g) for g in groups]))
+    return outs[back.to(device)]
