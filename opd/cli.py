@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
+    args._argv = argv   # what a command asked to run on several ranks starts them with
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:

@@ -76,6 +76,29 @@ class DomainTally:
     def add_loss(self, domain: str, value: float) -> None:
         self.loss[domain] += value
 
+    def plain(self) -> dict:
+        """Everything tallied, in plain containers (what ranks send each other)."""
+        return {"rows": {d: dict(names) for d, names in self.rows.items()},
+                "responses": {d: (list(r), list(f)) for d, (r, f) in self.responses.items()},
+                "loss": dict(self.loss), "samples": dict(self.samples)}
+
+    @classmethod
+    def merged(cls, parts: list[dict]) -> "DomainTally":
+        """One tally of several `plain()` ones (every rank's share of a step)."""
+        out = cls()
+        for part in parts:
+            for d, names in part["rows"].items():
+                for name, values in names.items():
+                    out.rows[d][name].extend(values)
+            for d, (responses, reasons) in part["responses"].items():
+                out.responses[d][0].extend(responses)
+                out.responses[d][1].extend(reasons)
+            for d, v in part["loss"].items():
+                out.loss[d] += v
+            for d, n in part["samples"].items():
+                out.samples[d] += n
+        return out
+
     def row_mean(self, name: str, domain: str | None = None) -> float | None:
         parts = [t for d, names in self.rows.items() if domain in (None, d) for t in names.get(name, [])]
         if not parts:

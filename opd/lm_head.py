@@ -15,6 +15,7 @@ import weakref
 from typing import Callable, NamedTuple
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 FUSED_REFUSED = ("this model's logits are not hidden @ lm_head.weight.T (a soft-cap or scale after its LM head, "
                  "a bias, or a LoRA adapter on it), and the fused loss sees only that product: it would train "
@@ -25,6 +26,18 @@ def parts(model):
     """(decoder body, LM head) of a causal LM, through a peft wrapper when there is one."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.get_decoder(), base.get_output_embeddings()
+
+
+def last_hidden(model, **inputs) -> torch.Tensor:
+    """The decoder body's last hidden state [B, L, H] (after its final norm) for `inputs`, without
+    the LM head on [B, L]. A model sharded with FSDP2 runs its own forward instead (the body's
+    embeddings and norm belong to the root's shards, gathered only by the root's forward): its
+    hidden states of every layer, which training keeps for backward anyway, and logits of one
+    position; its LM head is then whole until backward, so it can be applied to rows."""
+    if isinstance(model, FSDPModule):
+        return model(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+    body, _ = parts(model)
+    return body(**inputs).last_hidden_state
 
 
 class HeadForm(NamedTuple):
@@ -61,7 +74,7 @@ def head_form(model) -> HeadForm:
     LoRA head is a wrapper whose weight is the frozen base: the fused loss would skip it)."""
     if model in _HEADS:
         return _HEADS[model]
-    body, head = parts(model)
+    _, head = parts(model)
     post = _post_head(model.config)
     device = next(model.parameters()).device
     ids = (torch.arange(1, 9, device=device) % head.weight.shape[0])[None]
@@ -70,9 +83,10 @@ def head_form(model) -> HeadForm:
     try:
         with torch.no_grad():
             want = model(input_ids=ids, use_cache=False).logits.float()
-            hidden = body(input_ids=ids, use_cache=False).last_hidden_state
+            hidden = last_hidden(model, input_ids=ids, use_cache=False)
             tol = 1e-4 * (1.0 + float(want.abs().max()))
-            ok = bool(torch.allclose(post(head(hidden)).float(), want, rtol=0, atol=tol))
+            # .to: a teacher spread over GPUs (device_map) has its head's output where the head is
+            ok = bool(torch.allclose(post(head(hidden)).float().to(want.device), want, rtol=0, atol=tol))
             # A plain nn.Linear without bias is hidden @ weight.T: `ok` covers it then.
             fusable = ok and post is _identity and type(head) is torch.nn.Linear and head.bias is None
     finally:

@@ -15,7 +15,8 @@ from opd.config import to_dict
 
 
 def write_grpo_card(out: Path, c, *, reward: dict, train_report, resumes: list[dict], warnings: list[str],
-                    start_step: int, history: list[dict] | None = None) -> None:
+                    start_step: int, history: list[dict] | None = None, ranks: int = 1,
+                    memory: dict | None = None) -> None:
     """card.md / card.json: the settings, the resumes, and with `history` (every step's
     metrics, the steps before a resume included) the results; without it, at the start,
     the results section says the run is in progress."""
@@ -41,7 +42,9 @@ def write_grpo_card(out: Path, c, *, reward: dict, train_report, resumes: list[d
         "optimizer": {"AdamW lr": c.optim.lr, "weight decay": c.optim.weight_decay,
                       "warmup steps": c.optim.warmup_steps, "gradient clip": c.optim.grad_clip,
                       "schedule": c.optim.schedule},
-        "run": {"steps": c.run.steps, "seed": c.run.seed, "out": str(out)},
+        "run": {"steps": c.run.steps, "seed": c.run.seed, "out": str(out),
+                "ranks": f"{ranks} (FSDP2, each rank {c.data.prompts_per_step // ranks} prompts a step)"
+                if ranks > 1 else "1", **({"memory_per_rank_bytes": memory} if memory else {})},
     }
     if resumes:
         facts["resumes"] = {

@@ -113,8 +113,9 @@ class RLClusterConfig(ClusterConfig):
                                             help="opd train's teacher replicas; opd rl has no teachers: leave it "
                                                  "empty (refused otherwise)")
     student: StudentWorkers = field(default_factory=StudentWorkers,
-                                    help="the policy's processes; opd rl trains in one process: num_workers must "
-                                         "stay 1 (rollout.actors sets the rollout actors)")
+                                    help="the ranks the policy is sharded over (cluster.mode local; on Ray "
+                                         "rollout.actors sets the rollout actors and the policy trains in one "
+                                         "process)")
     request_timeout_s: float = field(120.0, help="opd train's teacher replica pools; not used by opd rl", min=0.1)
     recheck_s: float = field(2.0, help="opd train's teacher replica pools; not used by opd rl", min=0.05)
 
@@ -145,6 +146,15 @@ class RLConfig:
         if self.cluster.mode == "fork":
             raise ValueError("cluster.mode fork starts the teachers of `opd train`; opd rl has none "
                              "(use local or ray)")
+        ranks = self.cluster.student.num_workers
+        if ranks > 1:
+            if self.data.prompts_per_step % ranks:
+                raise ValueError(f"data.prompts_per_step {self.data.prompts_per_step} does not divide among "
+                                 f"cluster.student.num_workers {ranks} ranks: each samples an equal share of whole "
+                                 f"groups")
+            if self.rollout.engine != "hf":
+                raise ValueError("cluster.student.num_workers > 1 samples with rollout.engine hf (from the shards "
+                                 "themselves); a vLLM engine beside a sharded policy is not supported yet")
         if self.cluster.mode != "ray":
             return
         if self.model.lora is not None:
@@ -155,6 +165,7 @@ class RLConfig:
                              f"{self.rollout.engine!r}")
         if self.cluster.teachers:
             raise ValueError("cluster.teachers: opd rl has no teachers; leave the list empty")
-        if self.cluster.student.num_workers != 1:
-            raise ValueError("cluster.student.num_workers: opd rl trains the policy in one process; "
-                             "it must be 1 (rollout.actors sets the rollout actors)")
+        if ranks != 1:
+            raise ValueError("cluster.mode ray: the policy trains in one process, num_workers must be 1 "
+                             "(rollout.actors sets the rollout actors; sharded policies run with cluster.mode "
+                             "local)")

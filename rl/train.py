@@ -15,6 +15,7 @@ from pathlib import Path
 from opd.config import ConfigError, describe, load_yaml, near, positive_int
 from opd.rl.config import RLConfig
 from opd.rl.trainer import GRPOTrainer
+from opd.spine.dist import close_world, ranks_for
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -60,10 +61,19 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"opd rl: {e}", file=sys.stderr)
         return 2
+    shards = cfg.cluster.student
+    world = ranks_for(shards.num_workers, args._argv, cfg.model.device, shards.backend, shards.collective_timeout_s)
+    if world is None:   # the ranks this process started have run
+        print(f"run folder: {cfg.run.out_dir} (metrics.jsonl, plots/, card.md, model/; {shards.num_workers} ranks)")
+        return 0
     # A CheckpointError, DataError, ... is printed as one line by opd.cli, exit 1.
-    trainer = GRPOTrainer(cfg, config_dir=Path(args.config).resolve().parent, resume=args.resume,
-                          overwrite=args.overwrite)
-    summary = trainer.train()
-    print(json.dumps(summary, indent=1))
-    print(f"run folder: {cfg.run.out_dir} (metrics.jsonl, plots/, card.md, model/)")
+    try:
+        trainer = GRPOTrainer(cfg, config_dir=Path(args.config).resolve().parent, resume=args.resume,
+                              overwrite=args.overwrite, world=world)
+        summary = trainer.train()
+    finally:
+        close_world()
+    if world.main and not world.sharded:
+        print(json.dumps(summary, indent=1))
+        print(f"run folder: {cfg.run.out_dir} (metrics.jsonl, plots/, card.md, model/)")
     return 0

@@ -31,7 +31,6 @@ through Ray), so the next step samples from the updated policy. docs/multi_machi
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -39,7 +38,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from opd.rl.batch import PaddedRollouts, collate, response_logits   # noqa: F401 (collate: the tests' too)
 from opd.rl.card import summary as summarize
+from opd.rl.logprobs import token_logprobs_and_entropy
 from opd.rl.card import write_grpo_card
 from opd.cluster.rollout import PoolEngine
 from opd.cluster.session import RayCluster
@@ -51,7 +52,7 @@ from opd.rl.config import RLConfig
 from opd.rl.rewards import accuracy, build_reward, verify_batch
 from opd.rl.rewards.combine import check_reward_fields, reward_labels
 from opd.rollout import SamplingParams
-from opd.rope import rope_groups
+from opd.spine.dist import World, memory_per_rank
 from opd.spine.model import load_policy, make_engine
 from opd.spine.optim import NonfiniteSteps, build_optimizer, optimizer_step
 from opd.spine.run import RunDir
@@ -85,65 +86,6 @@ def _resume_view(config: dict | None) -> dict | None:
     return {**config, "rewards": {label: r for label, r in zip(labels, rewards)}}
 
 
-# ---- building blocks (the batch as tensors, the response logits) -----------------------------
-
-@dataclasses.dataclass
-class PaddedRollouts:
-    """A batch of rollouts as tensors, every response starting at column `start`."""
-    input_ids_B_L: torch.Tensor
-    attention_B_L: torch.Tensor
-    position_B_L: torch.Tensor
-    response_B_T: torch.Tensor      # response token ids
-    mask_B_T: torch.Tensor          # 1 on real response tokens
-    old_logprobs_B_T: torch.Tensor  # rollout policy's raw log-probs
-    start: int                      # column where every response begins
-
-    def rows(self, idx: slice | torch.Tensor) -> "PaddedRollouts":
-        return PaddedRollouts(self.input_ids_B_L[idx], self.attention_B_L[idx], self.position_B_L[idx],
-                     self.response_B_T[idx], self.mask_B_T[idx], self.old_logprobs_B_T[idx], self.start)
-
-
-def collate(rollouts, pad_id: int) -> PaddedRollouts:
-    """Left-pad prompts so every response starts at the same column W, right-pad responses."""
-    W = max(len(r.prompt_ids) for r in rollouts)
-    T = max(max(len(r.response_ids) for r in rollouts), 1)
-    B = len(rollouts)
-    ids = torch.full((B, W + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, W + T), dtype=torch.long)
-    resp = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    old = torch.zeros((B, T), dtype=torch.float32)
-    for i, r in enumerate(rollouts):
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        ids[i, W - p:W] = torch.tensor(r.prompt_ids)
-        ids[i, W:W + n] = torch.tensor(r.response_ids, dtype=torch.long)
-        attn[i, W - p:W + n] = 1
-        resp[i, :n] = torch.tensor(r.response_ids, dtype=torch.long)
-        mask[i, :n] = 1.0
-        old[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # the positions `generate` used with left padding
-    return PaddedRollouts(ids, attn, pos, resp, mask, old, W)
-
-
-def response_logits(model, batch: PaddedRollouts) -> torch.Tensor:
-    """Logits that predict each response token: [B, T, V]."""
-    device = next(model.parameters()).device
-    T = batch.response_B_T.shape[1]
-
-    def logits(rows=slice(None)) -> torch.Tensor:
-        out = model(input_ids=batch.input_ids_B_L[rows].to(device), attention_mask=batch.attention_B_L[rows].to(device),
-                    position_ids=batch.position_B_L[rows].to(device))
-        return out.logits[:, batch.start - 1:batch.start - 1 + T]
-
-    groups = rope_groups(model, batch.attention_B_L.sum(1).tolist())
-    if len(groups) == 1:
-        return logits()
-    # a longrope model: one pass per side of its switch length (opd.rope), rows put back in order
-    outs = torch.cat([logits(torch.tensor(g)) for g in groups])
-    back = torch.argsort(torch.cat([torch.tensor(g) for g in groups]))
-    return outs[back.to(device)]
-
-
 # The rewards that verify an answer (1 = correct, 0 = wrong; code: the share of tests passed).
 VERIFIERS = ("math", "code")
 
@@ -164,13 +106,16 @@ def verifier_verdict(parts: dict[str, list[float]], shape: torch.Size) -> tuple[
 
 class GRPOTrainer:
     def __init__(self, cfg: RLConfig, *, config_dir: str | Path | None = None, resume: bool = False,
-                 overwrite: bool = False):
-        """overwrite: a fresh run may replace an earlier run in run.out_dir (else it is refused)."""
+                 overwrite: bool = False, world: World = World()):
+        """overwrite: a fresh run may replace an earlier run in run.out_dir (else it is refused).
+        world: the ranks the policy is sharded over (opd.spine.dist): each samples, scores and
+        trains on its share of every step's prompts, whole groups each."""
         self.cfg = cfg
+        self.world = world
         self.out = Path(cfg.run.out_dir)
         # --resume: the checkpoint's config checked against this one before the model loads.
         self.run_dir = RunDir(self.out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=RESUME_FIXED,
-                              free=RESUME_FREE, view=_resume_view)
+                              free=RESUME_FREE, view=_resume_view, world=world)
         # Data and rewards before the model: their mistakes are said in a second, not after a load.
         train_samples, self.train_report = load_jsonl(cfg.data.train, on_error=cfg.data.on_error)
         self.eval_samples = (load_jsonl(cfg.data.eval, on_error=cfg.data.on_error)[0][:cfg.data.eval_prompts]
@@ -179,18 +124,24 @@ class GRPOTrainer:
         check_reward_fields(cfg.rewards, train_samples, cfg.data.train)
         torch.manual_seed(cfg.run.seed)
         # Dropout off: the importance ratio compares with the engines' dropout-free log-probs.
-        self.model, self.tokenizer = load_policy(cfg.model, dropout=False)
+        shards = cfg.cluster.student
+        self.model, self.tokenizer = load_policy(cfg.model, dropout=False, world=world,
+                                                 mixed_precision=shards.precision(), cpu_offload=shards.cpu_offload)
         self.pad_id = self.tokenizer.pad_token_id
         self.is_lora = cfg.model.lora is not None
         # Full fine-tuning needs its own frozen reference; LoRA switches the adapter off instead.
+        # Sharded, the reference is sharded too (a second load: a sharded module is not copied).
         self.reference = None
         if cfg.algorithm.kl_beta > 0 and not self.is_lora:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            self.reference = (load_policy(cfg.model, dropout=False, world=world, mixed_precision=shards.precision(),
+                                          cpu_offload=shards.cpu_offload)[0] if world.sharded
+                              else copy.deepcopy(self.model)).eval().requires_grad_(False)
         self.data = Cycler(train_samples, seed=cfg.run.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.run.steps)
         self.nonfinite = NonfiniteSteps("Check the rewards, optim.lr and model.dtype")
         self.last_flat_warning = -10**9
+        self.memory: dict | None = None   # bytes per rank, for the card at the end
         # The card's history, kept in every checkpoint: the warnings printed and the resumes
         # (each with the config keys changed since its checkpoint).
         self.warnings: list[str] = []
@@ -206,7 +157,7 @@ class GRPOTrainer:
                  "changed": self.run_dir.changed}]
         self.cluster, self._ray_started = None, False
         self.engine = self.start_ray_engine() if cfg.cluster.mode == "ray" \
-            else make_engine(cfg.rollout, cfg.model, self.model, self.tokenizer, seed=cfg.run.seed)
+            else make_engine(cfg.rollout, cfg.model, self.model, self.tokenizer, seed=cfg.run.seed, world=world)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -216,28 +167,33 @@ class GRPOTrainer:
         # After --resume the summary covers the whole run: the steps before it from metrics.jsonl.
         history = [r for r in read_metrics(self.out / "metrics.jsonl")
                    if "reward/mean" in r and r.get("step", 0) <= self.start_step] if self.start_step else []
-        self.write_card()   # the settings now; rewritten with the results at the end
+        world = self.world
+        if world.main:
+            self.write_card()   # the settings now; rewritten with the results at the end
         bar = tqdm(range(self.start_step, cfg.run.steps), initial=self.start_step, total=cfg.run.steps,
-                   desc="grpo", dynamic_ncols=True, disable=not cfg.run.progress)
+                   desc="grpo", dynamic_ncols=True, disable=not (cfg.run.progress and world.main))
         try:
             for step in bar:
                 t0 = time.time()
-                # 1. P prompts, G responses each, from the current policy
-                samples_P = self.data.take(P)
+                # 1. P prompts, G responses each, from the current policy (this rank's share of them)
+                samples_P = world.shard(self.data.take(P))
                 prompt_ids_P = [encode_prompt(self.tokenizer, s.prompt) for s in samples_P]
+                # A rank draws the numbers one process would draw for its rows of the whole batch.
+                share = (world.rank * len(samples_P) * G, P * G) if world.sharded else None
                 params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                         max_new_tokens=cfg.rollout.max_new_tokens, n=G,
-                                        seed=cfg.run.seed * 1_000_003 + step)
+                                        seed=cfg.run.seed * 1_000_003 + step, share=share)
                 rollouts_B = self.engine.generate(prompt_ids_P, params)
                 texts_B = [self.decode(r) for r in rollouts_B]
                 t_rollout = time.time() - t0
                 # 2. rewards
                 samples_B = [samples_P[r.prompt_index] for r in rollouts_B]
                 rewards_B, parts = self.reward(samples_B, texts_B)
-                rewards_P_G = torch.tensor(rewards_B, dtype=torch.float32).view(P, G)
                 t_reward = time.time() - t0 - t_rollout
-                # 3. group-relative advantages
-                adv_B = grpo.group_advantages(rewards_P_G, cfg.algorithm.advantage).flatten()
+                # 3. group-relative advantages, over every rank's groups (batch_std's one std)
+                rewards_P_G, parts, every_rollout = self._all_ranks(rewards_B, parts, rollouts_B)
+                adv_B = world.shard(grpo.group_advantages(rewards_P_G, cfg.algorithm.advantage).flatten().tolist())
+                adv_B = torch.tensor(adv_B, dtype=torch.float32)
                 # 4. reference log-probs of the sampled tokens
                 batch = collate(rollouts_B, self.pad_id)
                 ref_B_T = self.reference_logprobs(batch) if cfg.algorithm.kl_beta > 0 else None
@@ -247,11 +203,12 @@ class GRPOTrainer:
                                                f" in {upd['steps_skipped']:.0f} of its optimizer steps")
                 if skipped:
                     self.warnings.append(skipped)
-                    tqdm.write(f"[opd rl] warning: {skipped}")
+                    if world.main:
+                        tqdm.write(f"[opd rl] warning: {skipped}")
                 if cfg.rollout.engine != "hf" or self.cluster is not None:
                     self.engine.sync_weights(self.model)
                 # 6. metrics, warnings, eval, checkpoint
-                metrics = self.step_metrics(rewards_P_G, parts, rollouts_B, upd)
+                metrics = self.step_metrics(rewards_P_G, parts, every_rollout, upd)
                 metrics.update({"time/rollout": t_rollout, "time/reward": t_reward,
                                 "time/step": time.time() - t0})
                 self.warn_if_flat(step, metrics)
@@ -274,11 +231,24 @@ class GRPOTrainer:
             logger.close()
             self.engine.close()
             self.close_cluster()
-        self.run_dir.finish(self.model, self.tokenizer, PLOT_GROUPS)   # RUN/model: a LoRA adapter merged in
+        self.memory = memory_per_rank(self.model, self.optimizer)
+        self.run_dir.finish(self.model, self.tokenizer, PLOT_GROUPS, cfg.model)   # RUN/model: LoRA merged in
         summary = summarize(history)
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.write_card(history)
+        if world.main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+            self.write_card(history)
         return summary
+
+    def _all_ranks(self, rewards_B: list[float], parts: dict[str, list[float]], rollouts_B: list):
+        """The step's rewards [P, G], reward parts and rollouts of every rank, in prompt order
+        (each rank scored whole groups of its share of the prompts)."""
+        G = self.cfg.rollout.group_size
+        if not self.world.sharded:
+            return torch.tensor(rewards_B, dtype=torch.float32).view(-1, G), parts, rollouts_B
+        ranks = self.world.gather((rewards_B, parts, rollouts_B))
+        rewards = [r for part, _, _ in ranks for r in part]
+        merged = {k: [v for _, p, _ in ranks for v in p[k]] for k in parts}
+        return torch.tensor(rewards, dtype=torch.float32).view(-1, G), merged, [ro for *_, ros in ranks for ro in ros]
 
     # -- Ray ---------------------------------------------------------------------------------
 
@@ -325,10 +295,10 @@ class GRPOTrainer:
             part = batch.rows(slice(i, i + mb))
             if self.is_lora:
                 with self.model.disable_adapter():  # the base weights are the reference
-                    logits = response_logits(self.model, part)
+                    lp, _ = token_logprobs_and_entropy(self.model, part, with_entropy=False)
             else:
-                logits = response_logits(self.reference, part)
-            out.append(grpo.token_logprobs(logits, part.response_B_T.to(logits.device)).cpu())
+                lp, _ = token_logprobs_and_entropy(self.reference, part, with_entropy=False)
+            out.append(lp.cpu())
         return torch.cat(out)
 
     def update(self, batch: PaddedRollouts, adv_B: torch.Tensor, ref_B_T: torch.Tensor | None) -> dict:
@@ -345,15 +315,19 @@ class GRPOTrainer:
             # rows gave fewer steps than promised (B=16, m=12: 8). The config keeps m <= B.
             for rows in torch.tensor_split(order, a.minibatches):
                 mini = batch.rows(rows)
-                n_seq, n_tok = len(rows), float(mini.mask_B_T.sum())
+                # Normalizers over every rank's share of the minibatch: the ranks' gradients sum to one
+                # process's over the whole of it.
+                counts = self.world.sum({"seq": float(len(rows)), "tok": float(mini.mask_B_T.sum())})
+                n_seq, n_tok = int(counts["seq"]), counts["tok"]
                 for u0 in range(0, n_seq, a.micro_batch_size):
                     sl = slice(u0, u0 + a.micro_batch_size)
                     part = mini.rows(sl)
                     adv = adv_B[rows][sl]
-                    logits = response_logits(self.model, part)
-                    dev = logits.device
+                    # Log-probs and entropy from the hidden states in vocabulary chunks (rl/logprobs.py):
+                    # nothing of size [B, T, V] (0 off the mask).
+                    lp, ent = token_logprobs_and_entropy(self.model, part)
+                    dev = lp.device
                     mask = part.mask_B_T.to(dev)
-                    lp = grpo.token_logprobs(logits, part.response_B_T.to(dev))
                     pg_B_T, clipped_B_T = grpo.clipped_surrogate(lp, part.old_logprobs_B_T.to(dev), adv.to(dev),
                                                                  a.eps_low, a.eps_high)
                     agg = dict(num_sequences=n_seq, num_tokens=n_tok, max_tokens=self.cfg.rollout.max_new_tokens)
@@ -371,7 +345,7 @@ class GRPOTrainer:
                         n_tok_total += k
                         sums["kl"] += float((kl_B_T.detach() * mask).sum())
                         sums["clip_fraction"] += float((clipped_B_T.float() * mask).sum())
-                        sums["entropy"] += float((grpo.entropy(logits.detach()) * mask).sum())
+                        sums["entropy"] += float((ent * mask).sum())
                         sums["ratio"] += float((torch.exp(lp.detach() - part.old_logprobs_B_T.to(dev)) * mask).sum())
                         sums["loss"] += float(loss.detach())
                         sums["pg_loss"] += float(pg.detach())
@@ -381,6 +355,10 @@ class GRPOTrainer:
                 n_steps += 1
         lr = self.optimizer.param_groups[0]["lr"]   # the rate these updates used, not the next step's
         self.scheduler.step()
+        # Every rank's tokens; the losses (already parts of the global ones) summed over the ranks.
+        totals = self.world.sum({"tok": n_tok_total, **{k: v for k, v in sums.items() if k != "grad_norm"}})
+        n_tok_total = totals.pop("tok")
+        sums.update(totals)
         per_tok = max(n_tok_total, 1.0)
         return {"loss": sums["loss"] / n_steps, "loss/pg": sums["pg_loss"] / n_steps,
                 "kl": sums["kl"] / per_tok, "clip_fraction": sums["clip_fraction"] / per_tok,
@@ -426,22 +404,33 @@ class GRPOTrainer:
                 f"{self.cfg.rollout.group_size} responses and carry no gradient; {why}, or the temperature "
                 f"({self.cfg.rollout.temperature}) is too low for responses to differ. Reward will stay flat.")
         self.warnings.append(text)   # for the card
-        tqdm.write(f"[opd rl] {text}")
+        if self.world.main:
+            tqdm.write(f"[opd rl] {text}")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Greedy responses to the held-out prompts: the mean combined reward, the accuracy (the
         share the verifier scores 1, as `opd validate` counts) and the mean verifier score
         (partial credit for code: the share of tests passed)."""
-        prompts = [encode_prompt(self.tokenizer, s.prompt) for s in self.eval_samples]
-        rollouts = self.engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens, n=1))
-        texts = [self.decode(r) for r in rollouts]
-        total, _ = self.reward(self.eval_samples, texts)
-        out = {"eval/reward": sum(total) / len(total)}
+        # Each rank answers its share; the last is padded with repeats so that every rank samples
+        # as many (the sharded policy's forwards are collectives), and the repeats are dropped.
+        world, samples = self.world, self.eval_samples
+        share = -(-len(samples) // world.size)
+        mine = (samples + samples[-1:] * (share * world.size - len(samples)))[world.rank * share:(world.rank + 1) * share]
+        real = max(0, min(share, len(samples) - world.rank * share))
+        prompts = [encode_prompt(self.tokenizer, s.prompt) for s in mine]
+        rollouts = self.engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                                                n=1))
+        texts = [self.decode(r) for r in rollouts][:real]
+        total, _ = self.reward(mine[:real], texts) if texts else ([], {})
         # The code reward's own limits (timeout, memory, workers), as in training: with the
         # defaults, a solution that needs more would fail here only.
         code = next((r.options for r in self.cfg.rewards if r.name == "code"), {})
-        verified = [v for v in verify_batch(self.eval_samples, texts, **code) if v is not None]
+        scores = verify_batch(mine[:real], texts, **code) if texts else []
+        ranks = world.gather((total, scores))
+        total, scores = [x for t, _ in ranks for x in t], [x for _, v in ranks for x in v]
+        out = {"eval/reward": sum(total) / len(total)}
+        verified = [v for v in scores if v is not None]
         if verified:   # the mean score was logged as accuracy: code's partial credit counted
             out["eval/accuracy"] = accuracy(verified)
             out["eval/verifier_score"] = sum(verified) / len(verified)
@@ -454,4 +443,5 @@ class GRPOTrainer:
         step's metrics, the steps before a resume included) the results; without it, at the
         start, the results section says the run is in progress."""
         write_grpo_card(self.out, self.cfg, reward=self.reward.describe(), train_report=self.train_report,
-                        resumes=self.resumes, warnings=self.warnings, start_step=self.start_step, history=history)
+                        resumes=self.resumes, warnings=self.warnings, start_step=self.start_step, history=history,
+                        ranks=self.world.size, memory=self.memory)

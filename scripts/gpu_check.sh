@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks of the kernels (issue 4), in one go, on a CUDA machine that has torch and
+# The GPU checks, in one go, on a CUDA machine that has torch and
 # triton but not this project's venv: run from the repository root, `bash scripts/gpu_check.sh`.
 #   1. the Triton kernels compiled for the GPU vs the fp64 reference (tests/kernels/test_kernels_cuda.py)
 #   2. `opd bench kernels` on CUDA in bf16, this project beside Liger-Kernel when importable
 #      (wheels in .whl/ are installed to /tmp/site first: the box may have no network)
 #   3. the fused case at Llama-3-8B's head over a few launch configs, and one cuBLAS matmul of
 #      the same shape as the floor
+#   4. `opd bench grpo` on CUDA: GRPO log-probs from the hidden states (the Triton fused path)
+#   5. `opd sft` sharded with FSDP2 over NCCL at world size 1 (torchrun), when transformers is there
 # Logs and JSON go to $OUT (default runs/gpu). PROVIDERS (default: all four) narrows step 2.
 set -u
 OUT=${OUT:-runs/gpu}
@@ -40,3 +42,23 @@ b = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
 ms = tt.do_bench(lambda: a @ b.T, warmup=50, rep=300, return_mode="median")
 print(f"cuBLAS bf16 [{n}x{h}] @ [{h}x{v}]: {ms:.2f} ms, {2 * n * h * v / ms / 1e9:.0f} TFLOP/s")
 EOF
+
+echo "== 4. GRPO's log-probs and entropy without [B, T, V] (rl/logprobs.py) on CUDA: opd bench grpo"
+timeout 240 python3 -m opd.benchmarks.grpo --device cuda --timeout 200 --json "$OUT/grpo.json" 2>&1 | tee "$OUT/grpo.txt"
+
+echo "== 5. the sharded trainer (FSDP2 over NCCL, world size 1): opd sft on a tiny model, 3 steps"
+if python3 -c "import transformers, tokenizers, peft, yaml" 2>/dev/null; then
+    mkdir -p /tmp/gpu_sft && python3 - <<'PY'
+import json
+rows = [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)]
+open("/tmp/gpu_sft/train.jsonl", "w").write("".join(json.dumps(r) + "\n" for r in rows))
+open("/tmp/gpu_sft/sft.yaml", "w").write(
+    "out_dir: run\ntiny: {layers: 2, hidden: 64, heads: 2, kv_heads: 1, intermediate: 128}\n"
+    "train: [{path: train.jsonl}]\nsteps: 3\nbatch_size: 4\nlr: 0.01\nwarmup_steps: 0\nlog_every: 1\n"
+    "checkpoint_every: 3\ndevice: cuda\n")
+PY
+    (cd /tmp/gpu_sft && timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 -m opd.cli sft sft.yaml --overwrite 2>&1 | tail -5
+     cat run/metrics.jsonl; ls run/checkpoints/step_000003) | tee "$OUT/sharded_sft.txt"
+else
+    echo "skipped: transformers, tokenizers, peft or pyyaml missing here" | tee "$OUT/sharded_sft.txt"
+fi

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = {"opd": "opd", "opd.kernels": "kernels", "opd.teachers": "teachers", "opd.routing": "routing",
          "opd.rl": "rl", "opd.benchmarks": "benchmarks"}
 GROUND = ("opd.config", "opd.data", "opd.checkpoint", "opd.metrics", "opd.card", "opd.fingerprint", "opd.rope",
-          "opd.lm_head", "opd.diagnostics", "opd.lora", "opd.tiny")
+          "opd.lm_head", "opd.diagnostics", "opd.lora", "opd.tiny", "opd.vllm_args")
 # floor -> what it may import besides itself, the ground floor and third-party packages. A
 # floor imports only floors below it: a new capability lands where this list allows it.
 MAY_IMPORT = {

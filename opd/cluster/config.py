@@ -4,8 +4,8 @@ and (later) the student's ranks run.
     ClusterConfig    mode local | fork | ray, the Ray address, and the lists below
     TeacherReplicas  one teacher's `opd serve-teacher` processes: model, backend, replicas,
                      resources, placement strategy, supervision
-    StudentWorkers   the student's processes: one today (`num_workers` must be 1 in both
-                     trainers; sharded training over several ranks is the next step)
+    StudentWorkers   the student's ranks: how many the model is sharded over (FSDP2), in
+                     which precision, offloaded or not
 """
 
 from __future__ import annotations
@@ -54,15 +54,27 @@ class TeacherReplicas:
 
 @dataclass(frozen=True)
 class StudentWorkers:
-    num_workers: int = field(1, help="student processes; 1 (the trainer's own process) is the only value the "
-                                     "trainers take today", min=1)
-    num_cpus_per_worker: float = field(1.0, help="CPUs reserved per worker", min=0.0)
-    num_gpus_per_worker: float = field(0.0, help="GPUs reserved per worker (one for NCCL)", min=0.0)
+    num_workers: int = field(1, help="ranks the student (or policy) is sharded over with FSDP2; more than 1 "
+                                     "starts them with torchrun's launcher on this machine (or run the command "
+                                     "under torchrun), each rank sampling and training on its share of every "
+                                     "step", min=1)
+    mixed_precision: Literal["auto", "bf16", "none"] = field(
+        "auto", help="sharded: bf16: compute in bf16 with fp32 master shards and fp32 gradient reduction; none: "
+                     "in the weights' dtype; auto: bf16 on CUDA, none on the CPU")
+    cpu_offload: bool = field(False, help="sharded: keep the shards and their optimizer state in CPU memory")
+    num_cpus_per_worker: float = field(1.0, help="CPUs reserved per worker (Ray placement; not used yet)",
+                                       min=0.0)
+    num_gpus_per_worker: float = field(0.0, help="GPUs reserved per worker (Ray placement; not used yet)",
+                                       min=0.0)
     backend: Literal["auto", "gloo", "nccl"] = field(
         "auto", help="torch.distributed backend; auto: nccl with GPUs, gloo without")
-    strategy: Strategy = field("PACK", help="placement group strategy across the workers")
-    collective_timeout_s: float = field(300.0, help="an all_reduce waiting longer than this fails the step",
+    strategy: Strategy = field("PACK", help="placement group strategy across the workers (Ray; not used yet)")
+    collective_timeout_s: float = field(300.0, help="a collective waiting longer than this fails the step",
                                         min=1.0)
+
+    def precision(self) -> bool | None:
+        """load_policy's mixed_precision: None (auto) decides by the device."""
+        return None if self.mixed_precision == "auto" else self.mixed_precision == "bf16"
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ def _teacher_facts(cfg, t, welcome, tail: list[float], share: float) -> dict:
 def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_samples: dict[str, float],
                      tail_mass: dict[str, list[float]], staleness: list[int], prompts: dict[str, int],
                      eval_prompts: int, evals: list[dict], warnings: list[str], steps: int,
-                     skipped_lines: dict | None = None, trimmed: list[int] | None = None) -> None:
+                     skipped_lines: dict | None = None, trimmed: list[int] | None = None, ranks: int = 1,
+                     memory: dict | None = None) -> None:
     """card.md + card.json in `out`. `student`: model/tokenizer fingerprints and trained parameter count;
     `trimmed`: [response tokens trimmed after the answer, response tokens sampled] over the run;
     `skipped_lines`: {file: {loaded, skipped, first}} for files with malformed lines skipped."""
@@ -74,6 +75,8 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
                  "skipped_malformed_lines": skipped_lines or "none",
                  "routing_rules": [r.kind for r in cfg.merge.routing.rules] or ["single teacher"]},
         "run": {"steps": steps, "seed": cfg.run.seed, "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
+                "ranks": f"{ranks} (FSDP2, each rank {cfg.rollout.prompts_per_step // ranks} prompts a step)"
+                if ranks > 1 else "1", **({"memory_per_rank_bytes": memory} if memory else {}),
                 "prompts_per_step": cfg.rollout.prompts_per_step, "grad_accum": cfg.optim.grad_accum,
                 "eval_kl_first": evals[0].get("eval/kl") if evals else None,
                 "eval_kl_last": evals[-1].get("eval/kl") if evals else None,

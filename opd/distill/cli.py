@@ -14,6 +14,7 @@ from pathlib import Path
 from opd.config import ConfigError, describe, positive_int
 from opd.distill.config import TrainConfig, load_train_config
 from opd.distill.trainer import Trainer
+from opd.spine.dist import close_world, ranks_for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,9 +45,19 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, run=replace(cfg.run, steps=args.steps))
     if args.out_dir is not None:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
+    shards = cfg.cluster.student
+    world = ranks_for(shards.num_workers, args._argv, cfg.student.device, shards.backend, shards.collective_timeout_s)
+    if world is None:   # the ranks this process started have run
+        print(f"done: {cfg.run.steps} steps on {shards.num_workers} ranks; run directory {cfg.run.out_dir}")
+        return 0
     # A TrainError, DataError, ... is printed as one line by opd.cli, exit 1.
-    result = Trainer(cfg, resume=args.resume, base_dir=Path(args.config).resolve().parent,
-                     fork_teachers=True, overwrite=args.overwrite).run()
+    try:
+        result = Trainer(cfg, resume=args.resume, base_dir=Path(args.config).resolve().parent,
+                         fork_teachers=True, overwrite=args.overwrite, world=world).run()
+    finally:
+        close_world()
+    if not world.main:
+        return 0
     last = result["evals"][-1] if result["evals"] else {}
     kl = f"held-out KL {last['eval/kl']:.4f}" if "eval/kl" in last else "no held-out set (datasets[].eval_path)"
     print(f"done: {result['step']} steps, {kl}; "

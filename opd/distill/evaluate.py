@@ -32,48 +32,43 @@ def evaluate(trainer) -> dict:
 
 
 def _evaluate(tr) -> dict:
-    cfg, prompts = tr.cfg, tr.prompts
-    samples, routes = prompts.eval_samples, prompts.eval_routes
+    cfg, prompts, world = tr.cfg, tr.prompts, tr.world
+    # Each rank answers its share of the held-out prompts; the last share is padded with repeats,
+    # so that every rank samples and scores as many (a sharded student's forwards are
+    # collectives), and the repeats are left out of every metric.
+    share = -(-len(prompts.eval_samples) // world.size)
+    padded = list(zip(prompts.eval_samples, prompts.eval_routes))
+    padded += padded[-1:] * (share * world.size - len(padded))
+    mine = padded[world.rank * share:(world.rank + 1) * share]
+    real = max(0, min(share, len(prompts.eval_samples) - world.rank * share))
+    samples, routes = [s for s, _ in mine], [r for _, r in mine]
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, n=1,
-                            seed=cfg.run.seed + 12_345)
+                            seed=cfg.run.seed + 12_345, share=(world.rank * share, len(prompts.eval_samples))
+                            if world.sharded else None)
     rollouts = tr.engine.generate([tr.encode(s) for s in samples], params)
     keep = [tr.trim(ro.response_ids) for ro in rollouts]
     batch = tr._submit(Batch(index=-1, samples=samples, routes=routes, rollouts=rollouts, keep=keep,
                              policy_version=tr.version))
     answers = tr.teachers.answers(batch.futures)
     tally = DomainTally()
-    for ro, route in zip(rollouts, routes):
+    for ro, route in zip(rollouts[:real], routes):
         tally.add_response(route.domain, ro.response_ids, ro.finish_reason)
     scores: dict[str, list[float]] = {}
-    if tr.verify is not None:
-        texts = [tr.tok.decode(ro.response_ids, skip_special_tokens=True) for ro in rollouts]
-        for route, v in zip(routes, tr.verify(samples, texts)):
+    if tr.verify is not None and real:
+        texts = [tr.tok.decode(ro.response_ids, skip_special_tokens=True) for ro in rollouts[:real]]
+        for route, v in zip(routes, tr.verify(samples[:real], texts)):
             if v is not None:
                 scores.setdefault(route.domain, []).append(float(v))
-    was = tr.model.training
-    tr.model.eval()
-    for t, seqs in batch.members.items():
-        spec, ans = tr.teachers.specs[t], answers[t]
-        for j, s in enumerate(seqs):
-            n = keep[s]
-            if n == 0:
-                continue
-            packed = pack([rollouts[s].prompt_ids], [rollouts[s].response_ids[:n]], tr.tok.pad_token_id)
-            logits = student_rows(tr.model, packed, fused=False).float()
-            idx = torch.arange(ans.row_offsets[j], ans.row_offsets[j] + n)
-            teacher = ans.logits[idx].float().to(logits.device) if ans.topk is None else \
-                TopKTeacher(*(x[idx].to(logits.device) for x in ans.topk))
-            if isinstance(teacher, torch.Tensor) and teacher.shape[1] != logits.shape[1]:
-                v = min(teacher.shape[1], logits.shape[1])
-                teacher, logits = teacher[:, :v], logits[:, :v]
-            kl = distill_loss(logits, teacher, beta=spec.divergence_beta, temperature=spec.temperature,
-                              reduction="none")
-            domain = routes[rollouts[s].prompt_index].domain
-            tally.add_rows(domain, "kl", kl)
-            tally.add_rows(domain, "topk_overlap", topk_overlap(logits, tr.teachers.topk_ids(spec, ans, idx)))
-    tr.model.train(was)
+    _divergences(tr, batch, answers, keep, real, tally)
     tr.teachers.finish(answers)
+    parts = world.gather((tally.plain(), scores, [len(ro.response_ids) for ro in rollouts[:real]]))
+    tally = DomainTally.merged([t for t, _, _ in parts])
+    scores = {}
+    for _, part, _ in parts:
+        for d, v in part.items():
+            scores.setdefault(d, []).extend(v)
+    lengths = [n for *_, ns in parts for n in ns]
     diag = tally.metrics(tr.stop_ids, cfg.run.ngram, prefix="eval")
     row = {k: v for k, v in diag.items() if not k.endswith("loss_share")}
     kl = tally.row_mean("kl")
@@ -82,7 +77,7 @@ def _evaluate(tr) -> dict:
     for d in {k.split("/")[1] for k in diag}:
         if f"eval/{d}/kl" in diag:
             row[f"eval/kl/{d}"] = diag[f"eval/{d}/kl"]
-    row["eval/response_len"] = sum(len(ro.response_ids) for ro in rollouts) / len(rollouts)
+    row["eval/response_len"] = sum(lengths) / len(lengths)
     if scores:
         # Accuracy counts fully correct answers (score 1); the mean verifier score, with a code
         # answer's partial credit for the share of tests it passes, is its own metric.
@@ -92,6 +87,40 @@ def _evaluate(tr) -> dict:
         for d, v in scores.items():
             row[f"eval/accuracy/{d}"] = share_correct(v)
         if len(scores) > 1:
-            tr.history.warn_lopsided(tr.step, {d: row[f"eval/accuracy/{d}"] for d in scores}, "eval accuracy",
-                                     cfg.run.lopsided_factor)
+            tr.history.warn_lopsided(tr.steps_done, {d: row[f"eval/accuracy/{d}"] for d in scores},
+                                     "eval accuracy", cfg.run.lopsided_factor)
     return row
+
+
+def _divergences(tr, batch: Batch, answers: dict, keep: list[int], real: int, tally: DomainTally) -> None:
+    """Each teacher's divergence (the training one, no T^2) and top-k overlap on the student's
+    rows of the first `real` sequences, micro-batch by micro-batch (one forward each, rows or
+    not: the ranks of a sharded student run as many)."""
+    rollouts, mb = batch.rollouts, tr.cfg.optim.micro_batch_size
+    first_row = {t: {seq: answers[t].row_offsets[j] for j, seq in enumerate(seqs)} for t, seqs in batch.members.items()}
+    was = tr.model.training
+    tr.model.eval()
+    for a in range(0, len(rollouts), mb):
+        seqs = list(range(a, min(a + mb, len(rollouts))))
+        packed = pack([rollouts[s].prompt_ids for s in seqs], [rollouts[s].response_ids[:keep[s]] for s in seqs],
+                      tr.tok.pad_token_id)
+        logits = student_rows(tr.model, packed, fused=False).float()
+        for t in batch.members:
+            spec, ans = tr.teachers.specs[t], answers[t]
+            for j, s in enumerate(seqs):
+                n = keep[s]
+                if n == 0 or s >= real or s not in first_row[t]:
+                    continue
+                rows = logits[packed.row_offsets[j]:packed.row_offsets[j] + n]
+                idx = torch.arange(first_row[t][s], first_row[t][s] + n)
+                teacher = ans.logits[idx].float().to(rows.device) if ans.topk is None else \
+                    TopKTeacher(*(x[idx].to(rows.device) for x in ans.topk))
+                if isinstance(teacher, torch.Tensor) and teacher.shape[1] != rows.shape[1]:
+                    v = min(teacher.shape[1], rows.shape[1])
+                    teacher, rows = teacher[:, :v], rows[:, :v]
+                kl = distill_loss(rows, teacher, beta=spec.divergence_beta, temperature=spec.temperature,
+                                  reduction="none")
+                domain = batch.route_of(s).domain
+                tally.add_rows(domain, "kl", kl)
+                tally.add_rows(domain, "topk_overlap", topk_overlap(rows, tr.teachers.topk_ids(spec, ans, idx)))
+    tr.model.train(was)

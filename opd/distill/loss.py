@@ -27,7 +27,8 @@ from opd.distill.stats import StepStats
 from opd.distill.teachers import Answer, TeacherSet
 from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
 from opd.spine.optim import TrainError
-from opd.spine.rows import pack, row_weights, rows_logits, select_rows, sft_loss, student_rows, take_rows
+from opd.spine.dist import World
+from opd.spine.rows import group_counts, pack, row_weights, rows_logits, select_rows, sft_loss, student_rows, take_rows
 
 
 def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.Tensor, impl: str):
@@ -62,22 +63,25 @@ def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.T
 
 
 def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str, float], pad_id: int,
-                scale: float, stats: StepStats) -> None:
+                scale: float, stats: StepStats, world: World = World()) -> None:
     """Loss and backward of one batch, micro-batch by micro-batch (the gradients accumulate).
     lam: each domain's lambda (merge.domain_weights times its normalizer multiplier); scale: the
-    batch's share of the optimizer step (1 / grad_accum)."""
+    batch's share of the optimizer step (1 / grad_accum). world: the batch is this rank's share
+    of the step: rows are weighted by every rank's counts, and every micro-batch runs forward
+    and backward, rows or not, since a sharded model's passes are collectives."""
     responses = batch.responses()
     offsets = [0]
     for r in responses:
         offsets.append(offsets[-1] + len(r))
     domains = [batch.route_of(s).domain for s in range(len(responses))]
-    weights_N = row_weights(offsets, domains, lam, cfg.loss.length_norm) * scale
+    counts = world.sum(group_counts(offsets, domains)) if world.sharded else None
+    weights_N = row_weights(offsets, domains, lam, cfg.loss.length_norm, counts) * scale
     answers: dict[str, Answer] | None = None
     mb = cfg.optim.micro_batch_size
     for a in range(0, len(responses), mb):
         seqs = list(range(a, min(a + mb, len(responses))))
         packed = pack([batch.rollouts[s].prompt_ids for s in seqs], [responses[s] for s in seqs], pad_id)
-        if packed.row_offsets[-1] == 0:
+        if packed.row_offsets[-1] == 0 and not world.sharded:
             continue
         rows = student_rows(model, packed, fused=cfg.loss.fused_linear)
         if answers is None:   # only now does the student need them: they were computed meanwhile
@@ -85,7 +89,10 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
             where = {t: {seq: answers[t].row_offsets[j] for j, seq in enumerate(members)}
                      for t, members in batch.members.items()}   # a sequence's first row in each answer
         device = rows[0].device if isinstance(rows, tuple) else rows.device
-        loss = torch.zeros((), device=device)
+        # 0 x the rows keeps every parameter in the graph: a rank whose rows go to no teacher
+        # still joins the others' gradient reduction.
+        loss = sum(x.sum() for x in (rows if isinstance(rows, tuple) else (rows,))) * 0.0 if world.sharded else \
+            torch.zeros((), device=device)
         diag_logits = None
         for t in batch.members:
             local, remote, w_rows, row_domain = _routed_rows(t, batch, seqs, packed.row_offsets, where[t], offsets,
@@ -136,12 +143,14 @@ def _wait(teachers: TeacherSet, batch: Batch, stats: StepStats) -> dict[str, Ans
     return answers
 
 
-def sft_mix(model, tokenizer, pairs, lambda_sft: float, scale: float) -> float:
+def sft_mix(model, tokenizer, pairs, lambda_sft: float, scale: float, world: World = World()) -> float:
     """merge.sft's cross-entropy on reference responses (prompt masked, EOS appended), backward
-    at weight lambda_sft * scale; returns the unweighted loss."""
+    at weight lambda_sft * scale; returns the unweighted loss (of the whole step's pairs when
+    `pairs` is this rank's share of them)."""
     prompts = [encode_prompt(tokenizer, s.prompt) for s in pairs]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     responses = [tokenizer(s.response, add_special_tokens=False)["input_ids"] + eos for s in pairs]
-    ce = sft_loss(model, prompts, responses, tokenizer.pad_token_id)
+    tokens = world.sum({"n": float(sum(map(len, responses)))})["n"] if world.sharded else None
+    ce = sft_loss(model, prompts, responses, tokenizer.pad_token_id, tokens)
     (lambda_sft * scale * ce).backward()
-    return float(ce.detach())
+    return world.sum({"ce": float(ce.detach())})["ce"]

@@ -69,6 +69,32 @@ class StepStats:
             self.domain_loss[d] = self.domain_loss.get(d, 0.0) + part / max(lam[d], 1e-12)
             self.tally.add_loss(d, part)
 
+    def merged(self, world) -> "StepStats":
+        """The step's statistics over every rank of `world` (each rank measured its share; the
+        same merged statistics on every rank, so every rank updates the same multipliers)."""
+        if not world.sharded:
+            return self
+        parts = world.gather({**{k: v for k, v in vars(self).items() if k != "tally"}, "tally": self.tally.plain()})
+        out = StepStats(tally=DomainTally.merged([p["tally"] for p in parts]))
+        for p in parts:
+            out.loss += p["loss"]
+            out.tokens += p["tokens"]
+            out.response_tokens += p["response_tokens"]
+            out.responses += p["responses"]
+            out.latencies += p["latencies"]
+            out.sft_losses = p["sft_losses"]   # already the whole step's (opd.distill.loss.sft_mix)
+            for key in ("domain_loss", "routed"):
+                for k, v in p[key].items():
+                    getattr(out, key)[k] = getattr(out, key).get(k, 0.0) + v
+            for t, (total, rows) in p["tail"].items():
+                acc = out.tail.setdefault(t, [0.0, 0])
+                acc[0] += total
+                acc[1] += rows
+        out.rollout_s = max(p["rollout_s"] for p in parts)   # the ranks wait for the slowest
+        out.wait_s = max(p["wait_s"] for p in parts)
+        out.staleness = parts[0]["staleness"]   # the same batches' versions on every rank
+        return out
+
     def row(self, *, lr: float, grad_norm: float, elapsed: float, stop_ids: set[int], ngram: int) -> dict:
         """The step's metrics line."""
         row = {"loss": self.loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
@@ -107,10 +133,11 @@ class History:
     trimmed: list[int] = field(default_factory=lambda: [0, 0])   # [response tokens trimmed, sampled]
     evals: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    quiet: bool = False                         # a rank other than 0: keeps the warnings, prints none
 
     @classmethod
-    def start(cls, teachers: list[str]) -> "History":
-        return cls({t: 0.0 for t in teachers}, {t: [0.0, 0] for t in teachers})
+    def start(cls, teachers: list[str], quiet: bool = False) -> "History":
+        return cls({t: 0.0 for t in teachers}, {t: [0.0, 0] for t in teachers}, quiet=quiet)
 
     def add_step(self, stats: StepStats) -> None:
         self.staleness += stats.staleness
@@ -124,7 +151,8 @@ class History:
             acc[1] += rows
 
     def warn(self, msg: str) -> None:
-        print(f"warning: {msg}", flush=True)
+        if not self.quiet:
+            print(f"warning: {msg}", flush=True)
         self.warnings.append(msg)
 
     def warn_lopsided(self, step: int, values: dict, what: str, factor: float) -> None:

@@ -44,6 +44,7 @@ from opd.lm_head import FUSED_REFUSED, head_form
 from opd.rl.rewards import verify_batch
 from opd.rollout.base import SamplingParams, eos_ids
 from opd.routing.normalize import DomainLossNormalizer
+from opd.spine.dist import World, memory_per_rank
 from opd.spine.model import load_policy, load_tokenizer, make_engine
 from opd.spine.optim import NonfiniteSteps, TrainError, build_optimizer, optimizer_step
 from opd.spine.rows import trim_length
@@ -67,14 +68,17 @@ PLOTS = {"loss": ["loss", "sft_loss"], "kl": ["kl", "eval/kl"], "response_length
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: str | Path | bool | None = None, base_dir: str | Path = ".",
-                 fork_teachers: bool = False, overwrite: bool = False):
+                 fork_teachers: bool = False, overwrite: bool = False, world: World = World()):
         """resume: True (the newest checkpoint under run.out_dir) or a checkpoint directory.
         overwrite: a fresh run may replace an earlier run in run.out_dir (else it is refused).
         fork_teachers: with cluster.mode fork, fork the teacher servers from this process (what
         `opd train` does, before it computes anything); False starts them as subprocesses, which
         a process that may already have run torch (a notebook, a test) needs: a forked child
-        hangs in the OpenMP thread pool its parent used."""
+        hangs in the OpenMP thread pool its parent used. world: the ranks the student is sharded
+        over (opd.spine.dist): each samples its share of every step's prompts and asks its own
+        clients of the teachers; rank 0 starts the teachers cluster.mode starts, and writes."""
         self.cfg = cfg
+        self.world = world
         self.out = Path(cfg.run.out_dir)
         self.launched = RunTeachers(self.out, fork=fork_teachers)   # what cluster.mode starts
         self.base_dir = Path(base_dir)
@@ -83,28 +87,32 @@ class Trainer:
         self.version = 0          # optimizer steps applied: the weights' version
         self.batches = 0          # batches drawn (the data position)
         self.last_batch = cfg.run.steps * cfg.optim.grad_accum
-        self.history = History.start([t.name for t in cfg.merge.teachers])
+        self.history = History.start([t.name for t in cfg.merge.teachers], quiet=not world.main)
         self.verify = verify_batch   # (samples, texts) -> [score | None]: evaluation's accuracy
 
     # -- setup: everything checked before the first step ----------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
+        world = self.world
         self.run_dir = RunDir(self.out, to_dict(cfg), resume=self.resume, overwrite=self.overwrite,
-                              fixed=RESUME_FIXED, free=RESUME_FREE)
+                              fixed=RESUME_FIXED, free=RESUME_FREE, world=world)
         if self.run_dir.changed:
             self.history.warnings.append(f"resumed from {self.run_dir.resume_from.name}; changed since that "
                                          f"checkpoint: {', '.join(self.run_dir.changed)}")
         # Teachers are checked (reachable, same tokenizer) before the student is even loaded.
         tokenizer = load_tokenizer(cfg.student.path, "student.path")
         self.student_fp = tokenizer_fingerprint(tokenizer)
-        self.cfg = cfg = self.launched.start(cfg)   # forked teachers: bound ports in the addresses
+        # Forked teachers (rank 0 starts them): the ports they bound are in the addresses.
+        self.cfg = cfg = world.main_first(lambda: self.launched.start(cfg))
         self.run_dir.config = to_dict(cfg)
         self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.launched.cluster)
         for note in [self.teachers.memory_note, *self.teachers.vocab_notes]:
             if note:
                 self.history.warn(note)
         torch.manual_seed(cfg.run.seed)
-        self.model, self.tok = load_policy(cfg.student, seed=cfg.run.seed, tokenizer=tokenizer)
+        shards = cfg.cluster.student
+        self.model, self.tok = load_policy(cfg.student, seed=cfg.run.seed, tokenizer=tokenizer, world=world,
+                                           mixed_precision=shards.precision(), cpu_offload=shards.cpu_offload)
         if cfg.loss.fused_linear and not head_form(self.model).fusable:
             raise TrainError(f"loss.fused_linear: student {cfg.student.path}: {FUSED_REFUSED}")
         self.student_model_fp = model_fingerprint(cfg.student.path)
@@ -121,7 +129,7 @@ class Trainer:
         self.multipliers: dict[str, float] = {}
         self.prefetch = Prefetcher(self._sample_batch, self._submit, enabled=cfg.run.pipeline)
         self._restore(self.run_dir.restore(self.model, self.optimizer, self.scheduler))
-        self.engine = make_engine(cfg.rollout, cfg.student, self.model, self.tok, seed=cfg.run.seed)
+        self.engine = make_engine(cfg.rollout, cfg.student, self.model, self.tok, seed=cfg.run.seed, world=world)
         self.metrics = self.run_dir.metrics(tensorboard=cfg.run.tensorboard)
 
     # -- one optimizer step ---------------------------------------------------------------------
@@ -143,9 +151,10 @@ class Trainer:
             self._train_batch(batch, stats, 1.0 / accum)
             if self.prompts.sft is not None:   # the SFT mix: cross-entropy on reference responses
                 sft = cfg.merge.sft
-                ce = sft_mix(self.model, self.tok, self.prompts.sft.take(sft.batch_size), sft.lambda_sft, 1 / accum)
-                stats.sft_losses.append(ce)
-                stats.loss += sft.lambda_sft * ce / accum
+                pairs = self.world.shard(self.prompts.sft.take(sft.batch_size))
+                stats.sft_losses.append(sft_mix(self.model, self.tok, pairs, sft.lambda_sft, 1 / accum, self.world))
+        stats = stats.merged(self.world)   # every rank's share of the step
+        stats.loss += sum(cfg.merge.sft.lambda_sft * ce / accum for ce in stats.sft_losses)
         # 5. the optimizer step (skipped if the gradient is not finite), then the weight sync.
         lr = self.optimizer.param_groups[0]["lr"]   # the rate this step uses, not the next one
         grad_norm, applied = optimizer_step(self.optimizer, self.params, cfg.optim.grad_clip)
@@ -166,11 +175,14 @@ class Trainer:
         return row
 
     def _sample_batch(self) -> Batch:
-        """Draw prompts (each with the route it got at load) and sample the student's responses."""
-        r = self.cfg.rollout
-        samples = self.prompts.sampler.sample(r.prompts_per_step)
+        """Draw prompts (each with the route it got at load) and sample the student's responses
+        (of this rank's share of the prompts, drawing what one process would draw for them)."""
+        r, world = self.cfg.rollout, self.world
+        samples = world.shard(self.prompts.sampler.sample(r.prompts_per_step))
+        share = (world.rank * len(samples) * r.samples_per_prompt, r.prompts_per_step * r.samples_per_prompt) \
+            if world.sharded else None
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches)
+                                n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches, share=share)
         rollouts = self.engine.generate([self.encode(s) for s in samples], params)
         batch = Batch(index=self.batches, samples=samples, routes=[self.prompts.routes[id(s)] for s in samples],
                       rollouts=rollouts, keep=[self.trim(ro.response_ids) for ro in rollouts],
@@ -188,7 +200,7 @@ class Trainer:
         domains = {batch.route_of(s).domain for s in range(len(batch.rollouts))}
         lam = {d: self.cfg.merge.domain_weights.get(d, 1.0) * self.multipliers.get(d, 1.0) for d in domains}
         train_batch(self.model, batch, self.teachers, cfg=self.cfg, lam=lam, pad_id=self.tok.pad_token_id,
-                    scale=scale, stats=stats)
+                    scale=scale, stats=stats, world=self.world)
 
     @staticmethod
     def _nonfinite_detail(stats: StepStats) -> str:
@@ -208,8 +220,8 @@ class Trainer:
         cfg = self.cfg
         if self.steps_done == 0:
             self.evaluate()
-        bar = tqdm(total=cfg.run.steps, initial=self.steps_done, disable=not cfg.run.progress, desc="opd train",
-                   dynamic_ncols=True)
+        bar = tqdm(total=cfg.run.steps, initial=self.steps_done, disable=not (cfg.run.progress and self.world.main),
+                   desc="opd train", dynamic_ncols=True)
         while self.steps_done < cfg.run.steps:
             row = self.step()
             self.metrics.log(self.steps_done, row)
@@ -254,10 +266,11 @@ class Trainer:
         history = self.history.state()
         # the watchdog's restarts too: after a resume they are history the card keeps
         history["warnings"] = history["warnings"] + self.launched.events
+        pending = self.world.gather(self.prefetch.state())   # each rank's look-ahead: its share
         state = {"batches": self.batches, "version": self.version, "sampler": self.prompts.sampler.state(),
                  "sft": self.prompts.sft.state() if self.prompts.sft is not None else None,
                  "normalizer": self.normalizer.state(), "multipliers": self.multipliers,
-                 "pending": self.prefetch.state(), **history}
+                 **({"pending": pending[0]} if not self.world.sharded else {"pending_by_rank": pending}), **history}
         return self.run_dir.save(self.steps_done, self.model, self.optimizer, self.scheduler, state=state,
                                  keep=self.cfg.run.keep_checkpoints)
 
@@ -274,15 +287,24 @@ class Trainer:
         self.normalizer.load_state(state["normalizer"])
         self.multipliers = state["multipliers"]
         self.history.load_state(state)
-        self.prefetch.load_state(state.get("pending"))
-        print(f"resumed from {self.run_dir.resume_from} at step {self.steps_done}", flush=True)
+        by_rank = state.get("pending_by_rank") or [state.get("pending")]
+        if len(by_rank) != self.world.size and any(by_rank):
+            raise TrainError(f"{self.run_dir.resume_from} holds the look-ahead batches of {len(by_rank)} ranks; resume "
+                             f"it on {len(by_rank)} (cluster.student.num_workers), or with run.pipeline: false "
+                             f"checkpoints resume on any number")
+        self.prefetch.load_state(by_rank[self.world.rank] if len(by_rank) == self.world.size else None)
+        if self.world.main:
+            print(f"resumed from {self.run_dir.resume_from} at step {self.steps_done}", flush=True)
 
     def _finish(self) -> dict:
         if self.launched.servers:  # the forked teachers are done (their clients first); the card keeps their WELCOMEs
             self.teachers.close()
             self.launched.stop_servers()
-        self.run_dir.finish(self.model, self.tok, PLOTS)   # RUN/model: the distilled student, LoRA merged in
+        memory = memory_per_rank(self.model, self.optimizer)
+        self.run_dir.finish(self.model, self.tok, PLOTS, self.cfg.student)   # RUN/model: the student, LoRA merged in
         h = self.history
+        if not self.world.main:
+            return {"step": self.steps_done, "evals": h.evals, "out_dir": str(self.out)}
         write_train_card(
             self.out, self.cfg, welcomes={t: self.teachers.welcome(t) for t in self.teachers.specs},
             student={"model_fingerprint": self.student_model_fp, "tokenizer_fingerprint": self.student_fp,
@@ -293,7 +315,7 @@ class Trainer:
             steps=self.steps_done,
             skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
                            for p, r in self.prompts.reports.items() if r.skipped},
-            trimmed=h.trimmed)
+            trimmed=h.trimmed, ranks=self.world.size, memory=memory)
         return {"step": self.steps_done, "evals": h.evals, "out_dir": str(self.out)}
 
     def close(self) -> None:

@@ -44,6 +44,10 @@ class SamplingParams:
     n: int = 1                              # samples per prompt (a GRPO group)
     stop_token_ids: tuple[int, ...] = ()    # besides the EOS ids (`eos_ids`)
     seed: int | None = None
+    # (first row, rows of the whole batch) when this call samples one rank's share of a bigger
+    # batch: the hf engine then draws what the whole batch would have drawn (exactly so when
+    # the whole batch fits one of its batches), so a run samples the same on any number of ranks.
+    share: tuple[int, int] | None = None
 
 
 @dataclass

@@ -17,6 +17,8 @@ small models, where Python per step, not arithmetic, is the cost (8 prompts x 32
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from transformers import DynamicCache
 
@@ -39,9 +41,12 @@ def top_p_filter(logits_B_V: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits_B_V.masked_fill(drop_B_V, float("-inf"))
 
 
-def pick_tokens(logits_B_V: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def pick_tokens(logits_B_V: torch.Tensor, temperature: float, top_p: float,
+                share: tuple[int, int] | None = None) -> torch.Tensor:
     """[B, V] float logits -> [B] token ids: argmax if temperature <= 0, else temperature,
-    then top-p, then one exact draw per row from the global RNG (seeded by `params.seed`)."""
+    then top-p, then one exact draw per row from the global RNG (seeded by `params.seed`).
+    share (first row, rows in all): these B rows are part of a bigger batch: the draws are
+    that batch's, rows first..first+B of them (rows past its end, a rank's padding, draw 0.5)."""
     if temperature <= 0:
         return logits_B_V.argmax(dim=-1)
     probs_B_V = top_p_filter(logits_B_V / temperature, top_p).softmax(dim=-1)
@@ -50,7 +55,12 @@ def pick_tokens(logits_B_V: torch.Tensor, temperature: float, top_p: float) -> t
     # top-p) adds no width and is never chosen. One pass instead of one random number per
     # token: at V = 152,064, B = 8 it takes 1.3 ms where torch.multinomial takes 25 ms.
     cdf_B_V = probs_B_V.double().cumsum(dim=-1)
-    u_B_1 = torch.rand(cdf_B_V.shape[0], 1, dtype=torch.float64, device=cdf_B_V.device) * cdf_B_V[:, -1:]
+    B = cdf_B_V.shape[0]
+    first, rows = share if share is not None else (0, B)
+    u_B_1 = torch.rand(rows, 1, dtype=torch.float64, device=cdf_B_V.device)[first:first + B]
+    if len(u_B_1) < B:   # rows past the whole batch's (a rank's padding): a fixed draw, not the stream's
+        u_B_1 = torch.cat([u_B_1, u_B_1.new_full((B - len(u_B_1), 1), 0.5)])
+    u_B_1 = u_B_1 * cdf_B_V[:, -1:]
     return torch.searchsorted(cdf_B_V, u_B_1, right=True).squeeze(1)
 
 
@@ -66,10 +76,18 @@ def _builds_own_mask(config) -> bool:
 class HFRolloutEngine(RolloutEngine):
     """Samples from the very model object the trainer updates, so it is always on-policy."""
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64):
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, agree: Callable[[bool], bool] = bool,
+                 sharded: bool = False):
+        """agree(flag): whether every process holding a shard of `model` says `flag` (a sharded
+        model's forward is a collective, so its ranks stop decoding together; one process: the
+        flag itself). sharded: `model` is an FSDP2 module: sampling runs under no_grad rather
+        than inference_mode, whose tensors FSDP would keep as the buffers it gathers layers
+        into, which training's forward then cannot write."""
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.agree = agree
+        self.sharded = sharded
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def sync_weights(self, model) -> None:
@@ -79,23 +97,29 @@ class HFRolloutEngine(RolloutEngine):
     # most of a small model's decode step (8 x 32 tokens, 2 layers: 32.8 -> 28.0 ms). Nothing
     # made here outlives the call but Python lists, and buffers a dynamic RoPE replaces, which
     # training then reads without saving them for backward (tests/rollout/test_hf_rollout.py).
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
+        with torch.no_grad() if self.sharded else torch.inference_mode():
+            return self._generate(prompts, params)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:
         out: list[Rollout] = []
         if params.seed is not None:
             torch.manual_seed(params.seed)
         expanded = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
+        # A share of a batch that fits one of this engine's batches draws that batch's numbers.
+        share = params.share if params.share is not None and params.share[1] <= self.batch_size else None
         model = self.model
         was_training = model.training
         model.eval()  # no dropout while sampling
         try:
             for start in range(0, len(expanded), self.batch_size):
-                out.extend(self._generate_batch(expanded[start:start + self.batch_size], params))
+                out.extend(self._generate_batch(expanded[start:start + self.batch_size], params, share))
         finally:
             model.train(was_training)
         return out
 
-    def _generate_batch(self, items: list[tuple[int, list[int]]], params: SamplingParams) -> list[Rollout]:
+    def _generate_batch(self, items: list[tuple[int, list[int]]], params: SamplingParams,
+                        share: tuple[int, int] | None = None) -> list[Rollout]:
         if params.max_new_tokens <= 0:
             return [Rollout(list(p), [], [], "length", prompt_index=pi) for pi, p in items]
         model = self.model
@@ -128,12 +152,12 @@ class HFRolloutEngine(RolloutEngine):
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
         toks, lps = [], []  # per step: [B] token ids, [B] raw log-probs
         for step in range(params.max_new_tokens):
-            tok_B = pick_tokens(logits_B_V, params.temperature, params.top_p)
+            tok_B = pick_tokens(logits_B_V, params.temperature, params.top_p, share)
             # Raw log-prob: temperature 1, before top-p (what a plain forward pass gives).
             lps.append(torch.log_softmax(logits_B_V, dim=-1).gather(1, tok_B[:, None]).squeeze(1))
             toks.append(tok_B)
             done_B |= torch.isin(tok_B, stops)
-            if step + 1 == params.max_new_tokens or bool(done_B.all()):
+            if step + 1 == params.max_new_tokens or self.agree(bool(done_B.all())):
                 break
             # Stopped rows keep decoding (their tokens are cut below): one static batch.
             keys_B_K = torch.cat([keys_B_K, keys_B_K.new_ones(B, 1)], dim=1)

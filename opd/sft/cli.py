@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 from opd.config import ConfigError, describe, load_yaml
-from opd.sft.config import SFTConfig
+from opd.sft.config import SFTConfig, resolve
 from opd.sft.trainer import train
+from opd.spine.dist import close_world, ranks_for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model_dir = train(cfg, cfg_path, overwrite=args.overwrite, resume=args.resume)
-    print(f"sft: model saved to {model_dir}")
+    world = ranks_for(cfg.num_workers, args._argv, cfg.device)
+    if world is None:   # the ranks this process started have run
+        print(f"sft: model saved to {resolve(cfg_path, cfg.out_dir) / 'model'} ({cfg.num_workers} ranks)")
+        return 0
+    try:
+        model_dir = train(cfg, cfg_path, overwrite=args.overwrite, resume=args.resume, world=world)
+    finally:
+        close_world()
+    if world.main:
+        print(f"sft: model saved to {model_dir}")
     return 0

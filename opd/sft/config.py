@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from opd.config import check_device, field, near
+from opd.lora import LoraSpec
 from opd.spine.config import ModelConfig, OptimConfig
 
 
@@ -39,6 +40,8 @@ class SFTConfig:
     train: list[SFTDataset] = field(help="training sets and their mixture ratios")
     model: str | None = field(None, help="local model directory to start from (relative to the config file)")
     tiny: TinyModelSpec | None = field(None, help="start from a freshly initialised tiny model instead of `model`")
+    lora: LoraSpec | None = field(None, help="train a peft LoRA adapter instead of every weight (omit: full "
+                                             "fine-tuning; model/ holds the adapter merged in)")
     eval: list[SFTDataset] = field(default_factory=list, help="held-out sets: eval loss per domain")
     # optimisation
     steps: int = field(200, help="optimizer steps", min=1)
@@ -58,6 +61,11 @@ class SFTConfig:
     keep_checkpoints: int = field(2, help="newest checkpoints kept on disk", min=1)
     threads: int = field(0, help="torch CPU threads (0: torch's default)", min=0)
     device: str = field("auto", help="torch device of the model: auto (cuda when available), cpu, cuda, cuda:N")
+    num_workers: int = field(1, help="ranks the model is sharded over (FSDP2); more than 1 starts them with "
+                                     "torchrun's launcher on this machine, each training on its share of every "
+                                     "batch (batch_size must divide among them)", min=1)
+    cpu_offload: bool = field(False, help="with num_workers > 1: keep the shards and their optimizer state in CPU "
+                                          "memory")
 
     def __post_init__(self):
         if (self.model is None) == (self.tiny is None):
@@ -70,10 +78,13 @@ class SFTConfig:
             raise ValueError(f"every train[].ratio is 0 ({', '.join(s.path for s in self.train)}): at least one "
                              f"training set needs a ratio above 0")
         check_device(self.device, auto=True)
+        if self.batch_size % self.num_workers:
+            raise ValueError(f"batch_size {self.batch_size} does not divide among num_workers {self.num_workers} "
+                             f"ranks: each trains on an equal share of every batch")
 
     def model_config(self, path: str) -> ModelConfig:
-        """The spine's model section of this run, starting from `path`: full fine-tuning in fp32."""
-        return ModelConfig(path=str(path), dtype="float32", device=self.device)
+        """The spine's model section of this run, starting from `path`: fp32, every weight or LoRA."""
+        return ModelConfig(path=str(path), dtype="float32", device=self.device, lora=self.lora)
 
     def optim_config(self) -> OptimConfig:
         """The spine's optimizer section of this run: AdamW, warm-up, then cosine to 0 or constant."""

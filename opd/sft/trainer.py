@@ -30,6 +30,7 @@ from opd.config import ConfigError, to_dict
 from opd.data import Cycler, encode_prompt, load_jsonl
 from opd.metrics import read_metrics
 from opd.sft.config import SFTConfig, SFTDataset, resolve
+from opd.spine.dist import World, memory_per_rank
 from opd.spine.model import load_policy
 from opd.spine.optim import NonfiniteSteps, build_optimizer, optimizer_step
 from opd.spine.rows import padded_cross_entropy
@@ -62,9 +63,13 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):
     return input_B_T, labels_B_T, mask_B_T
 
 
-def response_loss(model, input_B_T, labels_B_T, mask_B_T):
-    """Token-mean cross-entropy over response positions (labels != -100)."""
-    return padded_cross_entropy(model, input_B_T, labels_B_T, mask_B_T)
+def response_loss(model, input_B_T, labels_B_T, mask_B_T, tokens: float | None = None):
+    """Token-mean cross-entropy over response positions (labels != -100). tokens: the response
+    tokens of the whole step when this batch is one rank's share of it (their summed loss over
+    all ranks' tokens: the ranks' gradients then sum to one process's)."""
+    if tokens is None:
+        return padded_cross_entropy(model, input_B_T, labels_B_T, mask_B_T)
+    return padded_cross_entropy(model, input_B_T, labels_B_T, mask_B_T, "sum") / max(tokens, 1.0)
 
 
 class SetPerBatchSampler:
@@ -144,7 +149,7 @@ def eval_loss(model, sets: list[list], pad_id: int, batch_size: int) -> list[flo
 
 # What a resumed run must share with the checkpointed one to continue it: another value of any
 # of these makes the checkpoint's weights, optimizer or data positions belong to another run.
-SAME_RUN = ("model", "tiny", "tiny.*", "train", "batch_size", "max_length", "seed")
+SAME_RUN = ("model", "tiny", "tiny.*", "lora", "lora.*", "train", "batch_size", "max_length", "seed")
 PLOTS = {"loss": ["loss", "eval_loss"], "lr": ["lr"], "grad_norm": ["grad_norm"]}
 
 
@@ -157,19 +162,23 @@ def start_point(cfg: SFTConfig, cfg_path: Path, out: Path) -> Path:
                             intermediate=t.intermediate, max_positions=t.max_positions, seed=t.seed)
 
 
-def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bool = False) -> Path:
+def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bool = False,
+          world: World = World()) -> Path:
     """overwrite: replace an earlier run in out_dir (else it is refused: opd.checkpoint.claim_run_dir).
     resume: continue from the newest checkpoint in OUT/checkpoints, drawing the batches and
-    dropout masks the uninterrupted run would have drawn."""
+    dropout masks the uninterrupted run would have drawn. world: the ranks the model is sharded
+    over; each trains on its share of every batch (batch_size divides among them)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = resolve(cfg_path, cfg.out_dir)
     run = RunDir(out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=SAME_RUN,
-                 hint=" (set checkpoint_every to write them)")
+                 hint=" (set checkpoint_every to write them)", world=world)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    src = start_point(cfg, cfg_path, out)
-    model, tokenizer = load_policy(cfg.model_config(src), what=f"{cfg_path}: `model`")
+    src = world.main_first(lambda: start_point(cfg, cfg_path, out))
+    # seed: a LoRA adapter's init the same on every rank (rank 0 alone built a tiny start point)
+    model, tokenizer = load_policy(cfg.model_config(src), seed=cfg.seed, what=f"{cfg_path}: `model`", world=world,
+                                   cpu_offload=cfg.cpu_offload)
     pad_id = tokenizer.pad_token_id
     train_sets, train_names = _load_sets(cfg_path, cfg.train, tokenizer, cfg.max_length)
     eval_sets, eval_names = _load_sets(cfg_path, cfg.eval, tokenizer, cfg.max_length) if cfg.eval else ([], [])
@@ -184,20 +193,28 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bo
     log = run.metrics(tensorboard=False)
     warnings: list[str] = []
     t0 = time.time()
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="sft", unit="step", dynamic_ncols=True)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="sft", unit="step", dynamic_ncols=True,
+               disable=not world.main)
     for step in bar:
         lr = opt.param_groups[0]["lr"]
-        loss = response_loss(model, *collate(sampler.take(cfg.batch_size), pad_id))
+        batch = collate(world.shard(sampler.take(cfg.batch_size)), pad_id)   # this rank's share of the batch
+        if world.sharded:
+            tokens = world.sum({"n": float((batch[1][:, 1:] != -100).sum())})["n"]
+            loss = response_loss(model, *batch, tokens=tokens)
+        else:
+            loss = response_loss(model, *batch)
         loss.backward()
         gnorm, applied = optimizer_step(opt, params, cfg.grad_clip)
+        value = world.sum({"loss": loss.item()})["loss"]   # the step's loss: the ranks' shares summed
         if not applied:
-            warnings.append(nonfinite.check(step + 1, applied, f" (loss {loss.item():.4g})"))
-            tqdm.write(f"warning: {warnings[-1]}")
+            warnings.append(nonfinite.check(step + 1, applied, f" (loss {value:.4g})"))
+            if world.main:
+                tqdm.write(f"warning: {warnings[-1]}")
         schedule.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}")
+        bar.set_postfix(loss=f"{value:.3f}", lr=f"{lr:.2e}")
         metrics = {}
         if (step + 1) % cfg.log_every == 0 or step == cfg.steps - 1:
-            metrics = {"loss": loss.item(), "lr": lr, "grad_norm": gnorm}
+            metrics = {"loss": value, "lr": lr, "grad_norm": gnorm}
         if eval_sets and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1):
             for name, v in zip(eval_names, eval_loss(model, eval_sets, pad_id, 64)):
                 metrics[f"eval_loss/{name}"] = v
@@ -208,13 +225,18 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bo
     bar.close()
     log.close()
     elapsed = time.time() - t0
+    memory = memory_per_rank(model, opt)
+    run.finish(model, tokenizer, PLOTS, cfg.model_config(src))
+    if not world.main:
+        return out / "model"
     # The last step's row (always logged); after a resume it may come from the earlier session.
     last = read_metrics(out / "metrics.jsonl")[-1]
-    run.finish(model, tokenizer, PLOTS)
     n_params = sum(p.numel() for p in model.parameters())
     write_card(out, "SFT run", {
         "model": {"start": str(src), "parameters": n_params, "tiny": to_dict(cfg.tiny) if cfg.tiny else "no",
-                  "output": str(out / "model")},
+                  "training": (f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha} on {', '.join(cfg.lora.target_modules)}"
+                               if cfg.lora else "full fine-tuning"),
+                  "trained_parameters": sum(p.numel() for p in params), "output": str(out / "model")},
         "objective": {"loss": "token-mean cross-entropy on response tokens + EOS (prompt masked)",
                       "max_length": cfg.max_length},
         "data": {f"train[{i}]": f"{resolve(cfg_path, s.path)} (ratio {s.ratio}, {len(train_sets[i])} rows)"
@@ -222,7 +244,9 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bo
         "optimisation": {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "schedule": cfg.schedule,
                          "warmup_steps": cfg.warmup_steps, "weight_decay": cfg.weight_decay,
                          "grad_clip": cfg.grad_clip, "seed": cfg.seed,
-                         "checkpoint_every": cfg.checkpoint_every or "never"},
+                         "checkpoint_every": cfg.checkpoint_every or "never",
+                         "ranks": f"{world.size} (FSDP2, each rank {cfg.batch_size // world.size} sequences a step)"
+                         if world.sharded else "1", "memory_per_rank_bytes": memory},
         "result": {"final_loss": last["loss"], "wall_s": round(elapsed, 1),
                    **({"resumed_at_step": start, "changed_since_checkpoint": ", ".join(run.changed or []) or "nothing"}
                       if resume else {}),

@@ -10,12 +10,16 @@ and calls the spine for everything else:
                 step), NonfiniteSteps, align_schedule after a resume, TrainError
     run.py      RunDir: claim, resume (refusing a changed objective), checkpoints, metrics,
                 final model and plots
+    dist.py     the ranks of a sharded run (World, init_world, launch), FSDP2 sharding, the
+                few collectives the loops need
+    shards.py   sharded checkpoints (torch.distributed.checkpoint), the whole model gathered
     rows.py     response rows of a packed batch: packing, masks, per-row weights, the
                 student's rows (with or without its LM head), trimming after the answer
 
-The next capabilities land here rather than in a fourth loop: a sharded (FSDP2) policy is a
-change of `load_policy`, `build_optimizer` and `RunDir`'s checkpoint I/O; a loss that
-combines a reward advantage with a teacher signal is a new objective over the same rows.
+New capabilities land here rather than in a fourth loop: sharding (FSDP2) is `load_policy`
+given a World, `RunDir` writing sharded checkpoints, and each loop taking its share of a step;
+a loss that combines a reward advantage with a teacher signal is a new objective over the same
+rows.
 
 Import from the modules (`from opd.spine.model import load_policy`): this file imports
 nothing, so a config can be loaded and checked without loading torch.

@@ -51,6 +51,10 @@ class RolloutConfig:
                                     aliases=("max_model_len",))
     vllm_gpu_memory_utilization: float = field(0.3, help="vllm engine: share of GPU memory it may take (the "
                                                          "trained model shares the GPU)", min=0.01, max=1.0)
+    vllm_tensor_parallel_size: int = field(1, help="vllm engine: GPUs it spreads the model over (vLLM's own "
+                                                   "tensor parallelism)", min=1)
+    vllm_enforce_eager: bool | None = field(None, help="vllm engine: no CUDA graphs (null: eager on the CPU, "
+                                                       "CUDA graphs on GPUs)")
 
     def __post_init__(self):
         check_top_p(self.top_p, "rollout.top_p")

@@ -2,9 +2,11 @@
 
     load_policy(cfg)        (model, tokenizer): dtype, device, LoRA through peft, gradient
                             checkpointing, dropout off when the loop compares with the
-                            rollout engine's log-probs (GRPO's ratio)
+                            rollout engine's log-probs (GRPO's ratio); sharded over the ranks
+                            of a World with FSDP2 when there are several (opd.spine.dist)
     make_engine(...)        the rollout engine a loop samples from: hf (the model itself) or
                             vLLM (a copy that receives the weights after every step)
+    export_model(...)       RUN/model: the trained model as a loadable directory, LoRA merged
 
 `opd sft`, `opd train` and `opd rl` train what `load_policy` returns; `opd validate`, `opd probe`
 and the Ray rollout actors load their frozen copies with it too (`train=False`).
@@ -12,18 +14,22 @@ and the Ray rollout actors load their frozen copies with it too (`train=False`).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from opd.checkpoint import rng_state, save_final_model, set_rng_state
 from opd.fingerprint import load_model_tokenizer
 from opd.lora import LoraSpec
 from opd.rollout.base import RolloutEngine
 from opd.rollout.hf import HFRolloutEngine
 from opd.rollout.vllm import VLLMRolloutEngine   # imports vllm only when an engine is built
 from opd.spine.config import ModelConfig, RolloutConfig
+from opd.spine.dist import World, is_sharded, shard_model
+from opd.spine.shards import full_state_dict
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +50,8 @@ def load_tokenizer(path: str | Path, what: str = "model.path"):
 
 
 def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, train: bool = True,
-                dropout: bool = True, what: str = "model.path"):
+                dropout: bool = True, what: str = "model.path", world: World = World(),
+                mixed_precision: bool | None = None, cpu_offload: bool = False):
     """(model, tokenizer) of `cfg.path` in `cfg.dtype` on `cfg.device`.
 
     train: gradient checkpointing and a fresh peft LoRA adapter as `cfg` says, train mode; False:
@@ -52,7 +59,10 @@ def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, tr
     off in train mode too (`disable_dropout`). A peft adapter directory is loaded onto its base
     and merged in. seed: the torch seed set before the weights exist (a LoRA adapter's init).
     tokenizer: one already loaded by `load_tokenizer`, else it is loaded here (`what` names the
-    config key in its errors)."""
+    config key in its errors). world: with several ranks the trained model is loaded whole on
+    each rank's CPU, then sharded (FSDP2) onto the rank's device; mixed_precision (None: on
+    CUDA) computes in bf16 with fp32 master shards and reductions; cpu_offload keeps the
+    shards in CPU memory."""
     tokenizer = tokenizer or load_tokenizer(cfg.path, what)
     if seed is not None:
         torch.manual_seed(seed)
@@ -61,7 +71,9 @@ def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, tr
         model = AutoPeftModelForCausalLM.from_pretrained(str(cfg.path), dtype=dtype).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(str(cfg.path), dtype=dtype)
-    model.to(resolve_device(cfg.device))
+    sharded = train and world.sharded
+    if not sharded:
+        model.to(resolve_device(cfg.device))
     if not train:
         return model.eval(), tokenizer
     if cfg.gradient_checkpointing:
@@ -73,8 +85,28 @@ def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, tr
             model.enable_input_require_grads()
     if not dropout:
         disable_dropout(model)
+    if sharded:
+        shard_model(model, world, cpu_offload=cpu_offload,
+                    mixed_precision=world.device.type == "cuda" if mixed_precision is None else mixed_precision)
     model.train()
     return model, tokenizer
+
+
+def export_model(model, tokenizer, cfg: ModelConfig, target: Path, world: World = World()) -> Path:
+    """`target`: a loadable model directory with the tokenizer, LoRA merged in. A sharded model
+    is gathered to rank 0 (every rank calls this) and written from a whole copy built there
+    from `cfg`; the random generators are left as they were."""
+    if not is_sharded(model):
+        return save_final_model(model, tokenizer, target)
+    weights = full_state_dict(model)
+    if world.main:
+        state = rng_state()   # a LoRA adapter's init draws random numbers
+        copy, _ = load_policy(replace(cfg, device="cpu", gradient_checkpointing=False), tokenizer=tokenizer)
+        set_rng_state(state)
+        copy.load_state_dict(weights)
+        save_final_model(copy, tokenizer, target)
+    world.barrier()
+    return target
 
 
 def add_lora(model, spec: LoraSpec, model_path: str = ""):
@@ -106,15 +138,23 @@ def disable_dropout(model) -> None:
             setattr(config, key, 0.0)
 
 
-def make_engine(rollout: RolloutConfig, model_cfg: ModelConfig, model, tokenizer, *, seed: int) -> RolloutEngine:
-    """The rollout engine of `rollout.engine`. hf samples from `model` itself (always on-policy);
-    vllm holds its own copy of `model_cfg.path`, given `model`'s weights now (a resumed or LoRA
-    model differs from the directory) and after every optimizer step (`sync_weights`)."""
+def make_engine(rollout: RolloutConfig, model_cfg: ModelConfig, model, tokenizer, *, seed: int,
+                world: World = World()) -> RolloutEngine:
+    """The rollout engine of `rollout.engine`. hf samples from `model` itself (always on-policy;
+    a sharded model's ranks each sample their share and stop decoding together); vllm holds its
+    own copy of `model_cfg.path`, given `model`'s weights now (a resumed or LoRA model differs
+    from the directory) and after every optimizer step (`sync_weights`)."""
     if rollout.engine == "hf":
-        return HFRolloutEngine(model, tokenizer, batch_size=rollout.batch_size)
+        return HFRolloutEngine(model, tokenizer, batch_size=rollout.batch_size, agree=world.all_true,
+                               sharded=world.sharded)
+    if world.sharded:
+        raise ValueError("rollout.engine vllm with a sharded model (cluster.student.num_workers > 1) is not "
+                         "supported yet: use rollout.engine hf, which samples from the shards themselves")
     lora = {"rank": model_cfg.lora.rank} if model_cfg.lora is not None else None
     engine = VLLMRolloutEngine(model_cfg.path, lora=lora, seed=seed, dtype=model_cfg.dtype,
                                max_model_len=rollout.vllm_max_model_len,
-                               gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+                               gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+                               tensor_parallel_size=rollout.vllm_tensor_parallel_size,
+                               enforce_eager=rollout.vllm_enforce_eager)
     engine.sync_weights(model)
     return engine

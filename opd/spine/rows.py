@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from opd.lm_head import FUSED_REFUSED, head_form, parts
+from opd.lm_head import FUSED_REFUSED, head_form, last_hidden, parts
 from opd.rope import rope_groups
 
 
@@ -100,23 +100,33 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> P
 
 # ---- per-row weights (normalization) ----------------------------------------------------
 
+def group_counts(row_offsets: list[int], groups: list[str]) -> dict[str, float]:
+    """{"tokens/<g>": rows of group g, "seqs/<g>": its sequences with rows}: what `row_weights`
+    normalizes by (summed over the ranks when the batch is one rank's share of a step)."""
+    counts: dict[str, float] = {}
+    for b, g in enumerate(groups):
+        n = row_offsets[b + 1] - row_offsets[b]
+        if n > 0:
+            counts[f"tokens/{g}"] = counts.get(f"tokens/{g}", 0) + n
+            counts[f"seqs/{g}"] = counts.get(f"seqs/{g}", 0) + 1
+    return counts
+
+
 def row_weights(row_offsets: list[int], groups: list[str], group_weight: dict[str, float],
-                length_norm: Literal["token", "sequence"]) -> torch.Tensor:
+                length_norm: Literal["token", "sequence"], counts: dict[str, float] | None = None) -> torch.Tensor:
     """fp32 [N]: the weight of each row so that sum(w * loss_row) = sum_g lambda_g * L^g.
 
     groups[b] is sequence b's group (domain); L^g is the mean over g's rows ("token") or
     the mean over g's sequences of each sequence's mean row loss ("sequence").
-    Sequences without rows contribute nothing.
+    Sequences without rows contribute nothing. counts: `group_counts` of the whole step when
+    these rows are one rank's share of it (then the ranks' weighted sums add up to L).
     """
     n = row_offsets[-1]
     w = torch.zeros(n, dtype=torch.float32)
     lens = [row_offsets[b + 1] - row_offsets[b] for b in range(len(groups))]
-    tokens: dict[str, int] = {}
-    seqs: dict[str, int] = {}
-    for g, ln in zip(groups, lens):
-        if ln > 0:
-            tokens[g] = tokens.get(g, 0) + ln
-            seqs[g] = seqs.get(g, 0) + 1
+    counts = group_counts(row_offsets, groups) if counts is None else counts
+    tokens = {k.split("/", 1)[1]: v for k, v in counts.items() if k.startswith("tokens/")}
+    seqs = {k.split("/", 1)[1]: v for k, v in counts.items() if k.startswith("seqs/")}
     for b, (g, ln) in enumerate(zip(groups, lens)):
         if ln == 0:
             continue
@@ -162,8 +172,8 @@ def _student_rows(model, packed: Packed, fused: bool, form):
     b, pos = packed.row_b_N.to(device), packed.row_pos_N.to(device)
     if not fused and form.post is None:
         return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[b, pos]
-    body, head = parts(model)
-    hidden_N_H = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state[b, pos]
+    hidden_N_H = last_hidden(model, input_ids=ids, attention_mask=attn, use_cache=False)[b, pos]
+    _, head = parts(model)
     return (hidden_N_H, head.weight) if fused else form.post(head(hidden_N_H))
 
 
@@ -237,8 +247,14 @@ def padded_cross_entropy(model, input_B_L: torch.Tensor, labels_B_L: torch.Tenso
     return total if reduction == "sum" else total / (labels_B_L[:, 1:] != -100).sum()
 
 
-def sft_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> torch.Tensor:
-    """Mean cross-entropy of the reference response tokens given their prompts."""
+def sft_loss(model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+             tokens: float | None = None) -> torch.Tensor:
+    """Mean cross-entropy of the reference response tokens given their prompts. tokens: the
+    response tokens of the whole step when these pairs are one rank's share of it (their summed
+    cross-entropy over that count)."""
     packed = pack(prompts, responses, pad_id)
     logits_N_V = student_rows(model, packed, fused=False).float()
-    return torch.nn.functional.cross_entropy(logits_N_V, packed.targets_N.to(logits_N_V.device))
+    targets = packed.targets_N.to(logits_N_V.device)
+    if tokens is None:
+        return torch.nn.functional.cross_entropy(logits_N_V, targets)
+    return torch.nn.functional.cross_entropy(logits_N_V, targets, reduction="sum") / max(tokens, 1.0)

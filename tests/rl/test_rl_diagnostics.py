@@ -9,12 +9,13 @@ from opd.rl.config import RLConfig
 from opd.config import from_dict
 from opd.rl.trainer import GRPOTrainer
 from opd.rollout import Rollout
+from opd.spine.dist import World
 
 
 def _trainer_stub():
     cfg = from_dict({"model": {"path": "m"}, "data": {"train": "t"}, "rollout": {"group_size": 4, "temperature": 0.3}},
                     RLConfig)
-    return SimpleNamespace(cfg=cfg, last_flat_warning=-10**9, warnings=[])
+    return SimpleNamespace(cfg=cfg, last_flat_warning=-10**9, warnings=[], world=World())
 
 
 def _metrics(rewards):

@@ -9,6 +9,7 @@ from opd.config import ConfigError, from_dict
 from opd.rl.config import AlgorithmConfig, OptimConfig, RLConfig
 from opd.rl.trainer import GRPOTrainer, collate
 from opd.rollout import Rollout
+from opd.spine.dist import World
 
 
 class TinyLM(torch.nn.Module):
@@ -36,7 +37,7 @@ def _update(B: int, epochs: int, minibatches: int) -> list[int]:
         cfg=SimpleNamespace(algorithm=AlgorithmConfig(epochs=epochs, minibatches=minibatches, micro_batch_size=4),
                             optim=OptimConfig(),
                             rollout=SimpleNamespace(max_new_tokens=3)),
-        model=model, optimizer=opt, params=list(model.parameters()),
+        model=model, optimizer=opt, params=list(model.parameters()), world=World(),
         scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     rollouts = [Rollout([1, 2], [3, 4, 5], [-1.0, -1.0, -1.0], "length", i // 4) for i in range(B)]
     out = GRPOTrainer.update(stub, collate(rollouts, 0), torch.randn(B), None)

@@ -1,0 +1,110 @@
+"""Checkpoints of a model sharded over several ranks, with torch.distributed.checkpoint (DCP).
+
+    RUN/checkpoints/step_000120/
+        dcp/              every rank's shards of the trained weights (requires_grad ones: a
+                          LoRA run's adapter, not its frozen base) and of the optimizer state
+        schedule.pt       the learning-rate schedule (the same on every rank; rank 0 writes it)
+        rng/rank_R.pt     each rank's random generators (rank R's dropout and sampling draws)
+        state.json        step, data positions, the config (rank 0)
+
+Atomic as one process's checkpoints are (opd.checkpoint): every rank writes into the
+`step_X.tmp-TOKEN` rank 0 named, then rank 0 syncs it to disk and renames it to `step_X`,
+and only then moves `latest`. A crash at any point leaves the previous checkpoint loadable;
+the next save removes what a crashed one left. DCP reshards on load, so a run may resume on
+another number of ranks, or in one process. The ranks must share the run directory (one
+machine, or a shared filesystem across several).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+from opd import checkpoint as ckpt_io
+from opd.spine.dist import World
+
+TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / "dcp").is_dir()
+
+
+def save_sharded(root: str | Path, step: int, *, model, optimizer, scheduler, state: dict, keep: int,
+                 world: World) -> Path:
+    """Checkpoint `step` of every rank under `root` (a collective: every rank calls it)."""
+    root = Path(root)
+    final = root / f"step_{step:06d}"
+
+    def prepare() -> str:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp-*"):   # what a crashed save left, a full model copy each
+            shutil.rmtree(stale, ignore_errors=True)
+        return f"{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+
+    tmp = root / world.main_first(prepare)
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        (tmp / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(ckpt_io.rng_state(), tmp / "rng" / f"rank_{world.rank}.pt")
+    except (OSError, RuntimeError) as e:
+        failed = e
+    else:
+        failed = None
+    failures = [f for f in world.gather(None if failed is None else str(failed)) if f]
+
+    def publish() -> Path:
+        if failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ckpt_io.CheckpointError(f"could not write checkpoint {final} ({failures[0]}); the last good "
+                                          f"checkpoint is {ckpt_io.latest_checkpoint(root)}")
+        torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "schedule.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, "ranks": world.size, **state}, indent=1))
+        ckpt_io._fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = root / f"latest.tmp-{os.getpid()}"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / "latest")
+        ckpt_io._fsync_dir(root)
+        for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+            if old != final and ".tmp-" not in old.name:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    return world.main_first(publish)
+
+
+def load_sharded(path: str | Path, *, model, optimizer=None, scheduler=None, world: World) -> dict:
+    """Load a sharded checkpoint into this rank's shards (a collective); state.json's dict."""
+    path = Path(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED) if optimizer is not None else \
+        (get_model_state_dict(model, options=TRAINED), {})
+    target = {"model": model_sd, **({"optim": optim_sd} if optimizer is not None else {})}
+    dcp.load(target, checkpoint_id=str(path / "dcp"))
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=target["model"],
+                   optim_state_dict=target.get("optim", {}), options=TRAINED)
+    if scheduler is not None:
+        saved = torch.load(path / "schedule.pt", weights_only=True)["scheduler"]
+        if saved is not None:
+            scheduler.load_state_dict(saved)
+    rng = path / "rng" / f"rank_{world.rank}.pt"
+    if rng.is_file():   # resumed on more ranks than saved: the new ones start from their seeds
+        ckpt_io.set_rng_state(torch.load(rng, weights_only=True))
+    return json.loads((path / "state.json").read_text())
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """Every weight of a sharded model, whole, on rank 0's CPU ({} on the other ranks; a
+    collective). What the final model directory and a vLLM engine are written from."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,171 @@
+"""Training sharded over two ranks (FSDP2 over gloo) equals one process on the same global batch.
+
+`opd sft`, `opd rl` and `opd train` run with num_workers 2 (the command starts the ranks with
+torchrun's launcher) and with 1, both as subprocesses with one OpenMP thread, on the tiny
+model; after 3 optimizer steps the losses and the weights agree within fp32 tolerance, and
+each rank holds about half of one process's weights, gradients and optimizer state. A rank
+killed mid-run stops the job naming it, and --resume continues from the sharded checkpoint.
+Prompts of equal length keep the ranks' padding the one process's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from opd.data import write_jsonl
+from opd.metrics import read_metrics
+from opd.teachers.launch import start_server_process
+from opd.tiny import lm_head_teacher
+
+pytestmark = pytest.mark.timeout(600)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def opd(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "opd.cli", *map(str, args)], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def both(command: str, cwd: Path, yaml_text: str) -> dict[int, Path]:
+    """Run `opd COMMAND` on 1 and on 2 ranks; {ranks: run directory}."""
+    out = {}
+    for ranks in (1, 2):
+        path = cwd / f"run{ranks}.yaml"
+        path.write_text(yaml_text.format(out=f"out{ranks}", ranks=ranks))
+        r = opd(command, path, cwd=cwd)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[ranks] = cwd / f"out{ranks}"
+    return out
+
+
+def assert_same_run(runs: dict[int, Path], keys: tuple[str, ...], tol: float = 1e-4) -> None:
+    one, two = ([r for r in read_metrics(runs[n] / "metrics.jsonl") if "loss" in r] for n in (1, 2))
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    wa, wb = (load_file(str(runs[n] / "model" / "model.safetensors")) for n in (1, 2))
+    assert wa.keys() == wb.keys()
+    gap = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    print(f"\n{runs[2].parent.name}: largest weight difference, 2 ranks vs 1 process: {gap:.2e}")
+    assert gap < tol, gap
+    assert (runs[2] / "checkpoints" / "step_000003" / "dcp").is_dir()   # sharded, resumable on any rank count
+
+
+def card_run(out: Path) -> dict:
+    card = json.loads((out / "card.json").read_text())
+    return next(v for k, v in card.items() if isinstance(v, dict) and "memory_per_rank_bytes" in v)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_opd_sft_on_two_ranks_is_one_process_with_half_the_memory_per_rank(tmp_path, lora):
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)])
+    runs = both("sft", tmp_path, "out_dir: {out}\ntiny: {{layers: 2, hidden: 32, heads: 2, kv_heads: 1, "
+                "intermediate: 64}}\ntrain: [{{path: train.jsonl}}]\nsteps: 3\nbatch_size: 4\nlr: 0.01\n"
+                "warmup_steps: 0\nlog_every: 1\ndevice: cpu\ncheckpoint_every: 3\nnum_workers: {ranks}\n"
+                + ("lora: {{rank: 4}}\n" if lora else ""))
+    assert_same_run(runs, ("loss", "grad_norm"))
+    if lora:
+        return
+    one, two = card_run(runs[1])["memory_per_rank_bytes"], card_run(runs[2])["memory_per_rank_bytes"]
+    print(f"\nbytes per rank, 1 process -> 2 ranks: {one} -> {two}")
+    for k in ("weights", "gradients", "optimizer_state"):
+        assert 0.45 < two[k] / one[k] < 0.56, (k, one[k], two[k])
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_opd_rl_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, lora):
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"Number {i}:", "answer": str(i)} for i in range(10, 26)])
+    (tmp_path / "digits.py").write_text("def digits(sample, text):\n    return sum(c.isdigit() for c in text) / "
+                                        "max(len(text), 1)\n")
+    model = f"{{path: {tiny_model_dir}, device: cpu" + (", lora: {rank: 4}}" if lora else "}")
+    runs = both("rl", tmp_path, (
+        f"model: {model}\n".replace("{", "{{").replace("}", "}}")
+        + "data: {{train: train.jsonl, prompts_per_step: 4}}\n"
+          "rollout: {{group_size: 4, max_new_tokens: 4, temperature: 1.0}}\n"
+          "algorithm: {{epochs: 2, kl_beta: 0.01, advantage: batch_std}}\n"
+          "rewards: [{{name: python, path: 'digits.py:digits'}}]\noptim: {{lr: 0.01}}\n"
+          "run: {{steps: 3, checkpoint_every: 3, out_dir: {out}, progress: false, tensorboard: false}}\n"
+          "cluster: {{student: {{num_workers: {ranks}}}}}\n"))
+    assert_same_run(runs, ("loss", "kl", "reward/mean", "entropy", "grad_norm"))
+    assert "2 (FSDP2, each rank 2 prompts a step)" in (runs[2] / "card.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("sharded_teacher")
+    with start_server_process(["--model", str(lm_head_teacher(tiny_model_dir, root / "teacher")), "--max-k", "16",
+                               "--name", "t"]) as server:
+        yield server.address
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_opd_train_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, teacher, lora):
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(10, 26)])
+    write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?", "answer": str(2 * i)}
+                                          for i in range(30, 35)])   # 5 held-out prompts: a rank's share padded
+    write_jsonl(tmp_path / "sft.jsonl", [{"prompt": f"say {i}", "response": f"{i}"} for i in range(4)])
+    lora_cfg = ", lora: {{rank: 4, target_modules: [q_proj, v_proj, lm_head]}}" if lora else ""
+    runs = both("train", tmp_path, (
+        f"student: {{{{path: {tiny_model_dir}, device: cpu{lora_cfg}}}}}\n"
+        f"merge:\n  teachers: [{{{{name: t, address: '{teacher}', k: 8}}}}]\n"
+        "  datasets: [{{domain: gen, path: train.jsonl, eval_path: eval.jsonl}}]\n"
+        "  sft: {{path: sft.jsonl, batch_size: 2, lambda_sft: 0.1}}\n"
+        "rollout: {{prompts_per_step: 4, max_new_tokens: 6}}\noptim: {{lr: 0.003, micro_batch_size: 1}}\n"
+        "run: {{steps: 3, out_dir: {out}, progress: false, tensorboard: false, checkpoint_every: 3}}\n"
+        "cluster: {{student: {{num_workers: {ranks}}}}}\n"))
+    assert_same_run(runs, ("loss", "kl", "sft_loss", "grad_norm", "teacher_tail_mass"))
+    evals = [[r["eval/kl"] for r in read_metrics(runs[n] / "metrics.jsonl") if "eval/kl" in r] for n in (1, 2)]
+    assert evals[1] == pytest.approx(evals[0], rel=1e-4)
+
+
+def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process | None:
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if p.environ().get("RANK") == str(rank) and "opd.cli" in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_a_killed_rank_stops_the_run_naming_it_and_resume_continues_from_the_sharded_checkpoint(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)])
+    base = ("tiny: {layers: 2, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}\ntrain: [{path: train.jsonl}]\n"
+            "steps: 40\nbatch_size: 4\nlr: 0.01\nwarmup_steps: 0\nlog_every: 1\ndevice: cpu\ncheckpoint_every: 5\n")
+    (tmp_path / "one.yaml").write_text("out_dir: one\n" + base)
+    (tmp_path / "two.yaml").write_text("out_dir: two\nnum_workers: 2\n" + base)
+    assert opd("sft", "one.yaml", cwd=tmp_path).returncode == 0
+    launcher = subprocess.Popen([sys.executable, "-m", "opd.cli", "sft", "two.yaml"], cwd=tmp_path, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while len(read_metrics(tmp_path / "two" / "metrics.jsonl")) < 12 and time.monotonic() < deadline:
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
+    victim = rank_process(launcher, 1)
+    assert victim is not None
+    victim.send_signal(signal.SIGKILL)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 1, err[-3000:]
+    assert "opd sft: error: rank 1 of 2 failed (killed by SIGKILL); the other ranks were stopped" in err, err[-3000:]
+    steps = [r["step"] for r in read_metrics(tmp_path / "two" / "metrics.jsonl")]
+    assert steps and max(steps) < 40
+    resumed = opd("sft", "two.yaml", "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    one, two = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("one", "two"))
+    assert [r["step"] for r in two] == list(range(1, 41))          # the steps after the checkpoint redone once
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
+    wa, wb = (load_file(str(tmp_path / name / "model" / "model.safetensors")) for name in ("one", "two"))
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+    assert torch.isfinite(torch.cat([w.flatten() for w in wb.values()])).all()
