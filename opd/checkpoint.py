@@ -78,12 +78,7 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer=None, sched
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    # Half-written checkpoints of crashed earlier processes (each a full model copy), and the
-    # `latest` pointer of one killed between writing and renaming it.
-    for stale in root.glob("step_*.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    for stale in root.glob("latest.tmp-*"):
-        stale.unlink(missing_ok=True)
+    clear_stale(root)
     try:
         tmp.mkdir()
         trainable = {n: p.detach().cpu().clone().contiguous() for n, p in model.named_parameters() if p.requires_grad}
@@ -93,22 +88,50 @@ def save_checkpoint(root: str | Path, step: int, *, model, optimizer=None, sched
                     "scheduler": scheduler.state_dict() if scheduler else None,
                     "rng": rng_state()}, tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps({"step": step, **(state or {})}, indent=1))
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest_tmp = root / f"latest.tmp-{os.getpid()}"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, root / "latest")
-        _fsync_dir(root)
+        publish(tmp, final)
     except (OSError, SafetensorError, RuntimeError) as e:  # safetensors reports ENOSPC/EFBIG as its own error
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final} ({getattr(e, 'strerror', None) or e}); "
-                              f"the last good checkpoint is {latest_checkpoint(root)}") from e
+        raise write_failed(final, getattr(e, "strerror", None) or e) from e
+    prune(root, final, keep)
+    return final
+
+
+# ---- the steps every checkpoint writer shares (one process's above, opd.spine.shards' sharded one)
+
+def clear_stale(root: Path) -> None:
+    """What crashed saves left under `root`: half-written checkpoints (each a full model copy)
+    and the `latest` pointer of a process killed between writing and renaming it."""
+    for stale in root.glob("step_*.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob("latest.tmp-*"):
+        stale.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make the completely written `tmp` the checkpoint `final`: synced to disk, renamed, and
+    only then `latest` moved to it (an atomic rename too). Raises OSError."""
+    root = final.parent
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = root / f"latest.tmp-{os.getpid()}"
+    pointer.write_text(final.name)
+    os.replace(pointer, root / "latest")
+    _fsync_dir(root)
+
+
+def prune(root: Path, final: Path, keep: int) -> None:
+    """Remove the checkpoints older than the newest `keep` (never `final`, never a save in progress)."""
     for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
         if old != final and ".tmp-" not in old.name:
             shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def write_failed(final: Path, why) -> CheckpointError:
+    """The error of a save that did not complete: what failed, and the checkpoint still good."""
+    return CheckpointError(f"could not write checkpoint {final} ({why}); the last good checkpoint is "
+                           f"{latest_checkpoint(final.parent)}")
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

@@ -18,15 +18,18 @@ machine, or a shared filesystem across several).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import uuid
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from opd import checkpoint as ckpt_io
 from opd.spine.dist import World
@@ -46,8 +49,7 @@ def save_sharded(root: str | Path, step: int, *, model, optimizer, scheduler, st
 
     def prepare() -> str:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("step_*.tmp-*"):   # what a crashed save left, a full model copy each
-            shutil.rmtree(stale, ignore_errors=True)
+        ckpt_io.clear_stale(root)
         return f"{final.name}.tmp-{uuid.uuid4().hex[:8]}"
 
     tmp = root / world.main_first(prepare)
@@ -65,21 +67,15 @@ def save_sharded(root: str | Path, step: int, *, model, optimizer, scheduler, st
     def publish() -> Path:
         if failures:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ckpt_io.CheckpointError(f"could not write checkpoint {final} ({failures[0]}); the last good "
-                                          f"checkpoint is {ckpt_io.latest_checkpoint(root)}")
-        torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "schedule.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, "ranks": world.size, **state}, indent=1))
-        ckpt_io._fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = root / f"latest.tmp-{os.getpid()}"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / "latest")
-        ckpt_io._fsync_dir(root)
-        for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
-            if old != final and ".tmp-" not in old.name:
-                shutil.rmtree(old, ignore_errors=True)
+            raise ckpt_io.write_failed(final, failures[0])
+        try:
+            torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "schedule.pt")
+            (tmp / "state.json").write_text(json.dumps({"step": step, "ranks": world.size, **state}, indent=1))
+            ckpt_io.publish(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ckpt_io.write_failed(final, e.strerror or e) from e
+        ckpt_io.prune(root, final, keep)
         return final
 
     return world.main_first(publish)
