@@ -22,11 +22,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from opd.benchmarks.kernels import _reset_peak, _rss_bytes
+from opd.benchmarks.cases import PeakMemory, run_case
 from opd.rl import grpo
 from opd.rl.logprobs import ResponseRows, chunked_entropy, rows_logprobs_and_entropy, to_B_T
 
@@ -73,16 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _in_subprocess(spec: dict, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "opd.benchmarks.grpo", "--worker", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return _row(spec, error=f"timeout after {timeout:.0f} s")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return _row(spec, error=f"exit {proc.returncode}: {tail[0][:200]}")
-    return json.loads(lines[-1])
+    return run_case("opd.benchmarks.grpo", spec, timeout, _row)
 
 
 def _row(spec: dict, peak: int | None = None, phases: dict | None = None, error: str | None = None) -> dict:
@@ -173,15 +163,7 @@ def _worker(spec: dict) -> dict:
     device = torch.device(spec["device"])
     inputs = _inputs(spec, torch, device)
     step, leaves = _step_fn(spec, inputs, torch)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        base = _rss_bytes("VmRSS")
-        if not _reset_peak():
-            base = _rss_bytes("VmHWM")
+    memory = PeakMemory(torch, device)
     if spec.get("warmup"):   # quick shapes, or CUDA (Triton compiles on the first call)
         step()
     phases: dict[str, list[float]] = {k: [] for k in PHASES}
@@ -190,8 +172,7 @@ def _worker(spec: dict) -> dict:
             t.grad = None
         for k, v in step().items():
             phases[k].append(v)
-    peak = (torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM")) - base
-    return _row(spec, peak=peak, phases=phases)
+    return _row(spec, peak=memory.extra(), phases=phases)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
+from opd.benchmarks.cases import PeakMemory, run_case
 from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss
 from opd.kernels.maths import divergence_name
 
@@ -110,19 +109,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _in_subprocess(spec: dict, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "opd.benchmarks.kernels", "--worker", json.dumps(spec)]
     env = dict(os.environ)
     if spec["provider"] == "liger" and spec["device"] == "cpu":
         env["TRITON_INTERPRET"] = "1"   # Triton has no CPU backend; its interpreter runs tiny shapes
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return _row(spec, error=f"timeout after {timeout:.0f} s")
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return _row(spec, error=f"exit {proc.returncode}: {tail[0][:200]}")
-    return json.loads(lines[-1])
+    return run_case("opd.benchmarks.kernels", spec, timeout, _row, env)
 
 
 def _row(spec: dict, peak: int | None = None, times: list[float] | None = None, error: str | None = None):
@@ -146,26 +136,6 @@ def _print_row(row: dict, header: bool) -> None:
 
 
 # ---- worker (one subprocess per case and provider) -------------------------------------
-
-def _rss_bytes(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")   # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
-
 
 def _inputs(spec: dict, torch, device):
     """Inputs built in place (no temporaries), so the baseline RSS is the inputs only."""
@@ -274,14 +244,7 @@ def _worker(spec: dict) -> dict:
     inputs = _inputs(spec, torch, device)
     step, leaves = _step_fn(spec, inputs, torch)
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        base = _rss_bytes("VmRSS")
-        if not _reset_peak():
-            base = _rss_bytes("VmHWM")
+    memory = PeakMemory(torch, device)
     times = []
     if spec.get("warmup"):   # quick shapes, or CUDA (Triton compiles on the first call)
         step()
@@ -293,8 +256,7 @@ def _worker(spec: dict) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = (torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM")) - base
-    return _row(spec, peak=peak, times=times)
+    return _row(spec, peak=memory.extra(), times=times)
 
 
 if __name__ == "__main__":
