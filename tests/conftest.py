@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 
@@ -88,6 +89,58 @@ def vllm_rollout_engine(vllm_model_dir):
     engine = VLLMRolloutEngine(vllm_model_dir, max_model_len=256, seed=0, max_num_seqs=32)
     yield engine
     engine.close()
+
+
+# ---- vLLM's placement options without an engine: what `vllm.LLM` is given -----------------
+
+@pytest.fixture
+def llm_calls(monkeypatch):
+    """vllm.LLM replaced by a recorder: the list of the keyword arguments of each construction
+    (with the few methods the teacher backend and the rollout engine call after it)."""
+    vllm = pytest.importorskip("vllm")
+    calls = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            calls.append(kwargs)
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda: None))
+
+        def get_tokenizer(self):
+            return types.SimpleNamespace(eos_token_id=0)
+
+        def collective_rpc(self, method, args=()):
+            return [True]
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    return calls
+
+
+@pytest.fixture
+def one_numa_node(monkeypatch):
+    """vLLM's CPU build with its default thread binding on a machine with one NUMA node."""
+    cr = pytest.importorskip("vllm.utils.cpu_resource_utils")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
+    monkeypatch.setattr(cr, "get_visible_memory_node", lambda: [0])
+
+
+@pytest.fixture
+def two_vllm_ranks(monkeypatch):
+    """What a real engine of tensor-parallel size 2 needs here: on vLLM's CPU build, one CPU list
+    per rank in VLLM_CPU_OMP_THREADS_BIND (its default binding wants a NUMA node per rank) and
+    two CPUs; on CUDA, two GPUs. Skips the test where the machine has fewer."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        if torch.cuda.device_count() < 2:
+            pytest.skip("tensor parallelism over 2 ranks needs 2 GPUs")
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("2 ranks need 2 CPUs")
+    half = len(cpus) // 2
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in (cpus[:half], cpus[half:])))
 
 
 @pytest.fixture(scope="module")

@@ -3,29 +3,11 @@ is faked). The real tensor-parallel engine: test_vllm_rollout_tensor_parallel.py
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from opd.rollout.vllm import VLLMRolloutEngine
 
 vllm = pytest.importorskip("vllm")
-
-
-@pytest.fixture
-def llm_calls(monkeypatch):
-    calls = []
-
-    class FakeLLM:
-        def __init__(self, **kwargs):
-            calls.append(kwargs)
-            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda: None))
-
-        def get_tokenizer(self):
-            return types.SimpleNamespace(eos_token_id=0)
-
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
-    return calls
 
 
 def build(**kwargs) -> None:
@@ -55,12 +37,7 @@ def test_cuda_gets_cuda_graphs_by_default(llm_calls, monkeypatch):
     assert (llm_calls[-1]["enforce_eager"], llm_calls[-1]["tensor_parallel_size"]) == (False, 8)
 
 
-def test_more_cpu_ranks_than_numa_nodes_is_refused_before_the_engine(llm_calls, monkeypatch):
-    import vllm.utils.cpu_resource_utils as cr
-
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
-    monkeypatch.setattr(cr, "get_visible_memory_node", lambda: [0])
+def test_more_cpu_ranks_than_numa_nodes_is_refused_before_the_engine(llm_calls, one_numa_node):
     with pytest.raises(ValueError, match="this machine has 1.*VLLM_CPU_OMP_THREADS_BIND, one CPU list per rank"):
         build(tensor_parallel_size=2)
     assert llm_calls == []

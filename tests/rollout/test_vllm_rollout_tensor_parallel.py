@@ -5,7 +5,6 @@ to half of this machine's CPUs)."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -16,21 +15,11 @@ from oracles import forward_logprobs
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_two_ranks_sample_raw_logprobs_and_take_weight_pushes(vllm_model_dir, monkeypatch):
+def test_two_ranks_sample_raw_logprobs_and_take_weight_pushes(vllm_model_dir, two_vllm_ranks):
     from transformers import AutoModelForCausalLM
-    from vllm.platforms import current_platform
 
     from opd.rollout.vllm import VLLMRolloutEngine
 
-    if current_platform.is_cpu():
-        cpus = sorted(os.sched_getaffinity(0))
-        if len(cpus) < 2:
-            pytest.skip("2 ranks need 2 CPUs")
-        half = len(cpus) // 2   # one CPU list per rank: vLLM's default binding wants a NUMA node per rank
-        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{','.join(map(str, cpus[:half]))}|"
-                                                        f"{','.join(map(str, cpus[half:]))}")
-    elif torch.cuda.device_count() < 2:
-        pytest.skip("tensor parallelism over 2 ranks needs 2 GPUs")
     student = AutoModelForCausalLM.from_pretrained(str(vllm_model_dir), dtype=torch.float32).eval()
     new = copy.deepcopy(student)
     g = torch.Generator().manual_seed(0)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import types
 
 import pytest
 import torch
@@ -13,33 +12,6 @@ from opd.teachers import serve
 from opd.teachers.hf_backend import HFBackend
 
 vllm = pytest.importorskip("vllm")
-
-
-@pytest.fixture
-def llm_calls(monkeypatch):
-    """vllm.LLM replaced by a recorder: the list of the keyword arguments of each construction."""
-    calls = []
-
-    class FakeLLM:
-        def __init__(self, **kwargs):
-            calls.append(kwargs)
-            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda: None))
-
-        def collective_rpc(self, method, args=()):
-            return [True]
-
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
-    return calls
-
-
-@pytest.fixture
-def one_numa_node(monkeypatch):
-    """vLLM's CPU build with its default thread binding on a machine with one NUMA node."""
-    import vllm.utils.cpu_resource_utils as cr
-
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.delenv("VLLM_CPU_SIM_MULTI_NUMA", raising=False)
-    monkeypatch.setattr(cr, "get_visible_memory_node", lambda: [0])
 
 
 def on_cuda(monkeypatch):

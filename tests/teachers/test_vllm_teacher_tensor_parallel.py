@@ -3,8 +3,6 @@ it starts an engine of its own; on the CPU build each rank is bound to half of t
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,28 +11,11 @@ from opd.teachers.backend import ScoreRequest
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def bind_two_ranks(monkeypatch) -> None:
-    """VLLM_CPU_OMP_THREADS_BIND with one CPU list per rank (vLLM's default binding wants a NUMA
-    node per rank); on CUDA, two GPUs."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        if torch.cuda.device_count() < 2:
-            pytest.skip("tensor parallelism over 2 ranks needs 2 GPUs")
-        return
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("2 ranks need 2 CPUs")
-    half = len(cpus) // 2
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in (cpus[:half], cpus[half:])))
-
-
-def test_two_ranks_score_as_a_transformers_forward(vllm_model_dir, monkeypatch):
+def test_two_ranks_score_as_a_transformers_forward(vllm_model_dir, two_vllm_ranks):
     from transformers import AutoModelForCausalLM
 
     from opd.teachers.vllm_backend import VLLMBackend
 
-    bind_two_ranks(monkeypatch)
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 200, (n,), generator=g) for n in (40, 17)]   # ids below vocab_limit (protocol)
     req = ScoreRequest(1, "topk", torch.cat(seqs), (0, 40, 57), (5, 1), 8, 1.0, "float32", 1024)
