@@ -412,12 +412,9 @@ class GRPOTrainer:
         """Greedy responses to the held-out prompts: the mean combined reward, the accuracy (the
         share the verifier scores 1, as `opd validate` counts) and the mean verifier score
         (partial credit for code: the share of tests passed)."""
-        # Each rank answers its share; the last is padded with repeats so that every rank samples
-        # as many (the sharded policy's forwards are collectives), and the repeats are dropped.
-        world, samples = self.world, self.eval_samples
-        share = -(-len(samples) // world.size)
-        mine = (samples + samples[-1:] * (share * world.size - len(samples)))[world.rank * share:(world.rank + 1) * share]
-        real = max(0, min(share, len(samples) - world.rank * share))
+        # Each rank answers its share (the last padded with repeats, which are dropped: `padded_share`).
+        world = self.world
+        mine, real = world.padded_share(self.eval_samples)
         prompts = [encode_prompt(self.tokenizer, s.prompt) for s in mine]
         rollouts = self.engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
                                                                 n=1))

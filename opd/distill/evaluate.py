@@ -15,7 +15,8 @@ import torch
 from opd.checkpoint import rng_state, set_rng_state
 from opd.diagnostics import DomainTally, topk_overlap
 from opd.distill.batch import Batch
-from opd.kernels import TopKTeacher, distill_loss
+from opd.distill.loss import common_vocabulary
+from opd.kernels import distill_loss
 from opd.rl.rewards import accuracy as share_correct
 from opd.rollout.base import SamplingParams
 from opd.spine.rows import pack, student_rows
@@ -33,18 +34,12 @@ def evaluate(trainer) -> dict:
 
 def _evaluate(tr) -> dict:
     cfg, prompts, world = tr.cfg, tr.prompts, tr.world
-    # Each rank answers its share of the held-out prompts; the last share is padded with repeats,
-    # so that every rank samples and scores as many (a sharded student's forwards are
-    # collectives), and the repeats are left out of every metric.
-    share = -(-len(prompts.eval_samples) // world.size)
-    padded = list(zip(prompts.eval_samples, prompts.eval_routes))
-    padded += padded[-1:] * (share * world.size - len(padded))
-    mine = padded[world.rank * share:(world.rank + 1) * share]
-    real = max(0, min(share, len(prompts.eval_samples) - world.rank * share))
+    # Each rank answers its share of the held-out prompts (the last padded: `padded_share`).
+    mine, real = world.padded_share(list(zip(prompts.eval_samples, prompts.eval_routes)))
     samples, routes = [s for s, _ in mine], [r for _, r in mine]
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, n=1,
-                            seed=cfg.run.seed + 12_345, share=(world.rank * share, len(prompts.eval_samples))
+                            seed=cfg.run.seed + 12_345, share=(world.rank * len(mine), len(prompts.eval_samples))
                             if world.sharded else None)
     rollouts = tr.engine.generate([tr.encode(s) for s in samples], params)
     keep = [tr.trim(ro.response_ids) for ro in rollouts]
@@ -113,11 +108,7 @@ def _divergences(tr, batch: Batch, answers: dict, keep: list[int], real: int, ta
                     continue
                 rows = logits[packed.row_offsets[j]:packed.row_offsets[j] + n]
                 idx = torch.arange(first_row[t][s], first_row[t][s] + n)
-                teacher = ans.logits[idx].float().to(rows.device) if ans.topk is None else \
-                    TopKTeacher(*(x[idx].to(rows.device) for x in ans.topk))
-                if isinstance(teacher, torch.Tensor) and teacher.shape[1] != rows.shape[1]:
-                    v = min(teacher.shape[1], rows.shape[1])
-                    teacher, rows = teacher[:, :v], rows[:, :v]
+                rows, teacher = common_vocabulary(rows, ans.teacher_rows(idx, rows.device))
                 kl = distill_loss(rows, teacher, beta=spec.divergence_beta, temperature=spec.temperature,
                                   reduction="none")
                 domain = batch.route_of(s).domain

@@ -28,7 +28,7 @@ from opd.distill.teachers import Answer, TeacherSet
 from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
 from opd.spine.optim import TrainError
 from opd.spine.dist import World
-from opd.spine.rows import group_counts, pack, row_weights, rows_logits, select_rows, sft_loss, student_rows, take_rows
+from opd.spine.rows import group_counts, pack, row_weights, rows_logits, select_rows, sft_loss, student_rows
 
 
 def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.Tensor, impl: str):
@@ -43,11 +43,7 @@ def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.T
         est = sampled_token_reverse_kl(student_lp, answer.token_logprob[idx].to(student_lp.device))
         # Policy gradient with advantage -est: d/dθ of est * log p_student(x).
         return est * student_lp * t2, est
-    device = rows[0].device if isinstance(rows, tuple) else rows.device
-    if spec.mode == "full":
-        teacher = take_rows(answer.logits, idx).float().to(device)
-    else:
-        teacher = type(answer.topk)(*(take_rows(x, idx).to(device) for x in answer.topk))
+    teacher = answer.teacher_rows(idx, rows[0].device if isinstance(rows, tuple) else rows.device)
     if isinstance(rows, tuple):
         hidden, weight = rows
         if isinstance(teacher, torch.Tensor) and teacher.shape[1] != weight.shape[0]:
@@ -55,11 +51,18 @@ def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.T
         kl = fused_linear_distill_loss(hidden, weight, teacher, beta=spec.beta, temperature=spec.temperature,
                                        reduction="none", impl=impl)
     else:
-        if isinstance(teacher, torch.Tensor) and teacher.shape[1] != rows.shape[1]:
-            v = min(teacher.shape[1], rows.shape[1])   # a padded LM head on one side: its common rows
-            teacher, rows = teacher[:, :v], rows[:, :v]
+        rows, teacher = common_vocabulary(rows, teacher)
         kl = distill_loss(rows, teacher, beta=spec.beta, temperature=spec.temperature, reduction="none", impl=impl)
     return kl * t2, kl.detach()
+
+
+def common_vocabulary(student_N_V: torch.Tensor, teacher):
+    """(student, teacher) logits cut to the vocabulary both have when one side's LM head is
+    padded past the tokenizer (e.g. 151,936 against 152,064 columns); a top-k teacher as it is."""
+    if isinstance(teacher, torch.Tensor) and teacher.shape[1] != student_N_V.shape[1]:
+        v = min(teacher.shape[1], student_N_V.shape[1])
+        return student_N_V[:, :v], teacher[:, :v]
+    return student_N_V, teacher
 
 
 def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str, float], pad_id: int,

@@ -21,6 +21,13 @@ from opd.diagnostics import DomainTally
 from opd.routing.normalize import lopsided
 
 
+def _add_tail(into: dict[str, list[float]], teacher: str, total: float, rows: int) -> None:
+    """Add `rows` rows of tail mass summing to `total` to `into[teacher]` = [sum, rows]."""
+    acc = into.setdefault(teacher, [0.0, 0])
+    acc[0] += total
+    acc[1] += rows
+
+
 @dataclass
 class StepStats:
     tally: DomainTally = field(default_factory=DomainTally)
@@ -56,9 +63,7 @@ class StepStats:
         domains' multipliers, divided out of the per-domain loss the normalizer follows."""
         contrib, kl = weighted.detach().cpu(), kl.detach().cpu()
         if tail is not None:
-            acc = self.tail.setdefault(teacher, [0.0, 0])
-            acc[0] += float(tail.sum())
-            acc[1] += len(tail)
+            _add_tail(self.tail, teacher, float(tail.sum()), len(tail))
         for d in sorted(set(row_domain)):
             m = torch.tensor([x == d for x in row_domain])
             self.tally.add_rows(d, "kl", kl[m])
@@ -87,9 +92,7 @@ class StepStats:
                 for k, v in p[key].items():
                     getattr(out, key)[k] = getattr(out, key).get(k, 0.0) + v
             for t, (total, rows) in p["tail"].items():
-                acc = out.tail.setdefault(t, [0.0, 0])
-                acc[0] += total
-                acc[1] += rows
+                _add_tail(out.tail, t, total, rows)
         out.rollout_s = max(p["rollout_s"] for p in parts)   # the ranks wait for the slowest
         out.wait_s = max(p["wait_s"] for p in parts)
         out.staleness = parts[0]["staleness"]   # the same batches' versions on every rank
@@ -146,9 +149,7 @@ class History:
         for t, w in stats.routed.items():
             self.teacher_samples[t] = self.teacher_samples.get(t, 0.0) + w
         for t, (total, rows) in stats.tail.items():
-            acc = self.tail_mass.setdefault(t, [0.0, 0])
-            acc[0] += total
-            acc[1] += rows
+            _add_tail(self.tail_mass, t, total, rows)
 
     def warn(self, msg: str) -> None:
         if not self.quiet:

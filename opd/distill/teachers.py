@@ -38,6 +38,13 @@ class Answer:
     row_offsets: list[int]         # [B_t + 1]
     latency_s: float               # request to last row (full mode: set by RowStream.finish)
 
+    def teacher_rows(self, idx: torch.Tensor, device) -> "torch.Tensor | TopKTeacher":
+        """The teacher's side of answer rows `idx` on `device`: fp32 logits [n, V] (full mode,
+        read from the stream) or a TopKTeacher of those rows."""
+        if self.topk is None:
+            return take_rows(self.logits, idx).float().to(device)
+        return TopKTeacher(*(take_rows(x, idx).to(device) for x in self.topk))
+
 
 class RowStream:
     """A full-vocabulary answer of R rows, read in order while it streams in.

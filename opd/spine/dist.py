@@ -45,15 +45,11 @@ class World:
     size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
-    launched: bool = False   # started by torchrun: the model is sharded, even over one rank
+    sharded: bool = False    # started by torchrun: the model is sharded, even over one rank
 
     @property
     def main(self) -> bool:
         return self.rank == 0
-
-    @property
-    def sharded(self) -> bool:
-        return self.launched
 
     def shard(self, items: list) -> list:
         """This rank's contiguous share of `items` (the loops check that it divides evenly)."""
@@ -61,6 +57,15 @@ class World:
             return items
         n = len(items) // self.size
         return items[self.rank * n:(self.rank + 1) * n]
+
+    def padded_share(self, items: list) -> tuple[list, int]:
+        """(this rank's share, how many of it are real) of `items` that need not divide evenly
+        (held-out prompts): ceil(len / size) each, the last share padded with repeats of the last
+        item so that every rank runs as many forwards (a sharded model's are collectives); the
+        repeats are to be left out of every metric."""
+        share = -(-len(items) // self.size)
+        padded = items + items[-1:] * (share * self.size - len(items))
+        return padded[self.rank * share:(self.rank + 1) * share], max(0, min(share, len(items) - self.rank * share))
 
     def sum(self, values: dict[str, float]) -> dict[str, float]:
         """{key: value summed over the ranks}; every rank gets the union of the keys."""
@@ -138,7 +143,7 @@ def init_world(device: str = "auto", backend: str = "auto", timeout_s: float = 3
     if not dist.is_initialized():
         dist.init_process_group(backend if backend != "auto" else "nccl" if cuda else "gloo",
                                 timeout=timedelta(seconds=timeout_s))
-    return World(rank, size, local, torch.device(f"cuda:{local}") if cuda else torch.device("cpu"), launched=True)
+    return World(rank, size, local, torch.device(f"cuda:{local}") if cuda else torch.device("cpu"), sharded=True)
 
 
 def ranks_for(num_workers: int, argv: list[str], device: str = "auto", backend: str = "auto",
