@@ -4,7 +4,7 @@ Two paths over the same stand-in model, the decoder body's output hidden [B, T, 
 tensor: the body itself is the same on both sides and left out) and an LM head weight [V, H]:
 
     before  logits [B, T, V] = hidden @ W.T, then rl/grpo.py token_logprobs + entropy, as
-            rl/trainer.py does on response_logits (the model there even makes [B, L, V])
+            GRPO did before rl/logprobs.py (on the model's own logits, even [B, L, V])
     after   rl/logprobs.py: the mask's N rows of hidden, the fused log-prob kernel
             (rows_logprobs_and_entropy) and the chunked entropy, scattered back to [B, T]
 

@@ -1,7 +1,9 @@
 """GRPO's batch as tensors: rollouts left-padded so every response starts at one column.
 
     collate(rollouts, pad_id) -> PaddedRollouts   ids, masks, positions, the rollout log-probs
-    response_logits(model, batch) -> [B, T, V]     the logits that predict each response token
+
+The policy's log-probs of a batch are rl/logprobs.py's (never [B, T, V]); the plain [B, T, V]
+computation they are held to is tests/oracles.py:response_logits.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import dataclasses
 
 import torch
 
-from opd.rope import rope_groups
 
 
 @dataclasses.dataclass
@@ -49,22 +50,3 @@ def collate(rollouts, pad_id: int) -> PaddedRollouts:
         old[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
     pos = (attn.cumsum(-1) - 1).clamp_min(0)  # the positions `generate` used with left padding
     return PaddedRollouts(ids, attn, pos, resp, mask, old, W)
-
-
-def response_logits(model, batch: PaddedRollouts) -> torch.Tensor:
-    """Logits that predict each response token: [B, T, V]."""
-    device = next(model.parameters()).device
-    T = batch.response_B_T.shape[1]
-
-    def logits(rows=slice(None)) -> torch.Tensor:
-        out = model(input_ids=batch.input_ids_B_L[rows].to(device), attention_mask=batch.attention_B_L[rows].to(device),
-                    position_ids=batch.position_B_L[rows].to(device))
-        return out.logits[:, batch.start - 1:batch.start - 1 + T]
-
-    groups = rope_groups(model, batch.attention_B_L.sum(1).tolist())
-    if len(groups) == 1:
-        return logits()
-    # a longrope model: one pass per side of its switch length (opd.rope), rows put back in order
-    outs = torch.cat([logits(torch.tensor(g)) for g in groups])
-    back = torch.argsort(torch.cat([torch.tensor(g) for g in groups]))
-    return outs[back.to(device)]

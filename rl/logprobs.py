@@ -1,11 +1,13 @@
 """GRPO's per-token log-probabilities and entropies without [B, T, V] logits.
 
-`rl/grpo.py`'s `token_logprobs(response_logits(model, batch), ...)` and `entropy(...)` take
+`rl/grpo.py`'s `token_logprobs(logits_B_T_V, ...)` and `entropy(...)` take
 the model's logits at every response column, padding included ([B, T, V], sliced from the
 forward's [B, L, V]), an fp32 log-softmax of them, and in backward their gradient: several
-[B, T, V] tensors at once. At V = 152,064 that is what runs out of memory first. Here the decoder body runs alone, the hidden states are taken at the N positions that
-predict a real response token (mask_B_T = 1), and the LM head meets them vocabulary chunk by
-vocabulary chunk, so what is held grows with N (<= B x T), not with B x T x V:
+[B, T, V] tensors at once (what GRPO did before; tests/oracles.py:response_logits keeps it as
+the reference). At V = 152,064 that is what runs out of memory first. Here the decoder body
+runs alone, the hidden states are taken at the N positions that predict a real response
+token (mask_B_T = 1), and the LM head meets them vocabulary chunk by vocabulary chunk, so
+what is held grows with N (<= B x T), not with B x T x V:
 
     response_hidden(model, batch)            -> ResponseRows: hidden [N, H], targets [N], (b, t) [N]
     token_logprobs_and_entropy(model, batch) -> logprobs [B, T] (grad), entropy [B, T] (no grad)
@@ -61,7 +63,7 @@ def _per_rope_group(model, batch: PaddedRollouts,
     (hidden states, or for _response_logits_rows logits).
 
     One pass for the whole batch, or for a longrope model one per side of its switch length
-    (opd.rope), as rl/trainer.py:response_logits does: a short sequence batched with a long one
+    (opd.rope), as the model's own forward needs: a short sequence batched with a long one
     would otherwise get the long RoPE factors. A sub-batch keeps the batch's width, so every
     response still starts at column `start`.
     """
@@ -109,7 +111,7 @@ def _response_logits_rows(model, batch: PaddedRollouts) -> ResponseRows:
     kept, and the log-softmax runs on those."""
     device = next(model.parameters()).device
 
-    def logits(sub, b_n, col_n):   # the forward's own arguments, as rl/batch.py:response_logits calls it
+    def logits(sub, b_n, col_n):   # the forward's own arguments (no use_cache, as a plain call)
         args = _forward_args(sub, device)
         args.pop("use_cache")
         return model(**args).logits[b_n, col_n]
@@ -214,8 +216,8 @@ def token_logprobs_and_entropy(model, batch: PaddedRollouts, *, with_entropy: bo
                                chunk: int | None = None,
                                impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs_B_T, entropy_B_T) of the sampled response tokens, fp32 on the model's device,
-    0 where mask_B_T is 0: what grpo.token_logprobs(response_logits(model, batch),
-    batch.response_B_T) and grpo.entropy(...) give there, without [B, T, V].
+    0 where mask_B_T is 0: what grpo.token_logprobs and grpo.entropy give there on the model's
+    own [B, T, V] logits (tests/oracles.py:response_logits), without [B, T, V].
 
     logprobs_B_T carries the gradient to the model; entropy_B_T (None unless with_entropy) has
     none. A plain head (`head_form(model).fusable`) goes through rows_logprobs_and_entropy:

@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from opd.rl.batch import PaddedRollouts, collate, response_logits   # noqa: F401 (collate: the tests' too)
+from opd.rl.batch import PaddedRollouts, collate
 from opd.rl.card import summary as summarize
-from opd.rl.logprobs import token_logprobs_and_entropy
 from opd.rl.card import write_grpo_card
+from opd.rl.logprobs import token_logprobs_and_entropy
 from opd.cluster.rollout import PoolEngine
 from opd.cluster.session import RayCluster
 from opd.config import to_dict

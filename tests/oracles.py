@@ -24,3 +24,26 @@ def forward_logprobs(model, rollout) -> torch.Tensor:
         lp = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
     p = len(rollout.prompt_ids)
     return lp[p - 1:len(ids) - 1].gather(1, ids[p:, None]).squeeze(1)
+
+
+def response_logits(model, batch) -> torch.Tensor:
+    """[B, T, V]: the logits that predict each response token of a GRPO batch (rl/batch.py's
+    PaddedRollouts), from the model's own forward over [B, L]: the plain computation that
+    rl/logprobs.py's chunked log-probs and entropies must equal. A longrope model gets one pass
+    per side of its switch length (opd.rope), rows put back in order."""
+    from opd.rope import rope_groups
+
+    device = next(model.parameters()).device
+    T = batch.response_B_T.shape[1]
+
+    def logits(rows=slice(None)) -> torch.Tensor:
+        out = model(input_ids=batch.input_ids_B_L[rows].to(device), attention_mask=batch.attention_B_L[rows].to(device),
+                    position_ids=batch.position_B_L[rows].to(device))
+        return out.logits[:, batch.start - 1:batch.start - 1 + T]
+
+    groups = rope_groups(model, batch.attention_B_L.sum(1).tolist())
+    if len(groups) == 1:
+        return logits()
+    outs = torch.cat([logits(torch.tensor(g)) for g in groups])
+    back = torch.argsort(torch.cat([torch.tensor(g) for g in groups]))
+    return outs[back.to(device)]

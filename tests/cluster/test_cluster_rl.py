@@ -42,7 +42,8 @@ def forward_logprobs(model_dir, state_dict, rollouts) -> tuple[torch.Tensor, tor
     from transformers import AutoModelForCausalLM
 
     from opd.rl.grpo import token_logprobs
-    from opd.rl.trainer import collate, response_logits
+    from opd.rl.batch import collate
+    from oracles import response_logits
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     model.load_state_dict(state_dict)
@@ -119,7 +120,9 @@ def test_rollout_actors_hold_the_policy_in_its_dtype(tmp_path, tiny_model_dir, r
     # They loaded fp32 whatever model.dtype said: against a bf16 policy the first ratio was off
     # 1 before any update (up to exp(0.12) on a peaked model).
     from opd.rl.grpo import token_logprobs
-    from opd.rl.trainer import GRPOTrainer, collate, response_logits
+    from opd.rl.batch import collate
+    from opd.rl.trainer import GRPOTrainer
+    from oracles import response_logits
     from opd.rollout import SamplingParams
 
     cfg = write_config(tmp_path, tiny_model_dir)

@@ -90,7 +90,8 @@ def test_sft_losses_of_a_longrope_model_are_the_sequences_own(phi):
 
 
 def test_grpo_response_logits_of_a_longrope_model_are_each_sequences_own(phi):
-    from opd.rl.trainer import collate, response_logits
+    from opd.rl.batch import collate
+    from oracles import response_logits
     from opd.rollout.base import Rollout
 
     rollouts = [Rollout(p, r, [0.0] * len(r), "length") for p, r in _sequences()]

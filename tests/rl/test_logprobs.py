@@ -1,5 +1,5 @@
 """rl/logprobs.py: GRPO's token log-probs and entropies without [B, T, V], checked against
-rl/grpo.py's token_logprobs / entropy on rl/trainer.py's response_logits."""
+rl/grpo.py's token_logprobs / entropy on tests/oracles.py's response_logits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from opd.kernels import TopKTeacher, fused_linear_distill_loss
 from opd.rl import grpo
 from opd.rl import logprobs as rl_logprobs
 from opd.rl.logprobs import chunked_entropy, response_hidden, rows_logprobs_and_entropy, token_logprobs_and_entropy
-from opd.rl.trainer import collate, response_logits
+from opd.rl.batch import collate
+from oracles import response_logits
 from opd.rollout import Rollout
 
 

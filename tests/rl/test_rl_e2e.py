@@ -80,7 +80,9 @@ def test_lora_reference_is_the_base_model_with_the_adapter_off(tmp_path, tiny_mo
     from transformers import AutoModelForCausalLM
 
     from opd.rl.grpo import token_logprobs
-    from opd.rl.trainer import GRPOTrainer, collate, response_logits
+    from opd.rl.batch import collate
+    from opd.rl.trainer import GRPOTrainer
+    from oracles import response_logits
     from opd.rollout import SamplingParams
 
     cfg = make_config(tmp_path, tiny_model_dir, model={"lora": {"rank": 4}}, run={"steps": 1})
@@ -120,7 +122,9 @@ def test_the_policy_has_no_dropout_so_the_first_epoch_ratio_is_one(tmp_path, tin
     # The engines sample without dropout; with LoRA dropout on in the update, 39 % of a first
     # epoch's tokens were clipped (ratios 0.2-2.5) where every ratio should be 1.
     from opd.rl.grpo import token_logprobs
-    from opd.rl.trainer import GRPOTrainer, collate, response_logits
+    from opd.rl.batch import collate
+    from opd.rl.trainer import GRPOTrainer
+    from oracles import response_logits
     from opd.rollout import SamplingParams
 
     trainer = GRPOTrainer(make_config(tmp_path, tiny_model_dir, model={"lora": {"rank": 4, "dropout": 0.5}},

@@ -7,7 +7,8 @@ import torch
 
 from opd.config import ConfigError, from_dict
 from opd.rl.config import AlgorithmConfig, OptimConfig, RLConfig
-from opd.rl.trainer import GRPOTrainer, collate
+from opd.rl.batch import collate
+from opd.rl.trainer import GRPOTrainer
 from opd.rollout import Rollout
 from opd.spine.dist import World
 
