@@ -15,6 +15,7 @@ s, t are logits / temperature (top-k teachers arrive already at their temperatur
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
@@ -37,18 +38,26 @@ TILE_THREADS: int | None = 1
 NEG_INF = float("-inf")
 
 
+@contextlib.contextmanager
+def tile_threads():
+    """TILE_THREADS intra-op threads for a streaming pass (rl/logprobs.py's entropy uses it too)."""
+    before = torch.get_num_threads()
+    change = TILE_THREADS is not None and before != TILE_THREADS
+    if change:
+        torch.set_num_threads(TILE_THREADS)
+    try:
+        yield
+    finally:
+        if change:
+            torch.set_num_threads(before)
+
+
 def _tile_threads(fn):
     """Run a streaming pass with TILE_THREADS intra-op threads."""
     @functools.wraps(fn)
     def wrapper(src, *args, **kwargs):
-        before = torch.get_num_threads()
-        if TILE_THREADS is None or before == TILE_THREADS:
+        with tile_threads():
             return fn(src, *args, **kwargs)
-        torch.set_num_threads(TILE_THREADS)
-        try:
-            return fn(src, *args, **kwargs)
-        finally:
-            torch.set_num_threads(before)
     return wrapper
 
 

@@ -28,7 +28,6 @@ N real response tokens (the mask's ones, row-major), H hidden, V vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -127,22 +126,6 @@ def to_B_T(values_N: torch.Tensor, rows: ResponseRows, shape: tuple[int, int]) -
 
 # ---- the maths on rows ----------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _cpu_tile_threads(device: torch.device):
-    """The intra-op threads kernels/chunked.py streams its CPU tiles with (TILE_THREADS: 1 on
-    the busy 2-core machine, where 2 threads made each small op wait for a busy core; here the
-    full-size entropy took 9.5 s with 1 thread and 29 s with 2). None, or CUDA: unchanged."""
-    before = torch.get_num_threads()
-    change = device.type == "cpu" and chunked.TILE_THREADS is not None and chunked.TILE_THREADS != before
-    if change:
-        torch.set_num_threads(chunked.TILE_THREADS)
-    try:
-        yield
-    finally:
-        if change:
-            torch.set_num_threads(before)
-
-
 @torch.no_grad()
 def chunked_entropy(hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, *,
                     chunk: int | None = None) -> torch.Tensor:
@@ -158,7 +141,9 @@ def chunked_entropy(hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, *,
     out_N = torch.zeros(n_rows, dtype=torch.float32, device=hidden_N_H.device)
     rows = max(1, min(n_rows, ENTROPY_ROWS))
     cols = chunk if chunk is not None else max(64, ENTROPY_TILE_ELEMENTS // rows)
-    with _cpu_tile_threads(hidden_N_H.device):
+    # kernels/chunked.py's thread setting for tiles: on the busy 2-core box the full-size entropy
+    # (N = 2048, V = 152,064) took 9.5 s with 1 thread and 29 s with 2.
+    with chunked.tile_threads():
         _entropy_tiles(hidden_N_H, weight_V_H, rows, cols, out_N)
     return out_N
 
