@@ -129,9 +129,9 @@ def _build(cls: type[T], node: yaml.MappingNode, source: str, prefix: str = "") 
         key = aliases.get(_plain(knode), _plain(knode))
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
-            moved = getattr(cls, "MOVED", {}).get(key)   # a key that moved to another section
-            if moved:
-                raise ConfigError(f"{_where(source, knode)}: key '{full}' is now '{moved}'; move it there")
+            retired = getattr(cls, "RETIRED", {}).get(key)   # a key that moved or went: say where or why
+            if retired:
+                raise ConfigError(f"{_where(source, knode)}: key '{full}' is no longer read here: {retired}")
             raise ConfigError(f"{_where(source, knode)}: unknown key '{full}' for {cls.__name__}; "
                               f"expected one of: {', '.join(sorted(fields))}")
         if key in kwargs:   # YAML keeps the last one silently

@@ -47,7 +47,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    MOVED: ClassVar[dict[str, str]] = {"max_grad_norm": "optim.grad_clip"}   # refused with where it went now
+    RETIRED: ClassVar[dict[str, str]] = {"max_grad_norm": "it is optim.grad_clip now; move it there"}
     advantage: Literal["grpo", "dr_grpo", "batch_std", "rloo"] = field(
         "grpo", help="grpo: (r-mean)/(std+eps) per group; dr_grpo: r-mean; batch_std: one std for the batch; "
                      "rloo: leave-one-out baseline")

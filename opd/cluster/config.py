@@ -1,5 +1,5 @@
 """The `cluster:` section of `opd train` and `opd rl`: where teacher replicas, rollout actors
-and (later) the student's ranks run.
+and the student's ranks run.
 
     ClusterConfig    mode local | fork | ray, the Ray address, and the lists below
     TeacherReplicas  one teacher's `opd serve-teacher` processes: model, backend, replicas,
@@ -11,7 +11,7 @@ and (later) the student's ranks run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from opd.config import field
 
@@ -54,6 +54,10 @@ class TeacherReplicas:
 
 @dataclass(frozen=True)
 class StudentWorkers:
+    # Ray placement of the ranks was configurable before any rank existed, and never read.
+    RETIRED: ClassVar[dict[str, str]] = {
+        k: "the ranks are placed by torchrun (one per GPU of each node, docs/multi_machine.md), not by Ray; "
+           "delete it" for k in ("num_cpus_per_worker", "num_gpus_per_worker", "strategy")}
     num_workers: int = field(1, help="ranks the student (or policy) is sharded over with FSDP2; more than 1 "
                                      "starts them with torchrun's launcher on this machine (or run the command "
                                      "under torchrun), each rank sampling and training on its share of every "
@@ -62,13 +66,8 @@ class StudentWorkers:
         "auto", help="sharded: bf16: compute in bf16 with fp32 master shards and fp32 gradient reduction; none: "
                      "in the weights' dtype; auto: bf16 on CUDA, none on the CPU")
     cpu_offload: bool = field(False, help="sharded: keep the shards and their optimizer state in CPU memory")
-    num_cpus_per_worker: float = field(1.0, help="CPUs reserved per worker (Ray placement; not used yet)",
-                                       min=0.0)
-    num_gpus_per_worker: float = field(0.0, help="GPUs reserved per worker (Ray placement; not used yet)",
-                                       min=0.0)
     backend: Literal["auto", "gloo", "nccl"] = field(
         "auto", help="torch.distributed backend; auto: nccl with GPUs, gloo without")
-    strategy: Strategy = field("PACK", help="placement group strategy across the workers (Ray; not used yet)")
     collective_timeout_s: float = field(300.0, help="a collective waiting longer than this fails the step",
                                         min=1.0)
 
@@ -94,7 +93,8 @@ class ClusterConfig:
     teachers: list[TeacherReplicas] = field(default_factory=list,
                                             help="teacher replicas to place on Ray (mode ray) or to fork (mode "
                                                  "fork: one replica each)")
-    student: StudentWorkers = field(default_factory=StudentWorkers, help="the student's processes (one today)")
+    student: StudentWorkers = field(default_factory=StudentWorkers,
+                                    help="the ranks the student is sharded over (FSDP2)")
     # --- replica pool (client side)
     request_timeout_s: float = field(120.0, help="a replica silent this long is taken as dead and the request "
                                                  "goes to another", min=0.1)

@@ -66,3 +66,15 @@ def test_fork_mode_gives_a_teacher_its_own_gpus():
         from_dict({"mode": "ray", "teachers": [{"name": "a", "model": "m", "gpus": [1]}]}, ClusterConfig)
     with pytest.raises(ConfigError, match="CUDA device indices.*\\('a', -1\\)"):
         from_dict({"mode": "fork", "teachers": [{"name": "a", "model": "m", "gpus": [-1]}]}, ClusterConfig)
+
+
+def test_retired_keys_are_refused_saying_why():
+    with pytest.raises(ConfigError, match="key 'student.strategy' is no longer read here: the ranks are placed by "
+                                          "torchrun"):
+        from_dict({"student": {"num_workers": 2, "strategy": "PACK"}}, ClusterConfig)
+    from opd.rl.config import RLConfig
+
+    with pytest.raises(ConfigError, match="key 'algorithm.max_grad_norm' is no longer read here: it is "
+                                          "optim.grad_clip now"):
+        from_dict({"model": {"path": "m"}, "data": {"train": "t.jsonl"}, "algorithm": {"max_grad_norm": 1.0}},
+                  RLConfig)
