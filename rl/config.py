@@ -147,14 +147,8 @@ class RLConfig:
             raise ValueError("cluster.mode fork starts the teachers of `opd train`; opd rl has none "
                              "(use local or ray)")
         ranks = self.cluster.student.num_workers
-        if ranks > 1:
-            if self.data.prompts_per_step % ranks:
-                raise ValueError(f"data.prompts_per_step {self.data.prompts_per_step} does not divide among "
-                                 f"cluster.student.num_workers {ranks} ranks: each samples an equal share of whole "
-                                 f"groups")
-            if self.rollout.engine != "hf":
-                raise ValueError("cluster.student.num_workers > 1 samples with rollout.engine hf (from the shards "
-                                 "themselves); a vLLM engine beside a sharded policy is not supported yet")
+        # Whole groups per rank: a group's G responses are sampled and scored on one rank.
+        spine.check_sharded_sampling(ranks, "data.prompts_per_step", self.data.prompts_per_step, self.rollout.engine)
         if self.cluster.mode != "ray":
             return
         if self.model.lora is not None:

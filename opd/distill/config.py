@@ -123,16 +123,11 @@ class TrainConfig:
                              f"estimate is unbiased only for tokens drawn from the distribution it scores: set "
                              f"rollout.temperature to the teacher's temperature and rollout.top_p to 1")
         ranks = self.cluster.student.num_workers
+        spine.check_sharded_sampling(ranks, "rollout.prompts_per_step", r.prompts_per_step, r.engine)
         if ranks > 1:
-            if r.prompts_per_step % ranks:
-                raise ValueError(f"rollout.prompts_per_step {r.prompts_per_step} does not divide among "
-                                 f"cluster.student.num_workers {ranks} ranks: each samples an equal share")
             if self.merge.sft is not None and self.merge.sft.batch_size % ranks:
                 raise ValueError(f"merge.sft.batch_size {self.merge.sft.batch_size} does not divide among "
                                  f"cluster.student.num_workers {ranks} ranks")
-            if r.engine != "hf":
-                raise ValueError("cluster.student.num_workers > 1 samples with rollout.engine hf (from the shards "
-                                 "themselves); a vLLM engine beside a sharded student is not supported yet")
             if self.cluster.mode == "ray":
                 raise ValueError("cluster.mode ray with cluster.student.num_workers > 1 is not supported yet: shard "
                                  "the student with cluster.mode local or fork, teachers at their addresses")

@@ -87,3 +87,17 @@ class RunConfig:
     keep_checkpoints: int = field(2, help="newest checkpoints kept on disk", min=1)
     progress: bool = field(True, help="show a progress bar")
     tensorboard: bool = field(True, help="also write TensorBoard events when it is installed")
+
+
+def check_sharded_sampling(ranks: int, prompts_key: str, prompts: int, engine: str) -> None:
+    """What a loop that samples (opd train, opd rl) needs on `ranks` > 1 ranks: the step's prompts
+    divide evenly among them (each samples its share), and the hf engine, which samples from
+    the shards themselves (a vLLM engine beside a sharded model is not supported yet)."""
+    if ranks <= 1:
+        return
+    if prompts % ranks:
+        raise ValueError(f"{prompts_key} {prompts} does not divide among cluster.student.num_workers {ranks} "
+                         f"ranks: each samples an equal share of the step's prompts")
+    if engine != "hf":
+        raise ValueError("cluster.student.num_workers > 1 samples with rollout.engine hf (from the shards "
+                         "themselves); a vLLM engine beside a sharded model is not supported yet")

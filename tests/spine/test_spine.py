@@ -103,3 +103,22 @@ def test_a_run_directory_refuses_a_second_run_and_a_resume_under_another_objecti
     RunDir(tmp_path / "run", config, resume=True).restore(model, opt3, schedule3)
     assert schedule3.last_epoch == 2 and opt3.param_groups[0]["lr"] == pytest.approx(0.5)
     assert json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())["step"] == 2
+
+
+def test_a_sharded_run_needs_prompts_that_divide_among_its_ranks_and_the_hf_engine():
+    from opd.distill.config import TrainConfig
+    from opd.rl.config import RLConfig
+
+    shards = {"student": {"num_workers": 2}}
+    rl = {"model": {"path": "m"}, "data": {"train": "t.jsonl", "prompts_per_step": 3}, "cluster": shards}
+    with pytest.raises(ConfigError, match="data.prompts_per_step 3 does not divide among cluster.student.num_workers 2"):
+        from_dict(rl, RLConfig)
+    rl["data"]["prompts_per_step"] = 4
+    assert from_dict(rl, RLConfig).cluster.student.num_workers == 2
+    train = {"student": {"path": "s"}, "cluster": shards, "rollout": {"prompts_per_step": 4, "engine": "vllm"},
+             "merge": {"teachers": [{"name": "t", "address": "tcp://127.0.0.1:1"}],
+                       "datasets": [{"domain": "d", "path": "p.jsonl"}]}}
+    with pytest.raises(ConfigError, match="num_workers > 1 samples with rollout.engine hf"):
+        from_dict(train, TrainConfig)
+    train["rollout"]["engine"] = "hf"
+    assert from_dict(train, TrainConfig).rollout.prompts_per_step == 4
