@@ -3,6 +3,7 @@ the peak memory a case adds above what its process held before it.
 
     run_case(module, spec, timeout, error_row, env)   `python -m MODULE --worker SPEC` -> its row
     PeakMemory(torch, device)                           .extra(): peak bytes since it was made
+    pick_device(device), write_rows(path, rows)          --device auto, --json FILE
 
 A process per case keeps one case's allocator caches and peak out of the next one's figure.
 On CUDA the peak is the caching allocator's (`max_memory_allocated`); on the CPU it is the
@@ -12,6 +13,7 @@ process's peak resident set (VmHWM), reset to the current RSS first where Linux 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -32,6 +34,22 @@ def run_case(module: str, spec: dict, timeout: float, error_row: Callable[..., d
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         return error_row(spec, error=f"exit {proc.returncode}: {tail[0][:200]}")
     return json.loads(lines[-1])
+
+
+def pick_device(device: str) -> str:
+    """--device: auto is cuda when torch sees a GPU, else cpu (torch imported only then)."""
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def write_rows(path: str | None, rows: list[dict]) -> None:
+    """--json FILE: the rows, its folder made first (no file when `path` is None)."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 class PeakMemory:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-from opd.benchmarks.cases import PeakMemory, run_case
+from opd.benchmarks.cases import PeakMemory, pick_device, run_case, write_rows
 from opd.rl import grpo
 from opd.rl.logprobs import ResponseRows, chunked_entropy, rows_logprobs_and_entropy, to_B_T
 
@@ -53,10 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))), flush=True)
         return 0
-    device = args.device
-    if device == "auto":
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = pick_device(args.device)
     shape = QUICK if args.quick else FULL
     rows = []
     for case in args.cases:
@@ -64,10 +60,7 @@ def run(args: argparse.Namespace) -> int:
                     warmup=args.quick or device == "cuda")
         rows.append(_in_subprocess(spec, args.timeout))
         _print_row(rows[-1], header=len(rows) == 1)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 

@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from opd.benchmarks.cases import PeakMemory, run_case
+from opd.benchmarks.cases import PeakMemory, pick_device, run_case, write_rows
 from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss
 from opd.kernels.maths import divergence_name
 
@@ -80,10 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))), flush=True)
         return 0
-    device = args.device
-    if device == "auto":
-        import torch
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = pick_device(args.device)
     rows = []
     for case in args.cases:
         for provider in args.providers:
@@ -99,10 +96,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 rows.append(_in_subprocess(spec, args.timeout))
             _print_row(rows[-1], header=len(rows) == 1)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     if not _liger_available() and "liger" in args.providers:
         print("(liger_kernel not importable: Liger rows skipped; pip install 'opd[bench]')")
     return 0
