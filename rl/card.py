@@ -32,7 +32,10 @@ def write_grpo_card(out: Path, c, *, reward: dict, train_report, resumes: list[d
                       "kl estimator": c.algorithm.kl_estimator,
                       "reference": ("adapter off (LoRA)" if is_lora else "frozen copy")
                       if c.algorithm.kl_beta > 0 else "none (beta = 0)",
-                      "loss aggregation": c.algorithm.loss_aggregation},
+                      "loss aggregation": c.algorithm.loss_aggregation,
+                      "teachers": [{"name": t.name, "address": t.address, "lambda (weight)": t.weight, "gamma": t.gamma,
+                                    "signal": "sampled-token reverse KL in each token's advantage",
+                                    "domains": t.domains or "all"} for t in c.teachers] or "none"},
         "rewards": reward,
         "sampling": {"engine": c.rollout.engine, "temperature": c.rollout.temperature, "top_p": c.rollout.top_p,
                      "max_new_tokens": c.rollout.max_new_tokens,

@@ -7,6 +7,8 @@
     rewards:    a weighted list of reward functions
     optim, run: optimizer and clipping; steps, evaluation, checkpoints, seed, output folder
     cluster:    local, or ray: the G responses are sampled by rollout actors on a Ray cluster
+    teachers:   optional teacher servers (mode sampled): each token's advantage gains
+                -lambda * (log pi - log pi_teacher), discounted with gamma (opd.spine.objective)
 
 `model`, and the shared fields of `rollout`, `optim` and `run`, are the training spine's
 sections (opd/spine/config.py), the same classes `opd train` uses. Two keys were renamed when
@@ -21,8 +23,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from opd.cluster.config import ClusterConfig, StudentWorkers, TeacherReplicas
+from opd.distill.config import TeacherClientSettings
+from opd.routing.config import TeacherSpec
 from opd.config import check_vllm_lora, field
 from opd.spine import config as spine
+from opd.spine.config import RewardConfig  # noqa: F401  (opd rl's rewards; opd train takes them too)
 
 
 @dataclass(frozen=True)
@@ -65,23 +70,6 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
-class RewardConfig:
-    name: Literal["math", "code", "format", "length", "python"] = field(
-        help="math: answer vs `answer`; code: unit tests in `tests` (sandboxed); format: regex; "
-             "length: overlong penalty; python: a user function")
-    weight: float = field(1.0, help="weight in the sum of rewards")
-    options: dict[str, Any] = field(default_factory=dict, help="keyword options of the reward function "
-                                    "(code: timeout_s, memory_mb, workers; format: pattern; length: soft_max, hard_max)")
-    path: str | None = field(None, help="python reward: 'FILE.py:function', called f(sample, response_text) -> float")
-
-    def __post_init__(self):
-        if self.name == "python" and not self.path:
-            raise ValueError("a 'python' reward needs path: 'FILE.py:function'")
-        if self.name != "python" and self.path:
-            raise ValueError(f"'path' is only for 'python' rewards, not {self.name!r}")
-
-
-@dataclass(frozen=True)
 class OptimConfig(spine.OptimConfig):
     lr: float = field(1e-6, help="peak AdamW learning rate", min=0.0)
 
@@ -93,6 +81,8 @@ class RunConfig(spine.RunConfig):
                             min=0)
     checkpoint_every: int = field(50, help="checkpoint every N steps (0: only at the end)", min=0,
                                   aliases=("ckpt_every",))
+    drown_factor: float = field(10.0, help="with teachers: warn when the reward's or the teachers' mean advantage "
+                                           "per token is this many times the other's", min=1.0)
     flat_warning: float = field(0.8, help="warn when more than this share of groups got all-equal rewards", min=0.0,
                                 max=1.0)
 
@@ -130,6 +120,12 @@ class RLConfig:
                                         help="reward functions, summed with their weights")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer, schedule and gradient clipping")
     run: RunConfig = field(default_factory=RunConfig, help="steps, evaluation, checkpoints, output")
+    teachers: list[TeacherSpec] = field(default_factory=list,
+                                        help="teacher servers whose sampled-token reverse KL joins each token's "
+                                             "advantage, weight lambda (`weight`) and discount `gamma`; mode "
+                                             "sampled; `domains` limits a teacher to those samples' domains")
+    teacher_client: TeacherClientSettings = field(default_factory=TeacherClientSettings,
+                                                  help="timeouts and retries towards the teacher servers")
     cluster: RLClusterConfig = field(default_factory=RLClusterConfig,
                                      help="local (default), or ray: rollout.actors rollout engines as Ray actors, "
                                           "new weights pushed to them by file after each step "
@@ -143,6 +139,18 @@ class RLConfig:
                              f"x rollout.group_size {self.rollout.group_size}); each optimizer step needs one")
         if self.rollout.engine == "vllm" and self.model.lora is not None:
             check_vllm_lora(self.model.lora.target_modules, "model.lora.target_modules")
+        off = [t.name for t in self.teachers if t.mode != "sampled"]
+        if off:
+            raise ValueError(f"teachers {off}: opd rl adds a teacher as the sampled-token advantage (mode sampled); "
+                             f"top-k and full divergences are opd train's (add `rewards` to a merge config)")
+        if self.teachers and (self.rollout.temperature != 1.0 or self.rollout.top_p < 1
+                              or any(t.temperature != 1.0 for t in self.teachers)):
+            raise ValueError("teachers: the reverse-KL advantage compares the policy's raw log-probs with the "
+                             "teacher's; it is unbiased for tokens drawn from that distribution: set "
+                             "rollout.temperature 1, rollout.top_p 1 and the teachers' temperature 1")
+        if self.teachers and self.cluster.student.num_workers > 1:
+            raise ValueError("teachers with cluster.student.num_workers > 1 are opd train's (add `rewards` to a "
+                             "merge config); opd rl scores them on one process")
         if self.cluster.mode == "fork":
             raise ValueError("cluster.mode fork starts the teachers of `opd train`; opd rl has none "
                              "(use local or ray)")

@@ -69,12 +69,13 @@ def clipped_surrogate(logprobs_B_T: torch.Tensor, old_logprobs_B_T: torch.Tensor
     """PPO's clipped objective per token, as a loss: -min(ratio*A, clip(ratio, 1-eps_low, 1+eps_high)*A).
 
     `old_logprobs_B_T` are the rollout policy's log-probs of the sampled tokens. A separate
-    eps_high > eps_low is DAPO's clip-higher (lets low-probability tokens rise).
+    eps_high > eps_low is DAPO's clip-higher (lets low-probability tokens rise). advantages: one
+    per sequence [B], or one per token [B, T] (a teacher's term joined, opd.spine.objective).
     Returns (loss_B_T, clipped_B_T) where clipped marks tokens whose gradient the clip
     removed (the clipped branch was the smaller one).
     """
     ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T)
-    adv_B_1 = advantages_B[:, None].to(logprobs_B_T.dtype)
+    adv_B_1 = (advantages_B[:, None] if advantages_B.dim() == 1 else advantages_B).to(logprobs_B_T.dtype)
     unclipped_B_T = ratio_B_T * adv_B_1
     clipped_obj_B_T = torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high) * adv_B_1
     loss_B_T = -torch.minimum(unclipped_B_T, clipped_obj_B_T)

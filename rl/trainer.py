@@ -10,6 +10,9 @@ Each step:
      beta * KL(policy || reference), aggregated as configured
   6. metrics (reward, group std, share of all-equal groups, length, clip fraction, KL,
      entropy), a warning when most groups carry no signal, eval, checkpoint
+With `teachers`, step 1 also sends the responses to the teacher servers, and in step 5 each
+token's advantage gains each teacher's -lambda * (log pi - log pi_teacher), discounted with
+its gamma (opd.spine.objective: the objective `opd train` computes with `rewards`).
 
 The card is written at the start and rewritten with the results at the end. A checkpoint
 holds the run's config: `--resume` with another value of a key that defines the objective
@@ -33,7 +36,10 @@ from __future__ import annotations
 import copy
 import json
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
@@ -56,6 +62,18 @@ from opd.spine.dist import World, memory_per_rank
 from opd.spine.model import load_policy, make_engine
 from opd.spine.optim import NonfiniteSteps, build_optimizer, optimizer_step
 from opd.spine.run import RunDir
+from opd.spine import objective
+from opd.distill.teachers import TeacherSet
+from opd.fingerprint import tokenizer_fingerprint
+
+
+@dataclass(frozen=True)
+class TeacherTerm:
+    """One teacher's part of the per-token advantage."""
+    lam: float                 # its weight
+    gamma: float               # discount of later tokens' terms
+    lp_B_T: torch.Tensor       # its log-probs of the sampled tokens (0 off its sequences)
+    on_B: torch.Tensor         # 1 on the sequences it scored
 
 PLOT_GROUPS = {
     "reward": ["reward"], "groups": ["groups"], "length": ["length"], "kl": ["kl"],
@@ -70,8 +88,9 @@ PLOT_GROUPS = {
 # algorithm.micro_batch_size are free: where the weights sit and how a batch is split for
 # memory change nothing the policy learns.
 RESUME_FIXED = ("model.*", "rollout.group_size", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
-                "algorithm.*", "rewards", "rewards.*", "data.train", "data.prompts_per_step", "run.seed")
-RESUME_FREE = ("model.device", "model.gradient_checkpointing", "algorithm.micro_batch_size",
+                "algorithm.*", "rewards", "rewards.*", "data.train", "data.prompts_per_step", "run.seed",
+                "teachers", "teachers.*")
+RESUME_FREE = ("teachers.*.address", "teachers.*.curve_server_key", "model.device", "model.gradient_checkpointing", "algorithm.micro_batch_size",
                "algorithm.max_grad_norm")   # retired: optim.grad_clip (a checkpoint from before has it)
 
 
@@ -141,6 +160,7 @@ class GRPOTrainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.run.steps)
         self.nonfinite = NonfiniteSteps("Check the rewards, optim.lr and model.dtype")
         self.last_flat_warning = -10**9
+        self.last_drowned = -10**9
         self.memory: dict | None = None   # bytes per rank, for the card at the end
         # The card's history, kept in every checkpoint: the warnings printed and the resumes
         # (each with the config keys changed since its checkpoint).
@@ -155,6 +175,7 @@ class GRPOTrainer:
             self.resumes = list(state.get("resumes", [])) + [
                 {"at_step": self.start_step, "checkpoint": self.run_dir.resume_from.name,
                  "changed": self.run_dir.changed}]
+        self.teachers = self.connect_teachers() if cfg.teachers else None
         self.cluster, self._ray_started = None, False
         self.engine = self.start_ray_engine() if cfg.cluster.mode == "ray" \
             else make_engine(cfg.rollout, cfg.model, self.model, self.tokenizer, seed=cfg.run.seed, world=world)
@@ -184,6 +205,7 @@ class GRPOTrainer:
                                         max_new_tokens=cfg.rollout.max_new_tokens, n=G,
                                         seed=cfg.run.seed * 1_000_003 + step, share=share)
                 rollouts_B = self.engine.generate(prompt_ids_P, params)
+                futures = self.submit_teachers(rollouts_B, samples_P) if self.teachers is not None else None
                 texts_B = [self.decode(r) for r in rollouts_B]
                 t_rollout = time.time() - t0
                 # 2. rewards
@@ -198,7 +220,8 @@ class GRPOTrainer:
                 batch = collate(rollouts_B, self.pad_id)
                 ref_B_T = self.reference_logprobs(batch) if cfg.algorithm.kl_beta > 0 else None
                 # 5. clipped updates (an optimizer step whose gradient is not finite is skipped)
-                upd = self.update(batch, adv_B, ref_B_T)
+                terms = self.teacher_terms(futures, batch) if futures is not None else []
+                upd = self.update(batch, adv_B, ref_B_T, terms)
                 skipped = self.nonfinite.check(step + 1, not upd["steps_skipped"],
                                                f" in {upd['steps_skipped']:.0f} of its optimizer steps")
                 if skipped:
@@ -212,6 +235,13 @@ class GRPOTrainer:
                 metrics.update({"time/rollout": t_rollout, "time/reward": t_reward,
                                 "time/step": time.time() - t0})
                 self.warn_if_flat(step, metrics)
+                drowned = objective.drowned(metrics.get("signal/reward", 0.0), metrics.get("signal/teacher", 0.0),
+                                            cfg.run.drown_factor) if terms else None
+                if drowned and step - self.last_drowned >= 10:
+                    self.last_drowned = step
+                    self.warnings.append(f"step {step + 1}: {drowned}")
+                    if world.main:
+                        tqdm.write(f"[opd rl] warning: step {step + 1}: {drowned}")
                 done = step + 1
                 if self.eval_samples and cfg.run.eval_every and done % cfg.run.eval_every == 0 \
                         and done != cfg.run.steps:
@@ -230,6 +260,8 @@ class GRPOTrainer:
             bar.close()
             logger.close()
             self.engine.close()
+            if self.teachers is not None:
+                self.teachers.close()
             self.close_cluster()
         self.memory = memory_per_rank(self.model, self.optimizer)
         self.run_dir.finish(self.model, self.tokenizer, PLOT_GROUPS, cfg.model)   # RUN/model: LoRA merged in
@@ -284,8 +316,7 @@ class GRPOTrainer:
     # -- step pieces -----------------------------------------------------------------------
 
     def decode(self, rollout) -> str:
-        ids = rollout.response_ids[:-1] if rollout.finish_reason == "eos" else rollout.response_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return rollout.text(self.tokenizer)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: PaddedRollouts) -> torch.Tensor:
@@ -301,8 +332,46 @@ class GRPOTrainer:
             out.append(lp.cpu())
         return torch.cat(out)
 
-    def update(self, batch: PaddedRollouts, adv_B: torch.Tensor, ref_B_T: torch.Tensor | None) -> dict:
-        """`epochs` passes, each split into `minibatches` optimizer steps of micro-batches."""
+    # -- teachers ----------------------------------------------------------------------------
+
+    def connect_teachers(self) -> TeacherSet:
+        """The teacher servers, checked before any step: reachable, the policy's tokenizer, mode sampled."""
+        view = SimpleNamespace(merge=SimpleNamespace(teachers=self.cfg.teachers), teacher_client=self.cfg.teacher_client,
+                               cluster=SimpleNamespace(teachers=[]), loss=SimpleNamespace(full_dtype="float32"))
+        return TeacherSet(view, tokenizer_fingerprint(self.tokenizer), self.cfg.model.path)
+
+    def submit_teachers(self, rollouts_B, samples_P) -> dict[str, tuple[list[int], Future]]:
+        """{teacher: (the sequences it scores, the Future of its answer)}: every response of a
+        sample whose domain the teacher covers (all, when its `domains` is empty)."""
+        out = {}
+        for spec in self.cfg.teachers:
+            seqs = [b for b, r in enumerate(rollouts_B)
+                    if not spec.domains or samples_P[r.prompt_index].domain in spec.domains]
+            if seqs:
+                out[spec.name] = (seqs, self.teachers.request(spec.name, [rollouts_B[b].ids for b in seqs],
+                                                              [len(rollouts_B[b].prompt_ids) for b in seqs]))
+        return out
+
+    def teacher_terms(self, futures: dict, batch: PaddedRollouts) -> list[TeacherTerm]:
+        """Each teacher's log-probs of the sampled tokens, [B, T] (0 off its sequences)."""
+        answers = self.teachers.answers({t: f for t, (_, f) in futures.items()})
+        terms = []
+        for spec in self.cfg.teachers:
+            if spec.name not in futures:
+                continue
+            seqs, answer = futures[spec.name][0], answers[spec.name]
+            lp_B_T, on_B = torch.zeros_like(batch.old_logprobs_B_T), torch.zeros(batch.mask_B_T.shape[0])
+            for j, b in enumerate(seqs):
+                a, e = answer.row_offsets[j], answer.row_offsets[j + 1]
+                lp_B_T[b, :e - a] = answer.token_logprob[a:e]
+                on_B[b] = 1.0
+            terms.append(TeacherTerm(spec.weight, spec.gamma, lp_B_T, on_B))
+        return terms
+
+    def update(self, batch: PaddedRollouts, adv_B: torch.Tensor, ref_B_T: torch.Tensor | None,
+               terms: list[TeacherTerm] = ()) -> dict:
+        """`epochs` passes, each split into `minibatches` optimizer steps of micro-batches.
+        terms: the teachers' log-probs; each token's advantage gains their reverse-KL terms."""
         a = self.cfg.algorithm
         B = adv_B.shape[0]
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "ratio": 0.0,
@@ -328,7 +397,12 @@ class GRPOTrainer:
                     lp, ent = token_logprobs_and_entropy(self.model, part)
                     dev = lp.device
                     mask = part.mask_B_T.to(dev)
-                    pg_B_T, clipped_B_T = grpo.clipped_surrogate(lp, part.old_logprobs_B_T.to(dev), adv.to(dev),
+                    adv = adv.to(dev)
+                    if terms:   # per token: the reward's advantage plus each teacher's (opd.spine.objective)
+                        adv, signal = self.token_advantages(adv, lp, mask, terms, rows, sl)
+                        for k, v in signal.items():
+                            sums[k] = sums.get(k, 0.0) + v
+                    pg_B_T, clipped_B_T = grpo.clipped_surrogate(lp, part.old_logprobs_B_T.to(dev), adv,
                                                                  a.eps_low, a.eps_high)
                     agg = dict(num_sequences=n_seq, num_tokens=n_tok, max_tokens=self.cfg.rollout.max_new_tokens)
                     pg = grpo.aggregate(pg_B_T, mask, a.loss_aggregation, **agg)
@@ -363,7 +437,23 @@ class GRPOTrainer:
         return {"loss": sums["loss"] / n_steps, "loss/pg": sums["pg_loss"] / n_steps,
                 "kl": sums["kl"] / per_tok, "clip_fraction": sums["clip_fraction"] / per_tok,
                 "entropy": sums["entropy"] / per_tok, "ratio/mean": sums["ratio"] / per_tok,
-                "grad_norm": sums["grad_norm"] / n_steps, "lr": lr, "steps_skipped": float(skipped)}
+                "grad_norm": sums["grad_norm"] / n_steps, "lr": lr, "steps_skipped": float(skipped),
+                **{k: sums[k] / per_tok for k in ("signal/reward", "signal/teacher") if k in sums}}
+
+    @staticmethod
+    def token_advantages(adv_B, lp_B_T, mask_B_T, terms, rows, sl):
+        """([B, T] advantages: adv_B plus every teacher's discounted reverse-KL term on its
+        sequences, {summed |signal| of the reward and of the teachers} over real tokens)."""
+        m = mask_B_T.to(lp_B_T.dtype)
+        adv_B_T = adv_B[:, None].expand_as(lp_B_T)
+        signal = {"signal/reward": float((adv_B_T.abs() * m).sum()), "signal/teacher": 0.0}
+        for term in terms:
+            on = term.on_B[rows][sl].to(lp_B_T.device)[:, None] * m
+            t_B_T = objective.discounted_B_T(objective.teacher_advantage(lp_B_T, term.lp_B_T[rows][sl].to(lp_B_T.device),
+                                                                         term.lam), on, term.gamma)
+            adv_B_T = adv_B_T + t_B_T
+            signal["signal/teacher"] += float(t_B_T.abs().sum())
+        return adv_B_T, signal
 
     def step_metrics(self, rewards_P_G: torch.Tensor, parts: dict, rollouts_B, upd: dict) -> dict:
         flat_P = grpo.equal_groups(rewards_P_G)

@@ -33,12 +33,17 @@ class TeacherSpec:
                                   "between: generalized JSD (sampled mode: always reverse KL)", min=0.0, max=1.0)
     scale_by_t2: bool = field(False, help="multiply this teacher's loss by temperature^2")
     weight: float = field(1.0, help="loss weight lambda of this teacher's samples", min=0.0)
+    gamma: float = field(0.0, help="sampled mode: discount of the future tokens' reverse-KL terms folded into "
+                                   "each token's advantage (0: each token its own term)", min=0.0, max=1.0)
     curve_server_key: str | None = field(None, help="server public key file when the teacher uses CURVE")
 
     def __post_init__(self):
         if not self.address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"teacher {self.name!r}: address {self.address!r} needs its transport, "
                              f"e.g. tcp://127.0.0.1:5555 or ipc:///tmp/teacher.sock")
+        if self.gamma and self.mode != "sampled":
+            raise ValueError(f"teacher {self.name!r}: gamma discounts the sampled-token advantage; mode "
+                             f"{self.mode} computes an exact divergence per position: remove gamma or use mode sampled")
         if self.mode == "sampled" and 0 < self.beta < 1:
             raise ValueError(f"teacher {self.name!r}: mode sampled trains reverse KL (the sampled-token estimate); "
                              f"beta {self.beta} would not be used: remove it, or use mode topk or full for a JSD")

@@ -29,11 +29,17 @@ class Batch:
     rollouts: list[Rollout]         # per sequence, samples_per_prompt per prompt
     keep: list[int]                 # trimmed response length per sequence
     policy_version: int             # optimizer steps the sampling weights had taken
+    advantages: list[float] | None = None   # per sequence: the reward's group advantage (with `rewards`)
+    rewards: list[float] | None = None      # per sequence: the combined reward
     futures: dict[str, Future] = field(default_factory=dict)     # teacher -> Future of its Answer
     members: dict[str, list[int]] = field(default_factory=dict)  # teacher -> sequences it scores
 
     def route_of(self, seq: int) -> Route:
         return self.routes[self.rollouts[seq].prompt_index]
+
+    def sampler_logprobs(self, seq: int) -> list[float]:
+        """The sampling weights' raw log-probs of sequence `seq`'s kept response tokens."""
+        return self.rollouts[seq].logprobs[:self.keep[seq]]
 
     def responses(self) -> list[list[int]]:
         """The trimmed response of each sequence: what the teachers score and the loss trains."""

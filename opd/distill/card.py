@@ -30,14 +30,25 @@ def _teacher_facts(cfg, t, welcome, tail: list[float], share: float) -> dict:
     }
 
 
+def _correction_facts(off, importance: list[float] | None) -> dict:
+    total, peak, cut, rows = importance or [0.0, 0.0, 0.0, 0]
+    how = {"tis": f"truncated importance sampling, ratio cap {off.cap}",
+           "mask": f"tokens whose ratio leaves [{off.band[0]}, {off.band[1]}] masked",
+           "none": "none: off-policy rows trained as if on-policy"}[off.correction]
+    return {"method": how, "ratio": "pi_now / pi_sampler of the sampled token (raw, temperature-1 log-probs)",
+            **({"ratio_mean": total / rows, "ratio_max": peak, "share_cut": cut / rows, "rows": int(rows)}
+               if rows else {"rows": "no row was sampled by older weights" if importance is not None else 0})}
+
+
 def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_samples: dict[str, float],
                      tail_mass: dict[str, list[float]], staleness: list[int], prompts: dict[str, int],
                      eval_prompts: int, evals: list[dict], warnings: list[str], steps: int,
                      skipped_lines: dict | None = None, trimmed: list[int] | None = None, ranks: int = 1,
-                     memory: dict | None = None) -> None:
+                     memory: dict | None = None, importance: list[float] | None = None) -> None:
     """card.md + card.json in `out`. `student`: model/tokenizer fingerprints and trained parameter count;
     `trimmed`: [response tokens trimmed after the answer, response tokens sampled] over the run;
-    `skipped_lines`: {file: {loaded, skipped, first}} for files with malformed lines skipped."""
+    `skipped_lines`: {file: {loaded, skipped, first}} for files with malformed lines skipped;
+    `importance`: [sum of the importance ratios, their max, rows cut by the correction, rows]."""
     total = sum(teacher_samples.values()) or 1.0
     st = staleness or [0]
     lora = cfg.student.lora
@@ -52,9 +63,12 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
            for t in cfg.merge.teachers},
         "trajectories": {
             "source": f"sampled by the student being trained ({cfg.rollout.engine} engine)",
-            "pipelined": cfg.run.pipeline,
+            "pipelined": cfg.run.pipeline if cfg.run.max_staleness is None else
+            f"rollouts run ahead by at most {cfg.run.max_staleness} optimizer steps (run.max_staleness)",
             "staleness": (f"mean {sum(st) / len(st):.3g}, max {max(st)} optimizer steps between the sampling "
-                          f"weights and the trained weights"),
+                          f"weights and the trained weights; batches per staleness: "
+                          f"{ {k: st.count(k) for k in sorted(set(st))} }"),
+            "off_policy_correction": _correction_facts(cfg.loss.off_policy, importance),
             "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
             "max_new_tokens": cfg.rollout.max_new_tokens, "samples_per_prompt": cfg.rollout.samples_per_prompt,
             "trimming": cfg.loss.trim + (f" (marker {cfg.loss.answer_end_marker!r})"
@@ -63,7 +77,13 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
                            f"trimmed, not distilled" if trimmed and trimmed[1] else ""),
         },
         "objective": {
-            "loss": "sum_d lambda_d * L_OPD^d + lambda_sft * L_SFT",
+            "loss": "sum_d lambda_d * L_OPD^d + lambda_sft * L_SFT"
+                    + (" + alpha * L_reward (policy gradient of the group advantage)" if cfg.rewards else ""),
+            "rewards": ({"functions": [{"name": r.name, "weight": r.weight, **({"path": r.path} if r.path else {}),
+                                        **({"options": r.options} if r.options else {})} for r in cfg.rewards],
+                         "alpha (loss.reward_weight)": cfg.loss.reward_weight,
+                         "advantage": cfg.loss.reward_advantage,
+                         "group_size": cfg.rollout.samples_per_prompt} if cfg.rewards else "none"),
             "length_normalization": f"per {cfg.loss.length_norm}",
             "domain_weights": cfg.merge.domain_weights, "domain_normalization": cfg.merge.normalize,
             "sft_mix": (f"lambda_sft={cfg.merge.sft.lambda_sft} on {cfg.merge.sft.path} "

@@ -51,6 +51,15 @@ class LossConfig:
     impl: Literal["auto", "torch", "triton"] = field("auto", help="kernel implementation passed to opd.kernels")
     full_dtype: Literal["float32", "bfloat16", "float16"] = field(
         "float32", help="full mode: dtype of teacher logits on the wire and in memory")
+    reward_weight: float = field(1.0, help="with `rewards`: alpha, the weight of the verifier's group-relative "
+                                           "advantage in each token's advantage (opd.spine.objective)", min=0.0)
+    reward_advantage: Literal["grpo", "dr_grpo", "batch_std", "rloo"] = field(
+        "grpo", help="with `rewards`: the group advantage over a prompt's samples_per_prompt responses (opd.rl.grpo)")
+    drown_factor: float = field(10.0, help="warn when the reward's or the teachers' mean signal per token is this "
+                                           "many times the other's", min=1.0)
+    off_policy: spine.OffPolicyConfig = field(default_factory=spine.OffPolicyConfig,
+                                              help="correction of rows sampled by older weights (run.pipeline, "
+                                                   "run.max_staleness)")
 
     def __post_init__(self):
         if self.trim == "marker" and not self.answer_end_marker:
@@ -83,6 +92,10 @@ class RunConfig(spine.RunConfig):
                             min=0)
     pipeline: bool = field(True, help="sample the next batch and send it to the teachers before training the "
                                       "current one; its rollouts then come from weights one step old")
+    max_staleness: int | None = field(None, help="rollouts run ahead of training in a thread of their own, with "
+                                                 "their own copy of the weights (pushed after each step), at most "
+                                                 "this many optimizer steps (0: fully on-policy; null: run.pipeline "
+                                                 "decides)", min=0)
     eval_prompts: int = field(16, help="held-out prompts per evaluation (from datasets' eval_path)", min=1)
     ngram: int = field(4, help="n of the repeated n-gram ratio diagnostic", min=1)
     lopsided_factor: float = field(3.0, help="warn when a domain's loss share or eval accuracy is this many "
@@ -100,6 +113,10 @@ class TrainConfig:
     teacher_client: TeacherClientSettings = field(default_factory=TeacherClientSettings,
                                                   help="timeouts and retries towards the teacher servers")
     run: RunConfig = field(default_factory=RunConfig, help="steps, evaluation, checkpoints, seed, output")
+    rewards: list[spine.RewardConfig] = field(default_factory=list,
+                                              help="verifiable rewards beside the teachers (as opd rl's): their group "
+                                                   "advantage, times loss.reward_weight, joins every response "
+                                                   "token's advantage; empty: distillation alone")
     cluster: ClusterConfig = field(default_factory=ClusterConfig,
                                    help="local (default); fork: opd train starts cluster.teachers itself, on "
                                         "this machine (docs/train.md); or ray: teachers of cluster.teachers run "
@@ -122,7 +139,16 @@ class TrainConfig:
                              f"but rollout samples at temperature {r.temperature}, top_p {r.top_p}; its reverse-KL "
                              f"estimate is unbiased only for tokens drawn from the distribution it scores: set "
                              f"rollout.temperature to the teacher's temperature and rollout.top_p to 1")
+        if self.rewards and r.samples_per_prompt < 2:
+            raise ValueError(f"rewards: the reward advantage is relative to a prompt's group of responses; "
+                             f"rollout.samples_per_prompt is {r.samples_per_prompt}, set it to 2 or more")
         ranks = self.cluster.student.num_workers
+        if self.run.max_staleness is not None and r.engine == "vllm" and self.student.lora is not None:
+            raise ValueError("run.max_staleness with rollout.engine vllm and a LoRA student is not supported yet: "
+                             "use the hf engine, or run.pipeline")
+        if self.run.max_staleness and ranks > 1:
+            raise ValueError("run.max_staleness with cluster.student.num_workers > 1 is not supported: rollouts "
+                             "run ahead on one process (its own copy of the weights)")
         spine.check_sharded_sampling(ranks, "rollout.prompts_per_step", r.prompts_per_step, r.engine)
         if ranks > 1:
             if self.merge.sft is not None and self.merge.sft.batch_size % ranks:

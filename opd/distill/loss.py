@@ -1,6 +1,6 @@
 """The distillation objective of one batch: each teacher's rows, weighted, backward in micro-batches.
 
-    L = sum_d lambda_d * L^d  +  lambda_sft * L_SFT
+    L = sum_d lambda_d * L^d  +  lambda_sft * L_SFT  [+ the reward term, with `rewards`]
 
 L^d is the mean loss (per token or per sequence, `loss.length_norm`) of the response rows
 routed to domain d, each row's loss the divergence to its teacher (top-k with the tail bucket,
@@ -8,6 +8,12 @@ full vocabulary, or the sampled-token reverse-KL advantage) times that teacher's
 share of the sample (opd.spine.rows.row_weights). Rows come from opd.kernels, on the student's
 response rows only: prompt and padding are never scored, and the rows past the answer's end
 were trimmed before the teachers saw them.
+
+With `rewards`, every response token also carries alpha times its sequence's group advantage
+as a policy-gradient term (opd.spine.objective, the same maths `opd rl` adds teachers with),
+at the token's row weight. Rows of a batch sampled by older weights (run.pipeline,
+run.max_staleness) are weighted by their importance ratio (loss.off_policy): a policy-gradient
+term (sampled mode, the reward) by its token's, a top-k or full divergence by its prefix's.
 
 `train_batch` runs the first micro-batch's student forward before it waits for the teachers
 (they score in their own processes meanwhile), and reads a full-vocabulary answer's rows
@@ -26,23 +32,29 @@ from opd.distill.batch import Batch
 from opd.distill.stats import StepStats
 from opd.distill.teachers import Answer, TeacherSet
 from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
+from opd.spine import objective
 from opd.spine.optim import TrainError
 from opd.spine.dist import World
 from opd.spine.rows import group_counts, pack, row_weights, rows_logits, select_rows, sft_loss, student_rows
 
 
-def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.Tensor, impl: str):
+def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.Tensor, impl: str,
+                 segments: list[int] | None = None):
     """(loss rows with grad, divergence rows for metrics) of one teacher on the student's rows
     `rows` (logits [n, V], or (hidden [n, H], lm_head weight [V, H]) when fused) against its
-    answer rows `idx`; targets [n]: the sampled tokens. T^2 is applied when the spec asks."""
+    answer rows `idx`; targets [n]: the sampled tokens. T^2 is applied when the spec asks.
+    segments: where each sequence's rows start in `rows` (sampled mode with gamma > 0: each
+    token's advantage discounts its sequence's later tokens' terms into it)."""
     t2 = spec.temperature ** 2 if spec.scale_by_t2 else 1.0
     if spec.mode == "sampled":
         logits = rows if not isinstance(rows, tuple) else rows[0] @ rows[1].T
         student_lp = torch.log_softmax(logits.float() / spec.temperature, -1).gather(
             -1, targets[:, None].to(logits.device)).squeeze(-1)
         est = sampled_token_reverse_kl(student_lp, answer.token_logprob[idx].to(student_lp.device))
-        # Policy gradient with advantage -est: d/dθ of est * log p_student(x).
-        return est * student_lp * t2, est
+        # Policy gradient with advantage -est (discounted over the sequence with gamma): d/dθ of
+        # est * log p_student(x). (objective.policy_gradient(lp, -est) is the same loss.)
+        ret = objective.discounted(est, segments if segments is not None else [0, len(est)], spec.gamma)
+        return ret * student_lp * t2, est
     teacher = answer.teacher_rows(idx, rows[0].device if isinstance(rows, tuple) else rows.device)
     if isinstance(rows, tuple):
         hidden, weight = rows
@@ -66,12 +78,13 @@ def common_vocabulary(student_N_V: torch.Tensor, teacher):
 
 
 def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str, float], pad_id: int,
-                scale: float, stats: StepStats, world: World = World()) -> None:
+                scale: float, stats: StepStats, world: World = World(), stale: bool = False) -> None:
     """Loss and backward of one batch, micro-batch by micro-batch (the gradients accumulate).
     lam: each domain's lambda (merge.domain_weights times its normalizer multiplier); scale: the
     batch's share of the optimizer step (1 / grad_accum). world: the batch is this rank's share
     of the step: rows are weighted by every rank's counts, and every micro-batch runs forward
-    and backward, rows or not, since a sharded model's passes are collectives."""
+    and backward, rows or not, since a sharded model's passes are collectives. stale: the batch
+    was sampled by older weights than those trained (its rows get importance weights)."""
     responses = batch.responses()
     offsets = [0]
     for r in responses:
@@ -79,6 +92,8 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
     domains = [batch.route_of(s).domain for s in range(len(responses))]
     counts = world.sum(group_counts(offsets, domains)) if world.sharded else None
     weights_N = row_weights(offsets, domains, lam, cfg.loss.length_norm, counts) * scale
+    off = cfg.loss.off_policy
+    corrected = stale and off.correction != "none"
     answers: dict[str, Answer] | None = None
     mb = cfg.optim.micro_batch_size
     for a in range(0, len(responses), mb):
@@ -96,30 +111,67 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
         # still joins the others' gradient reduction.
         loss = sum(x.sum() for x in (rows if isinstance(rows, tuple) else (rows,))) * 0.0 if world.sharded else \
             torch.zeros((), device=device)
+        # The trained weights' raw log-probs of the sampled tokens: the reward's policy gradient
+        # (with grad) and the importance ratios against the sampler's (opd.spine.objective).
+        lp_N = token_logprobs(rows, packed.targets_N.to(device)) if batch.advantages is not None or stale \
+            else None
+        ratios = None
+        if lp_N is not None:
+            sampler_N = torch.tensor([x for s in seqs for x in batch.sampler_logprobs(s)])
+            ratios = objective.importance(lp_N, sampler_N, packed.row_offsets, [stale] * len(seqs), off.correction,
+                                          off.cap, tuple(off.band))
+            stats.add_importance(ratios)
         diag_logits = None
         for t in batch.members:
             local, remote, w_rows, row_domain = _routed_rows(t, batch, seqs, packed.row_offsets, where[t], offsets,
                                                              weights_N, teachers.specs[t].weight)
             if not local:
                 continue
+            spec = teachers.specs[t]
             local_i, remote_i = torch.tensor(local), torch.tensor(remote)
-            loss_rows, kl_rows = teacher_loss(teachers.specs[t], select_rows(rows, local_i.to(device)), answers[t],
-                                              remote_i, packed.targets_N[local_i], cfg.loss.impl)
+            segments = [0]
+            for w in w_rows:
+                segments.append(segments[-1] + len(w))
+            loss_rows, kl_rows = teacher_loss(spec, select_rows(rows, local_i.to(device)), answers[t],
+                                              remote_i, packed.targets_N[local_i], cfg.loss.impl, segments)
             weighted = torch.cat(w_rows).to(device) * loss_rows
+            if corrected:
+                iw = ratios.token_N if spec.mode == "sampled" else ratios.prefix_N
+                weighted = weighted * iw[local_i].to(device)
             loss = loss + weighted.sum()
+            stats.add_signal("teacher", float((kl_rows.detach().abs() * spec.weight).sum()), len(local))
             # Diagnostics, from the same rows.
             diag_logits = rows_logits(rows) if diag_logits is None else diag_logits
             overlap = topk_overlap(diag_logits[local_i.to(diag_logits.device)],
-                                   teachers.topk_ids(teachers.specs[t], answers[t], remote_i))
+                                   teachers.topk_ids(spec, answers[t], remote_i))
             topk = answers[t].topk
             tail = topk.tail_logmass[remote_i].exp() if topk is not None else None
             stats.add_teacher_rows(t, row_domain, weighted, kl_rows, overlap, tail, lam)
+        if batch.advantages is not None and packed.row_offsets[-1]:   # the reward's term, every row
+            adv_N = torch.tensor([cfg.loss.reward_weight * batch.advantages[s]
+                                  for j, s in enumerate(seqs) for _ in range(offsets[s + 1] - offsets[s])])
+            w_N = torch.cat([weights_N[offsets[s]:offsets[s + 1]] for s in seqs])
+            if corrected:
+                w_N = w_N * ratios.token_N
+            reward_loss = objective.policy_gradient(lp_N, adv_N.to(device), w_N.to(device)).sum()
+            loss = loss + reward_loss
+            stats.reward_loss += float(reward_loss.detach())
+            stats.add_signal("reward", float(adv_N.abs().sum()), len(adv_N))
         loss.backward()
         stats.loss += float(loss.detach())
     if answers is None:   # every response trimmed to nothing: the answers are collected all the same
         answers = _wait(teachers, batch, stats)
     stats.wait_s += teachers.finish(answers)   # full mode: the time blocked on streamed rows
     stats.latencies += [a.latency_s for a in answers.values()]
+
+
+def token_logprobs(rows, targets_N: torch.Tensor) -> torch.Tensor:
+    """Raw (temperature 1) log-probs [N] of the sampled tokens, with grad, from either form of
+    `student_rows`; the fused form in vocabulary chunks (never [N, V])."""
+    if isinstance(rows, tuple):
+        from opd.rl.logprobs import rows_logprobs_and_entropy
+        return rows_logprobs_and_entropy(rows[0], rows[1], targets_N, with_entropy=False)[0]
+    return torch.log_softmax(rows.float(), -1).gather(-1, targets_N[:, None]).squeeze(-1)
 
 
 def _routed_rows(t: str, batch: Batch, seqs: list[int], local_offsets: list[int], first_row: dict[int, int],

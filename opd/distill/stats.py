@@ -9,6 +9,9 @@ Metrics of one step (metrics.jsonl; `diag/<domain>/...` from opd.diagnostics):
     loss, lr, grad_norm, tokens, tokens_per_s, step_s, rollout_s, teacher_wait_s,
     teacher_latency_s, staleness, kl, kl/<domain>, teacher_tail_mass, sft_loss,
     response_len, trimmed_share, routed/<teacher>
+    with rewards: reward/mean, reward_loss, signal/reward, signal/teacher (mean |advantage| or
+    divergence per token of each signal, so that one drowning the other shows)
+    rows sampled by older weights: is/ratio_mean, is/ratio_max, is/cut_share (opd.spine.objective)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from opd.diagnostics import DomainTally
 from opd.routing.normalize import lopsided
+from opd.spine.objective import drowned
 
 
 def _add_tail(into: dict[str, list[float]], teacher: str, total: float, rows: int) -> None:
@@ -26,6 +30,11 @@ def _add_tail(into: dict[str, list[float]], teacher: str, total: float, rows: in
     acc = into.setdefault(teacher, [0.0, 0])
     acc[0] += total
     acc[1] += rows
+
+
+def _merge_importance(a: list[float], b: list[float]) -> list[float]:
+    """Two [sum of ratios, max ratio, rows cut, rows] tallies as one."""
+    return [a[0] + b[0], max(a[1], b[1]), a[2] + b[2], a[3] + b[3]]
 
 
 @dataclass
@@ -43,6 +52,20 @@ class StepStats:
     sft_losses: list[float] = field(default_factory=list)
     routed: dict[str, float] = field(default_factory=dict)   # teacher -> weight of the samples sent to it
     tail: dict[str, list[float]] = field(default_factory=dict)   # teacher -> [sum of tail mass, rows]
+    rewards: list[float] = field(default_factory=list)        # per response, with `rewards`
+    flat_groups: list[int] = field(default_factory=lambda: [0, 0])   # [groups of equal rewards, groups]
+    reward_loss: float = 0.0
+    signal: dict[str, list[float]] = field(default_factory=dict)  # "reward"/"teacher" -> [sum |signal|, rows]
+    importance: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])  # [sum, max, cut, rows]
+
+    def add_importance(self, w) -> None:
+        """A micro-batch's importance ratios (opd.spine.objective.Importance)."""
+        if len(w.ratio_N):
+            self.importance = _merge_importance(self.importance, [float(w.ratio_N.sum()), float(w.ratio_N.max()),
+                                                                  float(w.cut_N.sum()), len(w.ratio_N)])
+
+    def add_signal(self, kind: str, total: float, rows: int) -> None:
+        _add_tail(self.signal, kind, total, rows)
 
     def add_batch(self, batch, version: int) -> None:
         """A batch about to be trained on, sampled by weights of `batch.policy_version`."""
@@ -93,6 +116,12 @@ class StepStats:
                     getattr(out, key)[k] = getattr(out, key).get(k, 0.0) + v
             for t, (total, rows) in p["tail"].items():
                 _add_tail(out.tail, t, total, rows)
+            for k, (total, rows) in p["signal"].items():
+                _add_tail(out.signal, k, total, rows)
+            out.rewards += p["rewards"]
+            out.flat_groups = [out.flat_groups[0] + p["flat_groups"][0], out.flat_groups[1] + p["flat_groups"][1]]
+            out.reward_loss += p["reward_loss"]
+            out.importance = _merge_importance(out.importance, p["importance"])
         out.rollout_s = max(p["rollout_s"] for p in parts)   # the ranks wait for the slowest
         out.wait_s = max(p["wait_s"] for p in parts)
         out.staleness = parts[0]["staleness"]   # the same batches' versions on every rank
@@ -120,7 +149,24 @@ class StepStats:
         if self.response_tokens:   # dense supervision on the tail after an answer is noise: cut
             row["trimmed_share"] = 1.0 - self.tokens / self.response_tokens
         row.update({f"routed/{t}": n for t, n in self.routed.items()})
+        if self.rewards:
+            row["reward/mean"] = sum(self.rewards) / len(self.rewards)
+            row["reward_loss"] = self.reward_loss
+            row["groups/all_equal"] = self.flat_groups[0] / max(self.flat_groups[1], 1)
+        for kind, (total, rows) in self.signal.items():
+            row[f"signal/{kind}"] = total / max(rows, 1)
+        if self.importance[3]:
+            row["is/ratio_mean"] = self.importance[0] / self.importance[3]
+            row["is/ratio_max"] = self.importance[1]
+            row["is/cut_share"] = self.importance[2] / self.importance[3]
         return row
+
+    def drowned(self, factor: float) -> str | None:
+        """A sentence when one signal's mean per token is `factor` times the other's, else None."""
+        if "reward" not in self.signal or "teacher" not in self.signal:
+            return None
+        (r, nr), (t, nt) = self.signal["reward"], self.signal["teacher"]
+        return drowned(r / max(nr, 1), t / max(nt, 1), factor)
 
     @staticmethod
     def loss_shares(row: dict) -> dict[str, float]:
@@ -133,6 +179,7 @@ class History:
     teacher_samples: dict[str, float]           # teacher -> weight of the samples it scored
     tail_mass: dict[str, list[float]]           # teacher -> [sum of its tail mass, rows]
     staleness: list[int] = field(default_factory=list)
+    importance: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])  # [sum, max, cut, rows]
     trimmed: list[int] = field(default_factory=lambda: [0, 0])   # [response tokens trimmed, sampled]
     evals: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -144,6 +191,7 @@ class History:
 
     def add_step(self, stats: StepStats) -> None:
         self.staleness += stats.staleness
+        self.importance = _merge_importance(self.importance, stats.importance)
         self.trimmed[0] += stats.response_tokens - stats.tokens
         self.trimmed[1] += stats.response_tokens
         for t, w in stats.routed.items():
@@ -167,13 +215,14 @@ class History:
 
     def state(self) -> dict:
         return {"teacher_samples": self.teacher_samples, "tail_mass": self.tail_mass, "staleness": self.staleness,
-                "trimmed": self.trimmed, "evals": self.evals, "warnings": self.warnings}
+                "importance": self.importance, "trimmed": self.trimmed, "evals": self.evals, "warnings": self.warnings}
 
     def load_state(self, state: dict) -> None:
         """A checkpoint's history; this session's warnings so far (a resume's own) follow it."""
         self.teacher_samples = state["teacher_samples"]
         self.tail_mass = {k: list(v) for k, v in state["tail_mass"].items()}
         self.staleness = state["staleness"]
+        self.importance = list(state.get("importance", [0.0, 0.0, 0.0, 0.0]))
         self.trimmed = list(state.get("trimmed", [0, 0]))
         self.evals = state["evals"]
         self.warnings = state["warnings"] + [w for w in self.warnings if w not in state["warnings"]]

@@ -340,6 +340,11 @@ class TeacherSet:
     def welcome(self, name: str):
         return self.clients[name][1]
 
+    @property
+    def has_full(self) -> bool:
+        """A teacher answers in full mode (its streams hold the server's budget until read)."""
+        return any(spec.mode == "full" for spec in self.specs.values())
+
     def request(self, teacher: str, sequences: list[list[int]], starts: list[int]) -> Future:
         """Future of `teacher`'s Answer for these sequences (prompt + response, response from starts)."""
         spec, client = self.specs[teacher], self.clients[teacher][0]

@@ -9,7 +9,11 @@ One optimizer step (`Trainer.step`, read top to bottom):
      micro-batch by micro-batch (opd.distill.loss);
   5. optimizer step (skipped, and said, when the gradient is not finite), then the rollout
      engine receives the new weights (weight sync).
-With `run.pipeline`, steps 1-2 of the NEXT batch happen before steps 3-4 of the current one
+With `rewards`, step 2 also scores each response with the verifiers and gives it its group's
+advantage, which joins the teachers' signal in step 4 (opd.spine.objective).
+With `run.max_staleness: K`, step 1 runs in a thread of its own with its own copy of the weights,
+up to K optimizer steps ahead (opd.distill.ahead), and step 5 hands it the new weights.
+Otherwise, with `run.pipeline`, steps 1-2 of the NEXT batch happen before steps 3-4 of the current one
 (opd.distill.batch.Prefetcher), so the teachers score while the student trains; that batch's
 rollouts then come from weights one optimizer step old (staleness 1, recorded per step and in
 the card). Without it every batch is sampled from the current weights (staleness 0).
@@ -30,6 +34,7 @@ from tqdm import tqdm
 
 from opd.config import to_dict
 from opd.data import encode_prompt
+from opd.distill.ahead import RunAhead, load_into, own_copy
 from opd.distill.batch import Batch, Prefetcher
 from opd.distill.card import write_train_card
 from opd.distill.config import TrainConfig
@@ -41,7 +46,9 @@ from opd.distill.stats import History, StepStats
 from opd.distill.teachers import TeacherSet
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint
 from opd.lm_head import FUSED_REFUSED, head_form
-from opd.rl.rewards import verify_batch
+from opd.rl import grpo
+from opd.rl.rewards import build_reward, verify_batch
+from opd.rl.rewards.combine import check_reward_fields
 from opd.rollout.base import SamplingParams, eos_ids
 from opd.routing.normalize import DomainLossNormalizer
 from opd.spine.dist import World, memory_per_rank
@@ -59,7 +66,7 @@ __all__ = ["Trainer", "TrainError"]
 RESUME_FIXED = ("student.path", "student.dtype", "student.lora", "student.lora.*", "merge.teachers.*",
                 "merge.datasets", "merge.routing.*", "merge.sft", "merge.sft.*", "merge.domain_weights*",
                 "merge.normalize*", "loss.*", "rollout.temperature", "rollout.top_p", "rollout.samples_per_prompt",
-                "rollout.prompts_per_step", "rollout.max_new_tokens", "run.seed")
+                "rollout.prompts_per_step", "rollout.max_new_tokens", "run.seed", "rewards", "rewards.*")
 RESUME_FREE = ("merge.teachers.*.address", "merge.teachers.*.curve_server_key", "loss.impl", "loss.fused_linear")
 NONFINITE_HINT = "Check the domain's teachers (probe them with `opd probe`), optim.lr, and student.dtype"
 PLOTS = {"loss": ["loss", "sft_loss"], "kl": ["kl", "eval/kl"], "response_length": ["response_len", "eval/response_len"],
@@ -89,6 +96,7 @@ class Trainer:
         self.last_batch = cfg.run.steps * cfg.optim.grad_accum
         self.history = History.start([t.name for t in cfg.merge.teachers], quiet=not world.main)
         self.verify = verify_batch   # (samples, texts) -> [score | None]: evaluation's accuracy
+        self.last_drowned = -10**9   # the step of the last "one signal drowns the other" warning
 
     # -- setup: everything checked before the first step ----------------------------------------
     def setup(self) -> None:
@@ -121,15 +129,22 @@ class Trainer:
                                     getattr(self.model.config, "max_position_embeddings", 0) or 0,
                                     {t: n for t, n in teacher_positions.items() if n > 0})
         self.history.warnings += self.prompts.warnings
+        self.reward = build_reward(cfg.rewards, base_dir=self.base_dir) if cfg.rewards else None
+        if cfg.rewards:
+            check_reward_fields(cfg.rewards, [s for v in self.prompts.datasets.values() for s in v],
+                                ", ".join(d.path for d in cfg.merge.datasets))
         self.stop_ids = eos_ids(self.tok, getattr(self.model, "generation_config", None))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.run.steps)
         self.nonfinite = NonfiniteSteps(NONFINITE_HINT)
         self.normalizer = DomainLossNormalizer(cfg.merge.normalize, cfg.merge.normalize_momentum)
         self.multipliers: dict[str, float] = {}
-        self.prefetch = Prefetcher(self._sample_batch, self._submit, enabled=cfg.run.pipeline)
-        self._restore(self.run_dir.restore(self.model, self.optimizer, self.scheduler))
+        self.prefetch = Prefetcher(self._sample_batch, self._submit,
+                                   enabled=cfg.run.pipeline and cfg.run.max_staleness is None)
+        state = self.run_dir.restore(self.model, self.optimizer, self.scheduler)
+        self._restore(state)
         self.engine = make_engine(cfg.rollout, cfg.student, self.model, self.tok, seed=cfg.run.seed, world=world)
+        self.ahead = self._run_ahead(state.get("ahead", [])) if cfg.run.max_staleness is not None else None
         self.metrics = self.run_dir.metrics(tensorboard=cfg.run.tensorboard)
 
     # -- one optimizer step ---------------------------------------------------------------------
@@ -142,11 +157,19 @@ class Trainer:
             # step ago (run.pipeline), or is now; the look-ahead then samples the next one, and
             # sends it unless an evaluation comes first or the run ends with this batch.
             t0 = time.perf_counter()
-            batch = self.prefetch.take()
-            evaluation_next = i == accum - 1 and self._due(cfg.run.eval_every, self.steps_done + 1)
-            self.prefetch.look_ahead(send=self.batches <= self.last_batch and not evaluation_next)
+            if self.ahead is not None:   # sampled by the thread; sent now, with the batches after it
+                batch = self.ahead.take()
+                for b in [batch] + ([] if self.teachers.has_full else self.ahead.queued()):
+                    if not b.futures:
+                        self._submit(b)
+            else:
+                batch = self.prefetch.take()
+                evaluation_next = i == accum - 1 and self._due(cfg.run.eval_every, self.steps_done + 1)
+                self.prefetch.look_ahead(send=self.batches <= self.last_batch and not evaluation_next)
             stats.rollout_s += time.perf_counter() - t0
             stats.add_batch(batch, self.version)
+            if self.reward is not None:   # the verifiers' group advantages (opd.rl.grpo)
+                self._score(batch, stats)
             # 3-4. the student's rows, the teachers' answers, loss and backward per micro-batch.
             self._train_batch(batch, stats, 1.0 / accum)
             if self.prompts.sft is not None:   # the SFT mix: cross-entropy on reference responses
@@ -163,7 +186,11 @@ class Trainer:
         self.steps_done += 1
         if applied:
             self.version += 1
-            self.engine.sync_weights(self.model)
+        if self.ahead is not None:   # the thread loads the new weights between two batches
+            self.ahead.step_done(self.model, self.version, applied)
+        if applied:
+            if self.ahead is None:
+                self.engine.sync_weights(self.model)
             for d, v in stats.domain_loss.items():   # running-mean multipliers for the next step
                 self.multipliers[d] = self.normalizer.scale(d, v)
         else:
@@ -172,21 +199,53 @@ class Trainer:
         row = stats.row(lr=lr, grad_norm=grad_norm, elapsed=time.perf_counter() - t_step, stop_ids=self.stop_ids,
                         ngram=cfg.run.ngram)
         self.history.warn_lopsided(self.steps_done, StepStats.loss_shares(row), "loss share", cfg.run.lopsided_factor)
+        drowned = stats.drowned(cfg.loss.drown_factor)
+        if drowned and self.steps_done - self.last_drowned >= 10:
+            self.last_drowned = self.steps_done
+            self.history.warn(f"step {self.steps_done}: {drowned}")
         return row
 
-    def _sample_batch(self) -> Batch:
+    def _score(self, batch: Batch, stats: StepStats) -> None:
+        """Each response's reward, and its advantage within its prompt's group (a group whose
+        rewards are all equal gets 0: no gradient, counted in groups/all_equal)."""
+        texts = [ro.text(self.tok) for ro in batch.rollouts]
+        total, _ = self.reward([batch.samples[ro.prompt_index] for ro in batch.rollouts], texts)
+        rewards_P_G = torch.tensor(total, dtype=torch.float32).view(-1, self.cfg.rollout.samples_per_prompt)
+        batch.rewards = total
+        batch.advantages = grpo.group_advantages(rewards_P_G, self.cfg.loss.reward_advantage).flatten().tolist()
+        stats.rewards += total
+        stats.flat_groups = [stats.flat_groups[0] + int(grpo.equal_groups(rewards_P_G).sum()),
+                             stats.flat_groups[1] + rewards_P_G.shape[0]]
+
+    def _run_ahead(self, queued: list[dict]) -> RunAhead:
+        """run.max_staleness: the sampling thread, with its own engine (hf: over a copy of the
+        student; vllm: the engine, whose workers hold their own weights)."""
+        cfg = self.cfg
+        if cfg.rollout.engine == "hf":
+            copy = own_copy(self.model)
+            engine, load = make_engine(cfg.rollout, cfg.student, copy, self.tok, seed=cfg.run.seed), load_into(copy)
+        else:
+            engine, load = self.engine, None
+        ahead = RunAhead(self._sample_batch, engine, max_staleness=cfg.run.max_staleness,
+                         grad_accum=cfg.optim.grad_accum, next_batch=self.batches, steps_done=self.steps_done,
+                         last_batch=self.last_batch, version=self.version, load=load)
+        ahead.load_queue([Batch.from_state(b) for b in queued])
+        return ahead.start()
+
+    def _sample_batch(self, engine=None, version: int | None = None) -> Batch:
         """Draw prompts (each with the route it got at load) and sample the student's responses
-        (of this rank's share of the prompts, drawing what one process would draw for them)."""
+        (of this rank's share of the prompts, drawing what one process would draw for them)
+        with `engine` (the run's), whose weights are of `version` (the trained ones)."""
         r, world = self.cfg.rollout, self.world
         samples = world.shard(self.prompts.sampler.sample(r.prompts_per_step))
         share = (world.rank * len(samples) * r.samples_per_prompt, r.prompts_per_step * r.samples_per_prompt) \
             if world.sharded else None
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                 n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches, share=share)
-        rollouts = self.engine.generate([self.encode(s) for s in samples], params)
+        rollouts = (engine or self.engine).generate([self.encode(s) for s in samples], params)
         batch = Batch(index=self.batches, samples=samples, routes=[self.prompts.routes[id(s)] for s in samples],
                       rollouts=rollouts, keep=[self.trim(ro.response_ids) for ro in rollouts],
-                      policy_version=self.version)
+                      policy_version=self.version if version is None else version)
         self.batches += 1
         return batch
 
@@ -200,7 +259,7 @@ class Trainer:
         domains = {batch.route_of(s).domain for s in range(len(batch.rollouts))}
         lam = {d: self.cfg.merge.domain_weights.get(d, 1.0) * self.multipliers.get(d, 1.0) for d in domains}
         train_batch(self.model, batch, self.teachers, cfg=self.cfg, lam=lam, pad_id=self.tok.pad_token_id,
-                    scale=scale, stats=stats, world=self.world)
+                    scale=scale, stats=stats, world=self.world, stale=batch.policy_version < self.version)
 
     @staticmethod
     def _nonfinite_detail(stats: StepStats) -> str:
@@ -244,7 +303,11 @@ class Trainer:
         """A held-out evaluation (opd.distill.evaluate), logged and kept for the card."""
         if not self.prompts.eval_samples:
             return None
-        row = evaluate(self)
+        if self.ahead is not None and self.cfg.rollout.engine == "vllm":   # the thread's engine: its turn
+            with self.ahead.paused():
+                row = evaluate(self)
+        else:
+            row = evaluate(self)
         self.metrics.log(self.steps_done, row)
         self.history.evals.append({"step": self.steps_done, **row})
         return row
@@ -263,6 +326,12 @@ class Trainer:
 
     # -- checkpoints, the end -------------------------------------------------------------------
     def _checkpoint(self) -> Path:
+        if self.ahead is not None:   # the thread idle: the data position and its queue agree
+            with self.ahead.paused():
+                return self._save()
+        return self._save()
+
+    def _save(self) -> Path:
         history = self.history.state()
         # the watchdog's restarts too: after a resume they are history the card keeps
         history["warnings"] = history["warnings"] + self.launched.events
@@ -270,6 +339,7 @@ class Trainer:
         state = {"batches": self.batches, "version": self.version, "sampler": self.prompts.sampler.state(),
                  "sft": self.prompts.sft.state() if self.prompts.sft is not None else None,
                  "normalizer": self.normalizer.state(), "multipliers": self.multipliers,
+                 **({"ahead": [b.to_state() for b in self.ahead.queued()]} if self.ahead is not None else {}),
                  **({"pending": pending[0]} if not self.world.sharded else {"pending_by_rank": pending}), **history}
         return self.run_dir.save(self.steps_done, self.model, self.optimizer, self.scheduler, state=state,
                                  keep=self.cfg.run.keep_checkpoints)
@@ -315,10 +385,12 @@ class Trainer:
             steps=self.steps_done,
             skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
                            for p, r in self.prompts.reports.items() if r.skipped},
-            trimmed=h.trimmed, ranks=self.world.size, memory=memory)
+            trimmed=h.trimmed, ranks=self.world.size, memory=memory, importance=h.importance)
         return {"step": self.steps_done, "evals": h.evals, "out_dir": str(self.out)}
 
     def close(self) -> None:
+        if getattr(self, "ahead", None) is not None:
+            self.ahead.close()
         if hasattr(self, "engine"):
             self.engine.close()
         if hasattr(self, "metrics"):

@@ -63,6 +63,11 @@ class Rollout:
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
+    def text(self, tokenizer) -> str:
+        """The response as the verifiers read it: decoded, its stop token dropped."""
+        ids = self.response_ids[:-1] if self.finish_reason == "eos" else self.response_ids
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
 
 class RolloutEngine(abc.ABC):
     @abc.abstractmethod

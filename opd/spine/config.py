@@ -16,7 +16,7 @@ one loader, one optimizer and one checkpoint cadence for all three (opd.spine).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from opd.config import check_device, check_top_p, field
 from opd.lora import LoraSpec
@@ -74,6 +74,38 @@ class OptimConfig:
     def __post_init__(self):
         if len(self.betas) != 2:
             raise ValueError(f"betas needs two values, got {self.betas}")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    name: Literal["math", "code", "format", "length", "python"] = field(
+        help="math: answer vs `answer`; code: unit tests in `tests` (sandboxed); format: regex; "
+             "length: overlong penalty; python: a user function")
+    weight: float = field(1.0, help="weight in the sum of rewards")
+    options: dict[str, Any] = field(default_factory=dict, help="keyword options of the reward function "
+                                    "(code: timeout_s, memory_mb, workers; format: pattern; length: soft_max, hard_max)")
+    path: str | None = field(None, help="python reward: 'FILE.py:function', called f(sample, response_text) -> float")
+
+    def __post_init__(self):
+        if self.name == "python" and not self.path:
+            raise ValueError("a 'python' reward needs path: 'FILE.py:function'")
+        if self.name != "python" and self.path:
+            raise ValueError(f"'path' is only for 'python' rewards, not {self.name!r}")
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """How tokens sampled by older weights than those trained are corrected (opd.spine.objective)."""
+    correction: Literal["tis", "mask", "none"] = field(
+        "tis", help="tis: importance ratio pi_now/pi_sampler truncated at cap; mask: tokens whose ratio "
+                    "leaves band get weight 0; none: no correction (staleness-0 rows always weigh 1)")
+    cap: float = field(2.0, help="tis: ratios (and prefix ratios, for top-k / full divergences) above this "
+                                 "are cut to it", min=1.0)
+    band: list[float] = field(default_factory=lambda: [0.5, 2.0], help="mask: [low, high] of the ratios kept")
+
+    def __post_init__(self):
+        if len(self.band) != 2 or not (0 <= self.band[0] <= 1 <= self.band[1]):
+            raise ValueError(f"off_policy.band needs [low, high] with low <= 1 <= high, got {self.band}")
 
 
 @dataclass(frozen=True)

@@ -582,3 +582,36 @@ def test_full_mode_that_cannot_fit_is_refused_before_training(setup, monkeypatch
                                          r"rollout.max_new_tokens 12 rows x V=260 in float32"):
         trainer.run()
     assert not hasattr(trainer, "model") and not (setup["root"] / "full_too_big" / "metrics.jsonl").exists()
+
+
+def test_rewards_beside_a_teacher_with_rollouts_two_steps_ahead(setup):
+    """run.max_staleness 2: batches sampled up to 2 steps ahead, corrected by TIS, with a
+    verifier's reward beside the teacher; the card states the staleness and the ratios; a
+    checkpoint taken mid-run (its queue saved) resumes."""
+    name = "reward_ahead"
+    cfg = _cfg(setup, name, mode="sampled", steps=4, **{
+        "rollout.samples_per_prompt": 2, "run.max_staleness": 2, "run.checkpoint_every": 2,
+        "loss.reward_weight": 0.5, "rewards": [{"name": "format", "options": {"pattern": "[0-9]"}}]})
+    Trainer(cfg).run()
+    rows = [r for r in read_metrics(setup["root"] / name / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 4
+    assert all(0 <= r["staleness"] <= 2 for r in rows) and any(r["staleness"] > 0 for r in rows)
+    assert all("reward/mean" in r and "signal/reward" in r and "signal/teacher" in r for r in rows)
+    stale = [r for r in rows if r["staleness"] > 0]
+    assert all(r["is/ratio_max"] >= r["is/ratio_mean"] > 0 and 0 <= r["is/cut_share"] <= 1 for r in stale)
+    card = json.loads((setup["root"] / name / "card.json").read_text())
+    traj = card["trajectories"]
+    assert "at most 2 optimizer steps" in traj["pipelined"] and "batches per staleness" in traj["staleness"]
+    assert card["trajectories"]["off_policy_correction"]["rows"] > 0
+    assert "truncated importance sampling" in traj["off_policy_correction"]["method"]
+    assert card["objective"]["rewards"]["alpha (loss.reward_weight)"] == 0.5
+    # extended from the step-2 checkpoint's queue
+    shutil.rmtree(latest_checkpoint(setup["root"] / name / "checkpoints"))
+    assert Trainer(replace(cfg, run=replace(cfg.run, steps=5)), resume=True).run()["step"] == 5
+
+
+def test_staleness_zero_ahead_is_on_policy(setup):
+    cfg = _cfg(setup, "ahead0", steps=2, **{"run.max_staleness": 0})
+    Trainer(cfg).run()
+    rows = [r for r in read_metrics(setup["root"] / "ahead0" / "metrics.jsonl") if "loss" in r]
+    assert [r["staleness"] for r in rows] == [0, 0] and not any("is/ratio_mean" in r for r in rows)

@@ -151,7 +151,7 @@ def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "opd.cli", "rl", "--help"], capture_output=True, text=True, timeout=120)
     assert "group_size" in out.stdout and "--resume" in out.stdout
     # cluster.mode: it described opd train's fork mode (starting teachers), which opd rl refuses
-    mode = next(line for line in out.stdout.splitlines() if line.strip().startswith("mode ("))
+    mode = next(line for line in out.stdout.splitlines() if line.strip().startswith("mode (") and "'local'" in line)
     assert "fork: opd train starts" not in mode and "teachers at the merge config" not in mode
     assert "ray: rollout.actors Ray actors" in mode and "fork is opd train's" in mode and "refused" in mode
 

@@ -1,0 +1,126 @@
+"""The per-token objective both loops share: a verifier's advantage and a teacher's signal in one
+policy-gradient term, and the correction of rollouts sampled by older weights.
+
+For response token t of sequence b, sampled by the weights of version v_b (v_b < v, the version
+being trained, when rollouts ran ahead of training):
+
+    A_bt = alpha * A_b                                              (reward: opd.rl.grpo's group advantage)
+         + sum_j lambda_j * sum_{s >= t} gamma_j^(s-t) * (log pi_j(x_s) - log pi(x_s))   (teacher j)
+
+The teacher term is the sampled-token reverse-KL advantage, -lambda * (log pi - log pi_j), per
+token (gamma = 0) or with the future tokens' terms discounted into it (gamma > 0, the return
+of the per-token reward, as tinker-cookbook folds its KL penalty into the RL advantage).
+`opd rl` adds it to GRPO's advantage before its clipped surrogate; `opd train` adds the reward
+term to its teachers' losses (opd.distill.loss). Both take these functions, so the two CLIs
+compute one objective.
+
+Off-policy correction (`OffPolicyConfig`): each token's importance ratio
+rho_t = pi_now(x_t) / pi_sampler(x_t), from the sampler's own log-probabilities (the hf and
+vLLM engines' raw, temperature-1 log-probs, so the ratio is of the untempered policies), is
+
+    tis   truncated at `cap` (truncated importance sampling; bias only where rho > cap)
+    mask  kept inside [low, high], 0 outside (the token is dropped, as ICE-POP / MIS do)
+    none  1
+
+A policy-gradient term (the sampled-token teacher term, the reward term) is weighted by its
+token's rho_t: it is a function of x_t ~ pi_sampler. A top-k or full divergence is exact over
+the vocabulary at its position and does not depend on x_t; what was sampled off-policy is the
+prefix that reached it, so it is weighted by the prefix's ratio prod_{u<t} rho_u, truncated
+(or masked) the same way. Rows of a batch sampled by the weights being trained (staleness 0)
+get weight exactly 1, so an on-policy run is unchanged by any of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Importance:
+    """Weights of one batch's rows [N] (packed response rows), without grad."""
+    token_N: torch.Tensor     # weights for policy-gradient terms (rho_t, corrected)
+    prefix_N: torch.Tensor    # weights for exact divergences (prod_{u<t} rho_u, corrected)
+    ratio_N: torch.Tensor     # rho_t itself (1 on rows sampled by the trained weights)
+    cut_N: torch.Tensor       # bool: the correction changed this row's token weight
+
+
+def discounted(x_N: torch.Tensor, offsets: list[int], gamma: float) -> torch.Tensor:
+    """sum_{s >= t} gamma^(s-t) x_s within each sequence (rows offsets[i]..offsets[i+1]) [N];
+    gamma = 0 returns x_N itself."""
+    if gamma == 0.0:
+        return x_N
+    out = torch.empty_like(x_N)
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        acc = x_N.new_zeros(())
+        for t in range(b - 1, a - 1, -1):
+            acc = x_N[t] + gamma * acc
+            out[t] = acc
+    return out
+
+
+def discounted_B_T(x_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float) -> torch.Tensor:
+    """`discounted` on right-padded [B, T] rows (0 where mask_B_T is 0)."""
+    x = x_B_T * mask_B_T.to(x_B_T.dtype)
+    if gamma == 0.0:
+        return x
+    out = torch.zeros_like(x)
+    acc = x.new_zeros(x.shape[0])
+    for t in range(x.shape[1] - 1, -1, -1):
+        acc = x[:, t] + gamma * acc
+        out[:, t] = acc
+    return out * mask_B_T.to(x.dtype)
+
+
+def teacher_advantage(student_lp: torch.Tensor, teacher_lp: torch.Tensor, lam: float) -> torch.Tensor:
+    """-lambda * (log pi(x_t) - log pi_teacher(x_t)) per token, detached: the sampled-token reverse-KL
+    advantage (kernels.sampled_token_reverse_kl is its estimate, negated here)."""
+    return -lam * (student_lp.detach().float() - teacher_lp.detach().float())
+
+
+def policy_gradient(lp: torch.Tensor, advantage: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token loss whose gradient is -weight * advantage * grad log pi(x_t) (REINFORCE with
+    importance weights; advantage and weight carry no gradient)."""
+    coef = advantage.detach() if weight is None else advantage.detach() * weight.detach()
+    return -coef * lp
+
+
+def importance(now_lp_N: torch.Tensor, sampler_lp_N: torch.Tensor, offsets: list[int], stale: list[bool],
+               correction: str, cap: float, band: tuple[float, float]) -> Importance:
+    """Importance weights of packed rows (sequence i: rows offsets[i]..offsets[i+1]); `stale[i]`:
+    sequence i was sampled by weights older than those trained. now_lp_N / sampler_lp_N: log-probs
+    of the sampled tokens under the trained and the sampling weights (no grad needed)."""
+    n = len(now_lp_N)
+    stale_N = torch.zeros(n, dtype=torch.bool)
+    for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        if stale[i]:
+            stale_N[a:b] = True
+    log_ratio = torch.where(stale_N, now_lp_N.detach().float().cpu() - sampler_lp_N.float().cpu(),
+                            torch.zeros(n))
+    # prefix: sum of the log-ratios of the tokens before t in its own sequence
+    prefix_log = torch.zeros(n)
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        if b > a:
+            prefix_log[a + 1:b] = torch.cumsum(log_ratio[a:b - 1], 0)
+    ratio, prefix = log_ratio.exp(), prefix_log.exp()
+    ones = torch.ones(n)
+    if correction == "none":
+        return Importance(ones, ones, ratio, torch.zeros(n, dtype=torch.bool))
+    if correction == "tis":
+        return Importance(ratio.clamp(max=cap), prefix.clamp(max=cap), ratio, ratio > cap)
+    if correction == "mask":
+        low, high = band
+        inside, inside_prefix = (ratio >= low) & (ratio <= high), (prefix >= low) & (prefix <= high)
+        return Importance(torch.where(inside, ratio, 0.0), torch.where(inside_prefix, prefix, 0.0), ratio, ~inside)
+    raise ValueError(f"unknown off-policy correction {correction!r}")
+
+
+def drowned(reward_per_token: float, teacher_per_token: float, factor: float) -> str | None:
+    """A sentence when one signal's mean magnitude per token is `factor` times the other's."""
+    r, t = reward_per_token, teacher_per_token
+    if (r > factor * t and t > 0) or (t > factor * r and r > 0):
+        big, small = ("reward", "teachers'") if r > t else ("teachers'", "reward")
+        return (f"the {big} signal ({max(r, t):.3g} per token) is over {factor:g} times the {small} ({min(r, t):.3g}): "
+                f"the smaller barely moves the model (the reward weight, the teachers' weight)")
+    return None
