@@ -615,3 +615,25 @@ def test_staleness_zero_ahead_is_on_policy(setup):
     Trainer(cfg).run()
     rows = [r for r in read_metrics(setup["root"] / "ahead0" / "metrics.jsonl") if "loss" in r]
     assert [r["staleness"] for r in rows] == [0, 0] and not any("is/ratio_mean" in r for r in rows)
+
+
+def test_opd_rl_takes_a_teacher_into_its_advantage(setup):
+    """opd rl with `teachers:`: the teacher's sampled-token term joins GRPO's advantage."""
+    from opd.rl.config import RLConfig
+    from opd.rl.trainer import GRPOTrainer
+
+    out = setup["root"] / "rl_teacher"
+    cfg = from_dict({"model": {"path": str(setup["student"])},
+                     "data": {"train": str(setup["root"] / "train.jsonl"), "prompts_per_step": 2},
+                     "rollout": {"group_size": 2, "max_new_tokens": 8},
+                     "rewards": [{"name": "format", "options": {"pattern": "[0-9]"}}],
+                     "teachers": [{"name": "t", "address": setup["address"], "mode": "sampled", "k": 8, "weight": 0.5,
+                                   "gamma": 0.9}],
+                     "teacher_client": {"connect_timeout_s": 5.0},
+                     "optim": {"lr": 1e-3},
+                     "run": {"steps": 2, "out_dir": str(out), "progress": False, "tensorboard": False}}, RLConfig)
+    GRPOTrainer(cfg).train()
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
+    assert len(rows) == 2 and all(r["signal/teacher"] > 0 for r in rows)
+    card = json.loads((out / "card.json").read_text())
+    assert card["objective"]["teachers"][0]["gamma"] == 0.9 and card["objective"]["teachers"][0]["lambda (weight)"] == 0.5
