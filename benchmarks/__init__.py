@@ -4,6 +4,7 @@
     opd bench transport  teacher transport vs bare ZeroMQ and HTTP/JSON
     opd bench step       one on-policy distillation step vs TRL's GKDTrainer
     opd bench grpo       GRPO's token log-probs + entropy + backward, with and without [B, T, V]
+    opd bench staleness  opd train's steps/s: on-policy, pipelined, rollouts up to K steps ahead
     opd bench recipes    GRPO, offline distillation, OPD and OPD + reward: accuracy against CPU-s
     opd bench all        the three, plus runs/bench/summary.md
 
@@ -20,6 +21,8 @@ SUBJECTS = {
     "transport": ("opd.benchmarks.transport", "teacher transport: positions/s vs bare ZeroMQ and HTTP/JSON"),
     "step": ("opd.benchmarks.step", "one OPD training step vs TRL GKDTrainer (lmbda=1)"),
     "grpo": ("opd.benchmarks.grpo", "GRPO token log-probs + entropy + backward: [B, T, V] logits vs chunked"),
+    "staleness": ("opd.benchmarks.staleness", "opd train steps/s: on-policy, run.pipeline, run.max_staleness 0 "
+                                              "and 2"),
     "recipes": ("opd.benchmarks.recipes", ("held-out accuracy against CPU-s and tokens: GRPO, offline "
                                            "distillation, OPD (sampled, top-k), OPD + reward, from the demo")),
     "all": ("opd.benchmarks.all", "run kernels, transport and step and write summary.md"),
