@@ -336,7 +336,8 @@ class GRPOTrainer:
 
     def connect_teachers(self) -> TeacherSet:
         """The teacher servers, checked before any step: reachable, the policy's tokenizer, mode sampled."""
-        view = SimpleNamespace(merge=SimpleNamespace(teachers=self.cfg.teachers), teacher_client=self.cfg.teacher_client,
+        view = SimpleNamespace(merge=SimpleNamespace(teachers=self.cfg.teachers), teachers_key="teachers",
+                               teacher_client=self.cfg.teacher_client,
                                cluster=SimpleNamespace(teachers=[]), loss=SimpleNamespace(full_dtype="float32"))
         return TeacherSet(view, tokenizer_fingerprint(self.tokenizer), self.cfg.model.path)
 

@@ -122,7 +122,8 @@ class RunAhead:
 
     def step_done(self, model, version: int, applied: bool) -> None:
         """An optimizer step ended; `applied`: the weights changed (their snapshot is handed over)."""
-        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if applied else None
+        # a copy where the weights are (the hf copy loads it there; vLLM's sync moves it to CPU)
+        snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()} if applied else None
         with self.cv:
             self.steps_done += 1
             if snapshot is not None:

@@ -113,8 +113,11 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
             torch.zeros((), device=device)
         # The trained weights' raw log-probs of the sampled tokens: the reward's policy gradient
         # (with grad) and the importance ratios against the sampler's (opd.spine.objective).
-        lp_N = token_logprobs(rows, packed.targets_N.to(device)) if batch.advantages is not None or stale \
-            else None
+        # (Without rewards no gradient: the ratios alone would keep a [rows, V] graph alive.)
+        lp_N = None
+        if batch.advantages is not None or stale:
+            with torch.enable_grad() if batch.advantages is not None else torch.no_grad():
+                lp_N = token_logprobs(rows, packed.targets_N.to(device))
         ratios = None
         if lp_N is not None:
             sampler_N = torch.tensor([x for s in seqs for x in batch.sampler_logprobs(s)])

@@ -174,28 +174,33 @@ class RowStream:
         return self.latency_s if self.latency_s is not None else time.perf_counter() - self._t0
 
 
+def teachers_key(cfg) -> str:
+    """Where the config lists its teachers, for messages (opd rl's view of its `teachers:` says so)."""
+    return getattr(cfg, "teachers_key", "merge.teachers")
+
+
 def teacher_curve(cfg, i: int, spec):
     """`curve=` for TeacherClient: (client secret key file, server public key file), or None."""
     secret = cfg.teacher_client.curve_secret_key
     if not spec.curve_server_key:
         return None
     if not secret:
-        raise TrainError(f"merge.teachers[{i}] ({spec.name}) uses CURVE (curve_server_key) but "
+        raise TrainError(f"{teachers_key(cfg)}[{i}] ({spec.name}) uses CURVE (curve_server_key) but "
                          f"teacher_client.curve_secret_key is not set: give the client's .key_secret file "
                          f"(`opd keys generate`; its public key must be on the server's --curve-allow list)")
     try:
         _as_curve((secret, spec.curve_server_key))  # readable, and a secret key where one is needed
     except (OSError, ValueError) as e:
-        raise TrainError(f"merge.teachers[{i}] ({spec.name}): cannot load the CURVE keys "
+        raise TrainError(f"{teachers_key(cfg)}[{i}] ({spec.name}): cannot load the CURVE keys "
                          f"(teacher_client.curve_secret_key {secret}, curve_server_key "
                          f"{spec.curve_server_key}): {e}") from None
     return (secret, spec.curve_server_key)
 
 
-def _check_welcome(i: int, spec, where: str, welcome, student_fingerprint: str, student_path: str) -> None:
+def _check_welcome(key: str, i: int, spec, where: str, welcome, student_fingerprint: str, student_path: str) -> None:
     problems = check_welcome(spec, welcome, student_fingerprint, at=where)
     if problems:
-        raise TrainError(f"merge.teachers[{i}] ({spec.name}), student {student_path}: " + "; ".join(problems))
+        raise TrainError(f"{key}[{i}] ({spec.name}), student {student_path}: " + "; ".join(problems))
 
 
 def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=None) -> dict:
@@ -216,7 +221,7 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=N
                 except TeacherError as e:
                     raise TrainError(f"teacher {spec.name!r} on the Ray cluster is unusable ({e})") from None
                 out[spec.name] = (pool, welcome)
-                _check_welcome(i, spec, f"replicas {pool.live_addresses()}", welcome, student_fingerprint,
+                _check_welcome(teachers_key(cfg), i, spec, f"replicas {pool.live_addresses()}", welcome, student_fingerprint,
                                student_path)
                 continue
             # A short-lived client with a short timeout answers "reachable?" quickly; the working
@@ -229,11 +234,11 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=N
                 hint = (" (with CURVE, no answer also means the client's public key is not on the server's "
                         "--curve-allow list or curve_server_key is not that server's key)" if curve else "")
                 raise TrainError(f"teacher {spec.name!r} at {spec.address} is unreachable ({e}); start it with "
-                                 f"`opd serve-teacher` or fix merge.teachers[{i}].address "
+                                 f"`opd serve-teacher` or fix {teachers_key(cfg)}[{i}].address "
                                  f"(waited teacher_client.connect_timeout_s = {s.connect_timeout_s}s){hint}") from None
             finally:
                 check.close()
-            _check_welcome(i, spec, spec.address, welcome, student_fingerprint, student_path)
+            _check_welcome(teachers_key(cfg), i, spec, spec.address, welcome, student_fingerprint, student_path)
             client = TeacherClient(spec.address, timeout_s=s.timeout_s, retries=s.retries, curve=curve,
                                    backoff_s=s.backoff_s, name=f"opd-train:{spec.name}")
             out[spec.name] = (client, client.info())

@@ -632,6 +632,9 @@ def test_opd_rl_takes_a_teacher_into_its_advantage(setup):
                      "teacher_client": {"connect_timeout_s": 5.0},
                      "optim": {"lr": 1e-3},
                      "run": {"steps": 2, "out_dir": str(out), "progress": False, "tensorboard": False}}, RLConfig)
+    # a teacher it cannot use is refused by its place in opd rl's config
+    with pytest.raises(TrainError, match=r"^teachers\[0\] \(t\).*k=32 exceeds the server's max_k=16"):
+        GRPOTrainer(replace(cfg, teachers=[replace(cfg.teachers[0], k=32)]))
     GRPOTrainer(cfg).train()
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward/mean" in r]
     assert len(rows) == 2 and all(r["signal/teacher"] > 0 for r in rows)
