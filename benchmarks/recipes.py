@@ -93,11 +93,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline-samples", type=int, default=6400,
                    help="offline distillation: teacher samples drawn before SFT (in the domain mix; one per "
                         "prompt, prompts reused once a domain's are all used)")
-    p.add_argument("--grpo-lr", type=float, default=1e-4, help="GRPO's learning rate")
+    p.add_argument("--grpo-lr", type=float, default=5e-5, help="GRPO's learning rate (the demo's rl configs')")
     p.add_argument("--opd-lr", type=float, default=None,
                    help="OPD arms' learning rate (default: the demo merge config's optim.lr)")
     p.add_argument("--opd-sampled-lr", type=float, default=None,
-                   help="OPD sampled-token's learning rate (default: --opd-lr)")
+                   help="OPD sampled-token's learning rate (default: --opd-lr; a seed-100 pilot at 3e-4 did not "
+                        "learn either, docs/benchmarks.md)")
+    p.add_argument("--reward-weight", type=float, default=1.0,
+                   help="OPD + reward: loss.reward_weight, the weight of the reward's group advantage")
     p.add_argument("--sft-lr", type=float, default=1e-3, help="offline distillation's SFT learning rate")
     p.add_argument("--targets", default=None,
                    help="comma-separated accuracies for the 'CPU-s to reach' columns (default: 50%% and 80%% "
@@ -354,6 +357,7 @@ class Plan:
     models: dict
     merge: dict
     offline_samples: int = 6400
+    reward_weight: float = 1.0
     ports: dict = field(default_factory=dict)
 
     def every(self, arm: str) -> int:
@@ -405,7 +409,7 @@ def opd_config(plan: Plan, arm: str, out_dir: Path, seed: int) -> dict:
                   **_run_keys(plan, arm, out_dir, seed)}
     if arm == "opd_reward":
         cfg["rewards"] = [{"name": "math"}, {"name": "code", "options": dict(CODE_OPTIONS)}]
-        cfg["loss"] = {**cfg.get("loss", {}), "reward_weight": 1.0, "reward_advantage": "grpo"}
+        cfg["loss"] = {**cfg.get("loss", {}), "reward_weight": plan.reward_weight, "reward_advantage": "grpo"}
     return cfg
 
 
@@ -698,9 +702,10 @@ def reach(points: list[dict], target: float, key: str = "cpu_s") -> float | None
     return None
 
 
-def acc_at(points: list[dict], cpu: float, start: float) -> float:
-    """The accuracy a run had at `cpu` CPU-s: its last evaluation at or below it (the start before any)."""
-    below = [p["acc"] for p in points if p["cpu_s"] <= cpu + 1e-9]
+def acc_at(points: list[dict], x: float, start: float, key: str = "cpu_s") -> float:
+    """The accuracy a run had at `x` CPU-s (or tokens): its last evaluation at or below it (the
+    start before any)."""
+    below = [p["acc"] for p in points if p[key] <= x + 1e-9]
     return below[-1] if below else start
 
 
@@ -747,6 +752,7 @@ def _fmt(x, spec=".0f") -> str:
 def markdown(report: dict) -> str:
     p = report["plan"]
     targets = report["targets"]
+    reward = f"; OPD + reward: loss.reward_weight {p.get('reward_weight', 1.0):g}" if "opd_reward" in p["lrs"] else ""
     budget = (f"{p['cpu_budget']:.0f} CPU-s per run (stopped when its processes have used them; at most "
               f"{p['steps']} steps)" if p["cpu_budget"] else f"{p['steps']} optimizer steps per run")
     lines = [f"Held-out accuracy: greedy, {p['eval_prompts']} math + {p['eval_prompts']} code prompts (the demo's "
@@ -758,7 +764,8 @@ def markdown(report: dict) -> str:
              f"prompts x {GRPO_GROUP}; OPD + reward {p['batch'] // REWARD_GROUP} x {REWARD_GROUP}; OPD {p['batch']} x 1; "
              f"offline: {p['offline_samples']} teacher samples, then SFT batches of {p['batch']}); responses "
              f"<= {p['max_new_tokens']} tokens; domain mix {', '.join(f'{d} {r:.2f}' for d, r in p['ratios'].items())}; "
-             f"constant learning rates after warm-up ({', '.join(f'{SHORT[a]} {lr:g}' for a, lr in p['lrs'].items())}); "
+             f"constant learning rates after warm-up ({', '.join(f'{SHORT[a]} {lr:g}' for a, lr in p['lrs'].items())})"
+             f"{reward}; "
              f"seeds {', '.join(map(str, p['seeds']))}. CPU-s: user + sys of every process of the run (trainer "
              f"and its children, code sandboxes included; the teacher servers while it ran; the offline arm's "
              f"teacher sampling); evaluation not counted. Mean ± std over seeds.", "",
@@ -818,9 +825,14 @@ def plot(report: dict, path: Path) -> None:
             for r in runs:   # each seed, thin
                 ax.plot([0] + [q[key] for q in r["points"]], [start] + [q["acc"] for q in r["points"]],
                         color=colors.get(arm), alpha=0.3, lw=0.8, marker=".", ms=3)
+            top = min(r["points"][-1][key] for r in runs)
+            varies = all(r["points"][0][key] < r["points"][-1][key] for r in runs)
             if key == "cpu_s" and p["cpu_budget"]:   # the mean over seeds at each CPU mark
                 xs = [0.0] + [p["cpu_budget"] * (i + 1) / p["evals"] for i in range(p["evals"])]
                 accs = [[acc_at(r["points"], x, start) for r in runs] for x in xs]
+            elif varies:   # the mean over seeds on a grid of the x every seed reached
+                xs = [0.0] + [top * (i + 1) / p["evals"] for i in range(p["evals"])]
+                accs = [[acc_at(r["points"], x, start, key) for r in runs] for x in xs]
             else:   # the mean over seeds at each evaluation
                 n = min(len(r["points"]) for r in runs)
                 xs = [0.0] + [statistics.fmean(r["points"][i][key] for r in runs) for i in range(n)]
@@ -868,7 +880,7 @@ def make_report(args, plan: Plan, bench: Bench, ref: dict, results: list[dict], 
                else [round(0.5 * teacher_acc, 3), round(0.8 * teacher_acc, 3)])
     return {"plan": {"cpu_budget": plan.budget, "steps": plan.steps, "batch": plan.batch, "evals": plan.evals,
                      "eval_prompts": args.eval_prompts, "max_new_tokens": plan.max_new_tokens, "lrs": plan.lrs,
-                     "offline_samples": plan.offline_samples, "ratios": plan.ratios, "seeds": seeds, "arms": arms,
+                     "offline_samples": plan.offline_samples, "reward_weight": plan.reward_weight, "ratios": plan.ratios, "seeds": seeds, "arms": arms,
                      "quick": bool(args.quick), "checkpoint_every": {a: plan.every(a) for a in arms},
                      "budget": (f"{plan.budget:g} CPU-s per run" if plan.budget else f"{plan.steps} steps per run")
                      + f", {plan.batch} sequences per step, every arm"},
@@ -910,7 +922,8 @@ def run(args: argparse.Namespace) -> int:
            "opd_topk": opd_lr, "opd_reward": opd_lr}
     plan = Plan(out=out, steps=steps, batch=args.batch, evals=args.evals, budget=args.cpu_budget,
                 max_new_tokens=args.max_new_tokens, lrs={a: lrs[a] for a in arms}, ratios=ratios, data=data,
-                models=snap["models"], merge=merge, offline_samples=args.offline_samples)
+                models=snap["models"], merge=merge, offline_samples=args.offline_samples,
+                reward_weight=args.reward_weight)
     code = snapshot_code(out, args.code_rev)
     print(f"[recipes] library snapshot in {code['info']['path']} ({code['info']['rev'][:10]}"
           f"{', working tree' if code['info']['working_tree'] else ''})", flush=True)
