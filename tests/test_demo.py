@@ -62,6 +62,9 @@ def test_demo_quick_runs_every_stage_and_caches(tmp_path):
     for stage in ("0_data", "1_sft_base", "2_sft_math", "2_rl_math", "2_sft_code", "2_rl_code", "3_serve", "4_merge",
                   "5_validate"):
         assert f"| {stage} |" in report
+    # the RL stage's gain over its warm-up is stated; --quick does not check it
+    assert "RL stage: math " in report and " over its SFT warm-up" in report
+    assert "- RL stage: not checked with --quick" in report
     header = next(line for line in report.splitlines() if line.startswith("| model |"))
     assert header.split("|")[2:4] == [" math ", " code "]
     val = json.loads((out / "validate" / "report.json").read_text())
@@ -77,13 +80,9 @@ def test_demo_quick_runs_every_stage_and_caches(tmp_path):
 
 
 def test_demo_seed_sets_every_stages_training_seed_and_nothing_else(tmp_path):
-    import importlib.util
-
     import yaml
 
-    spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = _demo_module()
     templates = {name: demo.MERGE_TEMPLATE if name == "merge" else demo.TEMPLATES / f"{name}.yaml"
                  for name in demo.SEED_KEYS}
 
@@ -101,3 +100,35 @@ def test_demo_seed_sets_every_stages_training_seed_and_nothing_else(tmp_path):
             assert a[leaf] == 0 and b[leaf] == 7, (name, dotted)
             b[leaf] = 0
         assert seeded == plain, name   # nothing but the seeds changed
+
+
+def _demo_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo
+
+
+def test_report_states_the_rl_stage_gain_and_checks_it_in_full_runs_only(tmp_path):
+    demo = _demo_module()
+    acc = {"base": (0.28, 0.10), "warmup-math": (0.40, 0.05), "warmup-code": (0.07, 0.80),
+           "teacher-math": (0.55, 0.04), "teacher-code": (0.06, 0.82), "student-after": (0.50, 0.78)}
+
+    def report(quick, **change):
+        results = {m: {"math": {"greedy": a}, "code": {"greedy": c}} for m, (a, c) in {**acc, **change}.items()}
+        d = demo.Demo(tmp_path / f"out{len(change)}{quick}", quick=quick, fresh=False, ports=dict(demo.DEFAULT_PORTS))
+        d.out.mkdir(parents=True)
+        return d.report({"results": results}).read_text()
+
+    text = report(False)
+    assert "RL stage: math 0.40 -> 0.55 (+0.15), code 0.80 -> 0.82 (+0.02) over its SFT warm-up" in text
+    assert "- RL stage: PASS raises held-out accuracy over its SFT warm-up by >= 0.1 on at least one domain" in text
+    # neither domain gains enough: the check fails
+    text = report(False, **{"teacher-math": (0.45, 0.04)})
+    assert "- RL stage: FAIL" in text and "(math +0.05, code +0.02)" in text
+    # --quick states the gain but does not check it
+    text = report(True, **{"teacher-math": (0.30, 0.04)})
+    assert "RL stage: math 0.40 -> 0.30 (-0.10)" in text
+    assert "- RL stage: not checked with --quick" in text and "RL stage: PASS" not in text
