@@ -23,6 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from opd.config import from_dict
+from opd.data import write_jsonl
+from opd.distill.config import TrainConfig
+from opd.distill.trainer import Trainer
+from opd.teachers.launch import start_server_process
+from opd.tiny import build_tiny_model, perturb_model
+
 SCHEDULES = {"on-policy": {"run.pipeline": False}, "pipeline": {"run.pipeline": True},
              "ahead K=0": {"run.max_staleness": 0}, "ahead K=2": {"run.max_staleness": 2}}
 
@@ -39,9 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _config(root: Path, name: str, address: str, args, over: dict):
-    from opd.config import from_dict
-    from opd.distill.config import TrainConfig
-
     d = {"student": {"path": str(root / "student")},
          "merge": {"teachers": [{"name": "t", "address": address, "mode": "topk", "k": 16}],
                    "datasets": [{"domain": "gen", "path": str(root / "train.jsonl")}]},
@@ -56,8 +60,6 @@ def _config(root: Path, name: str, address: str, args, over: dict):
 
 
 def _one(root: Path, name: str, address: str, args, over: dict) -> dict:
-    from opd.distill.trainer import Trainer
-
     tr = Trainer(_config(root, name, address, args, over), overwrite=True)
     times: list[float] = []
     step = tr.step
@@ -82,10 +84,6 @@ def _one(root: Path, name: str, address: str, args, over: dict) -> dict:
 
 
 def run(args) -> int:
-    from opd.data import write_jsonl
-    from opd.teachers.launch import start_server_process
-    from opd.tiny import build_tiny_model, perturb_model
-
     if args.quick:
         args.steps, args.rounds, args.hidden, args.layers, args.max_new_tokens = 3, 1, 64, 2, 12
     if args.steps < 2:

@@ -13,53 +13,14 @@ from typing import Literal
 
 import torch
 
+from opd.spine.objective import equal_groups, group_advantages  # noqa: F401  (shared with opd train)
+
 AdvantageEstimator = Literal["grpo", "dr_grpo", "batch_std", "rloo"]
 KLEstimator = Literal["k1", "k3"]
 LossAggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
 
 
 # ---- advantages ---------------------------------------------------------------------------
-
-def group_advantages(rewards_P_G: torch.Tensor, estimator: AdvantageEstimator = "grpo",
-                     eps: float = 1e-6) -> torch.Tensor:
-    """Group-relative advantages, one per response.
-
-    grpo:      (r - mean_group) / (std_group + eps)   (DeepSeekMath; std is the unbiased
-               one, as in TRL)
-    dr_grpo:   r - mean_group                          (Dr. GRPO: no std scaling, which
-               otherwise up-weights groups that are nearly all-correct or all-wrong)
-    batch_std: (r - mean_group) / (std_batch + eps)    (one scale for the whole batch)
-    rloo:      r - mean of the other G-1 responses     (leave-one-out baseline)
-               = G/(G-1) * (r - mean_group)
-
-    A group whose rewards are all equal carries no signal: its advantages are exactly 0
-    (never NaN), also for G = 1.
-    """
-    r = rewards_P_G.to(torch.float64)
-    P, G = r.shape
-    if G < 2:
-        return torch.zeros_like(rewards_P_G, dtype=torch.float32)
-    centered_P_G = r - r.mean(dim=1, keepdim=True)
-    if estimator == "grpo":
-        adv_P_G = centered_P_G / (r.std(dim=1, keepdim=True) + eps)
-    elif estimator == "dr_grpo":
-        adv_P_G = centered_P_G
-    elif estimator == "batch_std":
-        adv_P_G = centered_P_G / (r.std() + eps) if r.numel() > 1 else centered_P_G
-    elif estimator == "rloo":
-        adv_P_G = centered_P_G * (G / (G - 1))
-    else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}")
-    # mean() of equal floats need not round back to the same float: force exact zeros.
-    flat_P = equal_groups(rewards_P_G)
-    adv_P_G = torch.where(flat_P[:, None], torch.zeros_like(adv_P_G), adv_P_G)
-    return adv_P_G.to(torch.float32)
-
-
-def equal_groups(rewards_P_G: torch.Tensor) -> torch.Tensor:
-    """[P] bool: groups where every response got the same reward (no gradient from them)."""
-    return rewards_P_G.max(dim=1).values == rewards_P_G.min(dim=1).values
-
 
 # ---- policy loss --------------------------------------------------------------------------
 

@@ -36,10 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
@@ -63,17 +60,9 @@ from opd.spine.model import load_policy, make_engine
 from opd.spine.optim import NonfiniteSteps, build_optimizer, optimizer_step
 from opd.spine.run import RunDir
 from opd.spine import objective
-from opd.distill.teachers import TeacherSet
-from opd.fingerprint import tokenizer_fingerprint
+from opd.rl import teachers as rl_teachers
+from opd.rl.teachers import TeacherTerm
 
-
-@dataclass(frozen=True)
-class TeacherTerm:
-    """One teacher's part of the per-token advantage."""
-    lam: float                 # its weight
-    gamma: float               # discount of later tokens' terms
-    lp_B_T: torch.Tensor       # its log-probs of the sampled tokens (0 off its sequences)
-    on_B: torch.Tensor         # 1 on the sequences it scored
 
 PLOT_GROUPS = {
     "reward": ["reward"], "groups": ["groups"], "length": ["length"], "kl": ["kl"],
@@ -175,7 +164,7 @@ class GRPOTrainer:
             self.resumes = list(state.get("resumes", [])) + [
                 {"at_step": self.start_step, "checkpoint": self.run_dir.resume_from.name,
                  "changed": self.run_dir.changed}]
-        self.teachers = self.connect_teachers() if cfg.teachers else None
+        self.teachers = rl_teachers.connect(cfg, self.tokenizer) if cfg.teachers else None
         self.cluster, self._ray_started = None, False
         self.engine = self.start_ray_engine() if cfg.cluster.mode == "ray" \
             else make_engine(cfg.rollout, cfg.model, self.model, self.tokenizer, seed=cfg.run.seed, world=world)
@@ -205,7 +194,7 @@ class GRPOTrainer:
                                         max_new_tokens=cfg.rollout.max_new_tokens, n=G,
                                         seed=cfg.run.seed * 1_000_003 + step, share=share)
                 rollouts_B = self.engine.generate(prompt_ids_P, params)
-                futures = self.submit_teachers(rollouts_B, samples_P) if self.teachers is not None else None
+                futures = rl_teachers.submit(self.teachers, cfg.teachers, rollouts_B, samples_P) if self.teachers is not None else None
                 texts_B = [self.decode(r) for r in rollouts_B]
                 t_rollout = time.time() - t0
                 # 2. rewards
@@ -220,7 +209,7 @@ class GRPOTrainer:
                 batch = collate(rollouts_B, self.pad_id)
                 ref_B_T = self.reference_logprobs(batch) if cfg.algorithm.kl_beta > 0 else None
                 # 5. clipped updates (an optimizer step whose gradient is not finite is skipped)
-                terms = self.teacher_terms(futures, batch) if futures is not None else []
+                terms = rl_teachers.terms(self.teachers, cfg.teachers, futures, batch) if futures is not None else []
                 upd = self.update(batch, adv_B, ref_B_T, terms)
                 skipped = self.nonfinite.check(step + 1, not upd["steps_skipped"],
                                                f" in {upd['steps_skipped']:.0f} of its optimizer steps")
@@ -332,43 +321,6 @@ class GRPOTrainer:
             out.append(lp.cpu())
         return torch.cat(out)
 
-    # -- teachers ----------------------------------------------------------------------------
-
-    def connect_teachers(self) -> TeacherSet:
-        """The teacher servers, checked before any step: reachable, the policy's tokenizer, mode sampled."""
-        view = SimpleNamespace(merge=SimpleNamespace(teachers=self.cfg.teachers), teachers_key="teachers",
-                               teacher_client=self.cfg.teacher_client,
-                               cluster=SimpleNamespace(teachers=[]), loss=SimpleNamespace(full_dtype="float32"))
-        return TeacherSet(view, tokenizer_fingerprint(self.tokenizer), self.cfg.model.path)
-
-    def submit_teachers(self, rollouts_B, samples_P) -> dict[str, tuple[list[int], Future]]:
-        """{teacher: (the sequences it scores, the Future of its answer)}: every response of a
-        sample whose domain the teacher covers (all, when its `domains` is empty)."""
-        out = {}
-        for spec in self.cfg.teachers:
-            seqs = [b for b, r in enumerate(rollouts_B)
-                    if not spec.domains or samples_P[r.prompt_index].domain in spec.domains]
-            if seqs:
-                out[spec.name] = (seqs, self.teachers.request(spec.name, [rollouts_B[b].ids for b in seqs],
-                                                              [len(rollouts_B[b].prompt_ids) for b in seqs]))
-        return out
-
-    def teacher_terms(self, futures: dict, batch: PaddedRollouts) -> list[TeacherTerm]:
-        """Each teacher's log-probs of the sampled tokens, [B, T] (0 off its sequences)."""
-        answers = self.teachers.answers({t: f for t, (_, f) in futures.items()})
-        terms = []
-        for spec in self.cfg.teachers:
-            if spec.name not in futures:
-                continue
-            seqs, answer = futures[spec.name][0], answers[spec.name]
-            lp_B_T, on_B = torch.zeros_like(batch.old_logprobs_B_T), torch.zeros(batch.mask_B_T.shape[0])
-            for j, b in enumerate(seqs):
-                a, e = answer.row_offsets[j], answer.row_offsets[j + 1]
-                lp_B_T[b, :e - a] = answer.token_logprob[a:e]
-                on_B[b] = 1.0
-            terms.append(TeacherTerm(spec.weight, spec.gamma, lp_B_T, on_B))
-        return terms
-
     def update(self, batch: PaddedRollouts, adv_B: torch.Tensor, ref_B_T: torch.Tensor | None,
                terms: list[TeacherTerm] = ()) -> dict:
         """`epochs` passes, each split into `minibatches` optimizer steps of micro-batches.
@@ -400,7 +352,7 @@ class GRPOTrainer:
                     mask = part.mask_B_T.to(dev)
                     adv = adv.to(dev)
                     if terms:   # per token: the reward's advantage plus each teacher's (opd.spine.objective)
-                        adv, signal = self.token_advantages(adv, lp, mask, terms, rows, sl)
+                        adv, signal = rl_teachers.token_advantages(adv, lp, mask, terms, rows, sl)
                         for k, v in signal.items():
                             sums[k] = sums.get(k, 0.0) + v
                     pg_B_T, clipped_B_T = grpo.clipped_surrogate(lp, part.old_logprobs_B_T.to(dev), adv,
@@ -440,21 +392,6 @@ class GRPOTrainer:
                 "entropy": sums["entropy"] / per_tok, "ratio/mean": sums["ratio"] / per_tok,
                 "grad_norm": sums["grad_norm"] / n_steps, "lr": lr, "steps_skipped": float(skipped),
                 **{k: sums[k] / per_tok for k in ("signal/reward", "signal/teacher") if k in sums}}
-
-    @staticmethod
-    def token_advantages(adv_B, lp_B_T, mask_B_T, terms, rows, sl):
-        """([B, T] advantages: adv_B plus every teacher's discounted reverse-KL term on its
-        sequences, {summed |signal| of the reward and of the teachers} over real tokens)."""
-        m = mask_B_T.to(lp_B_T.dtype)
-        adv_B_T = adv_B[:, None].expand_as(lp_B_T)
-        signal = {"signal/reward": float((adv_B_T.abs() * m).sum()), "signal/teacher": 0.0}
-        for term in terms:
-            on = term.on_B[rows][sl].to(lp_B_T.device)[:, None] * m
-            t_B_T = objective.discounted_B_T(objective.teacher_advantage(lp_B_T, term.lp_B_T[rows][sl].to(lp_B_T.device),
-                                                                         term.lam), on, term.gamma)
-            adv_B_T = adv_B_T + t_B_T
-            signal["signal/teacher"] += float(t_B_T.abs().sum())
-        return adv_B_T, signal
 
     def step_metrics(self, rewards_P_G: torch.Tensor, parts: dict, rollouts_B, upd: dict) -> dict:
         flat_P = grpo.equal_groups(rewards_P_G)

@@ -28,7 +28,9 @@ MAY_IMPORT = {
     "opd.spine": ("opd.rollout",),
     "opd.cluster": ("opd.teachers", "opd.rollout", "opd.spine"),
     "opd.sft": ("opd.spine",),
-    "opd.rl": ("opd.rollout", "opd.spine", "opd.cluster", "opd.kernels"),
+    # opd rl's teachers (rl/teachers.py) use opd train's client side of the teacher servers
+    "opd.rl": ("opd.rollout", "opd.spine", "opd.cluster", "opd.kernels", "opd.routing.config", "opd.distill.teachers",
+               "opd.distill.config"),
     "opd.distill": ("opd.kernels", "opd.teachers", "opd.rollout", "opd.routing", "opd.spine", "opd.cluster",
                     "opd.rl.rewards"),
     "opd.benchmarks": ("*",),
@@ -39,6 +41,9 @@ LAZY = {
     ("opd.kernels.loss", "opd.kernels.triton_ops"): "triton is optional and heavy",
     ("opd.teachers.launch", "opd.teachers.serve"): "the server and torch, in a forked child only",
     ("opd.benchmarks.kernels", "opd.kernels.triton_ops"): "triton, for the Triton rows only",
+    **{("opd.benchmarks.recipes_worker", m): "a worker subprocess imports the library snapshot the run copied"
+       for m in ("opd.rollout", "opd.rollout.hf", "opd.spine.config", "opd.spine.model", "opd.data", "opd.rl.rewards")},
+    ("opd.benchmarks.recipes", "opd.teachers.launch"): "the teacher servers, started only by the arms that use them",
 }
 MAX_LINES = 500
 

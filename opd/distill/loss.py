@@ -31,7 +31,7 @@ from opd.diagnostics import topk_overlap
 from opd.distill.batch import Batch
 from opd.distill.stats import StepStats
 from opd.distill.teachers import Answer, TeacherSet
-from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
+from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
 from opd.spine import objective
 from opd.spine.optim import TrainError
 from opd.spine.dist import World
@@ -171,9 +171,12 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
 def token_logprobs(rows, targets_N: torch.Tensor) -> torch.Tensor:
     """Raw (temperature 1) log-probs [N] of the sampled tokens, with grad, from either form of
     `student_rows`; the fused form in vocabulary chunks (never [N, V])."""
-    if isinstance(rows, tuple):
-        from opd.rl.logprobs import rows_logprobs_and_entropy
-        return rows_logprobs_and_entropy(rows[0], rows[1], targets_N, with_entropy=False)[0]
+    if isinstance(rows, tuple):   # -KL(one-hot(target) || student): the fused kernel's log-prob
+        hidden, weight = rows
+        n = hidden.shape[0]
+        one_hot = TopKTeacher(targets_N[:, None].long(), torch.zeros(n, 1, device=hidden.device),
+                              torch.full((n,), float("-inf"), device=hidden.device))
+        return -fused_linear_distill_loss(hidden, weight, one_hot, beta=0.0, reduction="none")
     return torch.log_softmax(rows.float(), -1).gather(-1, targets_N[:, None]).squeeze(-1)
 
 

@@ -46,11 +46,11 @@ from opd.distill.stats import History, StepStats
 from opd.distill.teachers import TeacherSet
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint
 from opd.lm_head import FUSED_REFUSED, head_form
-from opd.rl import grpo
 from opd.rl.rewards import build_reward, verify_batch
 from opd.rl.rewards.combine import check_reward_fields
 from opd.rollout.base import SamplingParams, eos_ids
 from opd.routing.normalize import DomainLossNormalizer
+from opd.spine import objective
 from opd.spine.dist import World, memory_per_rank
 from opd.spine.model import load_policy, load_tokenizer, make_engine
 from opd.spine.optim import NonfiniteSteps, TrainError, build_optimizer, optimizer_step
@@ -212,9 +212,9 @@ class Trainer:
         total, _ = self.reward([batch.samples[ro.prompt_index] for ro in batch.rollouts], texts)
         rewards_P_G = torch.tensor(total, dtype=torch.float32).view(-1, self.cfg.rollout.samples_per_prompt)
         batch.rewards = total
-        batch.advantages = grpo.group_advantages(rewards_P_G, self.cfg.loss.reward_advantage).flatten().tolist()
+        batch.advantages = objective.group_advantages(rewards_P_G, self.cfg.loss.reward_advantage).flatten().tolist()
         stats.rewards += total
-        stats.flat_groups = [stats.flat_groups[0] + int(grpo.equal_groups(rewards_P_G).sum()),
+        stats.flat_groups = [stats.flat_groups[0] + int(objective.equal_groups(rewards_P_G).sum()),
                              stats.flat_groups[1] + rewards_P_G.shape[0]]
 
     def _run_ahead(self, queued: list[dict]) -> RunAhead:

@@ -19,7 +19,8 @@ from opd.kernels import TopKTeacher
 from opd.rl.batch import collate
 from opd.rl.config import AlgorithmConfig, OptimConfig
 from opd.rl.logprobs import token_logprobs_and_entropy
-from opd.rl.trainer import GRPOTrainer, TeacherTerm
+from opd.rl.teachers import TeacherTerm, token_advantages
+from opd.rl.trainer import GRPOTrainer
 from opd.rollout import Rollout
 from opd.routing.config import TeacherSpec
 from opd.routing.router import Route
@@ -116,7 +117,7 @@ def _rl_update(model, rollouts, teacher, adv_B, lam):
         cfg=SimpleNamespace(algorithm=AlgorithmConfig(micro_batch_size=2, eps_low=10.0, eps_high=10.0),
                             optim=OptimConfig(grad_clip=0.0), rollout=SimpleNamespace(max_new_tokens=8)),
         model=model, optimizer=opt, params=list(model.parameters()), world=World(),
-        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), token_advantages=GRPOTrainer.token_advantages)
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), token_advantages=token_advantages)
     batch = collate(rollouts, 0)
     terms = []
     if lam is not None:

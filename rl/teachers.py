@@ -1,0 +1,82 @@
+"""opd rl's teachers: the servers whose sampled-token reverse KL joins each token's GRPO advantage.
+
+`connect` checks them before any step (reachable, the policy's tokenizer; opd train's client
+side, opd.distill.teachers), `submit` sends a step's responses right after sampling, `terms`
+collects each teacher's log-probs of the sampled tokens, and `token_advantages` adds their
+discounted reverse-KL terms to the sequence advantage (opd.spine.objective, the objective
+opd train computes with `rewards`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from opd.distill.teachers import TeacherSet
+from opd.fingerprint import tokenizer_fingerprint
+from opd.rl.batch import PaddedRollouts
+from opd.spine import objective
+
+
+@dataclass(frozen=True)
+class TeacherTerm:
+    """One teacher's part of the per-token advantage."""
+    lam: float                 # its weight
+    gamma: float               # discount of later tokens' terms
+    lp_B_T: torch.Tensor       # its log-probs of the sampled tokens (0 off its sequences)
+    on_B: torch.Tensor         # 1 on the sequences it scored
+
+
+def connect(cfg, tokenizer) -> TeacherSet:
+    """The teacher servers, checked before any step: reachable, the policy's tokenizer, mode sampled."""
+    view = SimpleNamespace(merge=SimpleNamespace(teachers=cfg.teachers), teachers_key="teachers",
+                           teacher_client=cfg.teacher_client, cluster=SimpleNamespace(teachers=[]),
+                           loss=SimpleNamespace(full_dtype="float32"))
+    return TeacherSet(view, tokenizer_fingerprint(tokenizer), cfg.model.path)
+
+
+def submit(teachers: TeacherSet, specs, rollouts_B, samples_P) -> dict[str, tuple[list[int], Future]]:
+    """{teacher: (the sequences it scores, the Future of its answer)}: every response of a
+    sample whose domain the teacher covers (all, when its `domains` is empty)."""
+    out = {}
+    for spec in specs:
+        seqs = [b for b, r in enumerate(rollouts_B) if not spec.domains or samples_P[r.prompt_index].domain in spec.domains]
+        if seqs:
+            out[spec.name] = (seqs, teachers.request(spec.name, [rollouts_B[b].ids for b in seqs],
+                                                     [len(rollouts_B[b].prompt_ids) for b in seqs]))
+    return out
+
+
+def terms(teachers: TeacherSet, specs, futures: dict, batch: PaddedRollouts) -> list[TeacherTerm]:
+    """Each teacher's log-probs of the sampled tokens, [B, T] (0 off its sequences)."""
+    answers = teachers.answers({t: f for t, (_, f) in futures.items()})
+    out = []
+    for spec in specs:
+        if spec.name not in futures:
+            continue
+        seqs, answer = futures[spec.name][0], answers[spec.name]
+        lp_B_T, on_B = torch.zeros_like(batch.old_logprobs_B_T), torch.zeros(batch.mask_B_T.shape[0])
+        for j, b in enumerate(seqs):
+            a, e = answer.row_offsets[j], answer.row_offsets[j + 1]
+            lp_B_T[b, :e - a] = answer.token_logprob[a:e]
+            on_B[b] = 1.0
+        out.append(TeacherTerm(spec.weight, spec.gamma, lp_B_T, on_B))
+    return out
+
+
+def token_advantages(adv_B, lp_B_T, mask_B_T, terms, rows, sl):
+    """([B, T] advantages: adv_B plus every teacher's discounted reverse-KL term on its
+    sequences, {summed |signal| of the reward and of the teachers} over real tokens)."""
+    m = mask_B_T.to(lp_B_T.dtype)
+    adv_B_T = adv_B[:, None].expand_as(lp_B_T)
+    signal = {"signal/reward": float((adv_B_T.abs() * m).sum()), "signal/teacher": 0.0}
+    for term in terms:
+        on = term.on_B[rows][sl].to(lp_B_T.device)[:, None] * m
+        t_B_T = objective.discounted_B_T(objective.teacher_advantage(lp_B_T, term.lp_B_T[rows][sl].to(lp_B_T.device),
+                                                                     term.lam), on, term.gamma)
+        adv_B_T = adv_B_T + t_B_T
+        signal["signal/teacher"] += float(t_B_T.abs().sum())
+    return adv_B_T, signal
