@@ -17,6 +17,7 @@ sampling and the trainer's forward and backward do overlap; on two cores they sh
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import deque
 from contextlib import contextmanager
@@ -163,8 +164,6 @@ class RunAhead:
 
 def own_copy(model):
     """A frozen copy of the student for the hf engine of the thread (the trainer keeps updating its own)."""
-    import copy
-
     clone = copy.deepcopy(model)
     clone.requires_grad_(False)
     return clone

@@ -152,7 +152,7 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
             stats.add_teacher_rows(t, row_domain, weighted, kl_rows, overlap, tail, lam)
         if batch.advantages is not None and packed.row_offsets[-1]:   # the reward's term, every row
             adv_N = torch.tensor([cfg.loss.reward_weight * batch.advantages[s]
-                                  for j, s in enumerate(seqs) for _ in range(offsets[s + 1] - offsets[s])])
+                                  for s in seqs for _ in range(offsets[s + 1] - offsets[s])])
             w_N = torch.cat([weights_N[offsets[s]:offsets[s + 1]] for s in seqs])
             if corrected:
                 w_N = w_N * ratios.token_N

@@ -184,13 +184,12 @@ class Trainer:
         skipped = self.nonfinite.check(self.steps_done + 1, applied, self._nonfinite_detail(stats))
         self.scheduler.step()
         self.steps_done += 1
-        if applied:
-            self.version += 1
+        self.version += applied
         if self.ahead is not None:   # the thread loads the new weights between two batches
             self.ahead.step_done(self.model, self.version, applied)
+        elif applied:
+            self.engine.sync_weights(self.model)
         if applied:
-            if self.ahead is None:
-                self.engine.sync_weights(self.model)
             for d, v in stats.domain_loss.items():   # running-mean multipliers for the next step
                 self.multipliers[d] = self.normalizer.scale(d, v)
         else:
