@@ -28,7 +28,11 @@ TAIL_LOGMASS_FLOOR = math.log(2.0 ** -24)
 
 @dataclass(frozen=True)
 class ScoreRequest:
-    """One validated SCORE request. Row convention: see teachers/protocol.py."""
+    """One validated SCORE request. Row convention: see teachers/protocol.py.
+
+    A SCORE with teacher context arrives here already composed: `ids`, `offsets` and
+    `response_starts` describe the sequences the teacher scores (its prompt + the student's
+    response), so a backend never sees the context as such, and the rows are the student's."""
     request_id: int
     mode: str                   # "topk" | "full"
     ids: torch.Tensor           # int64 [T], all sequences concatenated
@@ -40,6 +44,8 @@ class ScoreRequest:
     chunk_rows: int             # full mode
     vocab_limit: int = 0        # > 0: the distribution over the first vocab_limit columns (a student
                                 # whose LM head has fewer padding rows than the teacher's)
+    candidates: torch.Tensor | None = None   # int64 [R, k]: the ids to answer per row (support
+                                             # "given"), distinct within a row; None: the teacher's top k
 
     @property
     def num_sequences(self) -> int:

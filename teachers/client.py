@@ -40,6 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -124,29 +125,58 @@ class TeacherClient:
         return self._welcome  # type: ignore[return-value]
 
     def submit_topk(self, sequences: Sequence[Sequence[int]], response_starts: Sequence[int], k: int,
-                    temperature: float = 1.0, vocab_limit: int = 0) -> Future:
+                    temperature: float = 1.0, vocab_limit: int = 0, contexts: Sequence[Sequence[int]] | None = None,
+                    candidates=None) -> Future:
         """Future of a TopKResult. Several may be in flight at once. A batch over the teacher's
         max_tokens_per_request goes as several requests (whole sequences each), kept within its
         max_inflight_tokens, and comes back as one result (`stats` None). vocab_limit > 0: the
-        teacher's distribution over its first vocab_limit columns (protocol 2.2)."""
+        teacher's distribution over its first vocab_limit columns (protocol 2.2).
+
+        Protocol 2.4: `contexts` [B] (token ids; an empty one keeps that sequence's prompt) is what
+        the teacher sees instead of each sequence's prompt, its rows still the response's;
+        `candidates` int [R, k] (R rows, in row order) are the ids to answer per row instead of the
+        teacher's top k (e.g. the student's own), distinct within a row."""
         welcome = self.info()
-        lengths = [len(s) for s in sequences]
+        if (contexts is not None or candidates is not None) and tuple(welcome.version) < (2, 4):
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher at {self.address} speaks protocol "
+                                                      f"{tuple(welcome.version)}: teacher contexts and given "
+                                                      f"candidates need 2.4")
+        if contexts is not None and len(contexts) != len(sequences):
+            raise ValueError(f"{len(contexts)} contexts for {len(sequences)} sequences")
+        rows = [len(s) - int(st) for s, st in zip(sequences, response_starts)]
+        if candidates is not None and (candidates.ndim != 2 or candidates.shape != (sum(rows), k)):
+            raise ValueError(f"candidates must be [rows, k] = [{sum(rows)}, {k}], got {list(candidates.shape)}")
+        # What the teacher scores: with a context, its prompt instead of the sequence's.
+        lengths = [len(s) if not contexts or not len(c) else len(c) + r
+                   for s, c, r in zip(sequences, contexts or sequences, rows)]
         parts = split_by_tokens(lengths, welcome.max_tokens_per_request)
         args = (k, temperature, vocab_limit)
-        if len(parts) == 1:
-            return self._submit_topk(sequences, response_starts, *args)
-        return SplitBatch(lambda a, b: self._submit_topk(sequences[a:b], response_starts[a:b], *args),
-                           [(a, b, sum(lengths[a:b])) for a, b in parts], welcome.max_inflight_tokens).future
+        row_at = [0, *itertools.accumulate(rows)]
 
-    def _submit_topk(self, sequences, response_starts, k: int, temperature: float, vocab_limit: int) -> Future:
-        ids, offsets = pack(sequences)
+        def part(a: int, b: int) -> Future:
+            return self._submit_topk(sequences[a:b], response_starts[a:b], *args,
+                                     None if contexts is None else contexts[a:b],
+                                     None if candidates is None else candidates[row_at[a]:row_at[b]])
+        if len(parts) == 1:
+            return part(0, len(sequences))
+        return SplitBatch(part, [(a, b, sum(lengths[a:b])) for a, b in parts], welcome.max_inflight_tokens).future
+
+    def _submit_topk(self, sequences, response_starts, k: int, temperature: float, vocab_limit: int,
+                     contexts=None, candidates=None) -> Future:
+        arrays = pack(sequences)
+        if contexts is not None:
+            arrays += pack(contexts)
+        if candidates is not None:
+            arrays += (np.ascontiguousarray(np.asarray(candidates.cpu() if hasattr(candidates, "cpu") else candidates),
+                                            dtype="<i4"),)
         score = Score(request_id=0, mode="topk", response_starts=[int(s) for s in response_starts], k=int(k),
-                      temperature=float(temperature), vocab_limit=int(vocab_limit))
-        return self._command("submit", _Call("topk", score, (ids, offsets)))
+                      temperature=float(temperature), vocab_limit=int(vocab_limit), context=contexts is not None,
+                      support="given" if candidates is not None else "teacher")
+        return self._command("submit", _Call("topk", score, arrays))
 
     def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
-                   vocab_limit: int = 0) -> TopKResult:
-        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit).result()
+                   vocab_limit: int = 0, contexts=None, candidates=None) -> TopKResult:
+        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit, contexts, candidates).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
                    chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0) -> Iterator[FullChunk]:

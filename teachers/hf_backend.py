@@ -7,10 +7,11 @@ row convention in teachers/protocol.py) are gathered, and the LM head is applied
 in chunks of `row_chunk` rows, so [tokens x vocab] logits never exist for a batch; the
 largest logits tensor is [row_chunk, V].
 
-Per chunk, with z = logits / T:
+Per chunk, with z = logits / T and S the k ids of each row (the top k of z, or the
+candidates the request gave, support "given"):
     lse           = logsumexp(z)
-    logprobs      = topk(z) - lse
-    tail_logmass  = logsumexp(z without its top k) - lse      (exact; -inf when k == V)
+    logprobs      = z[S] - lse
+    tail_logmass  = logsumexp(z without S) - lse               (exact; -inf when k == V)
     token_logprob = z[target] - lse
 """
 
@@ -129,10 +130,12 @@ class HFBackend(TeacherBackend):
     def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
         answers = []
         for req, (hidden, targets) in zip(reqs, self._request_rows(reqs)):
-            parts = [self._topk_chunk(hidden[a:a + self.row_chunk], targets[a:a + self.row_chunk], req)
+            given = req.candidates   # [R, k] or None: the teacher's own top k
+            cut = (lambda a: None) if given is None else (lambda a: given[a:a + self.row_chunk])
+            parts = [self._topk_chunk(hidden[a:a + self.row_chunk], targets[a:a + self.row_chunk], req, cut(a))
                      for a in range(0, len(hidden), self.row_chunk)]
             if not parts:
-                parts = [self._topk_chunk(hidden, targets, req)]
+                parts = [self._topk_chunk(hidden, targets, req, given)]
             answers.append(TopKAnswer(*(torch.cat(p).cpu() for p in zip(*parts))))
         return answers
 
@@ -142,11 +145,15 @@ class HFBackend(TeacherBackend):
         logits = self.post_head(self.lm_head(hidden)).float()
         return logits[:, :req.vocab_limit] if req.vocab_limit else logits
 
-    def _topk_chunk(self, hidden, targets, req: ScoreRequest):
-        k = req.k
+    def _topk_chunk(self, hidden, targets, req: ScoreRequest, given: torch.Tensor | None = None):
+        """given [rows, k]: the ids to answer (support "given"), else the teacher's top k."""
         z = self._logits(hidden, req) / req.temperature                        # [rows, V]
         lse = torch.logsumexp(z, dim=-1)
-        top_z, top_ids = z.topk(k, dim=-1)
+        if given is None:
+            top_z, top_ids = z.topk(req.k, dim=-1)
+        else:
+            top_ids = given.to(z.device)
+            top_z = z.gather(1, top_ids)
         token_lp = z.gather(1, targets.to(z.device)[:, None]).squeeze(1) - lse
         # The tail in place: z is not needed after this, and a copy is [rows, V] fp32 again.
         tail = torch.logsumexp(z.scatter_(1, top_ids, float("-inf")), dim=-1) - lse  # -inf when k == V

@@ -32,6 +32,17 @@ Top-k answer tensors, per row r (R rows in total):
     token_logprob  fp32  [R]      log-probability of the token that stands in the sequence
     lse            fp32  [R]      logsumexp(logits / T) over the vocabulary
 
+Teacher context (2.4, `context`): the teacher may see another prompt than the student.
+Two more tensors, context_ids int32 [C] and context_offsets int32 [B + 1], give c_b per
+sequence; the teacher then scores c_b + ids_b[s_b:] (c_b replaces the prompt ids_b[:s_b];
+an empty c_b keeps it). Rows do not change: row i is still the token ids_b[s_b + i], now
+computed from the logits at position len(c_b) + i - 1 of the teacher's input.
+
+Given support (2.4, `support: "given"`): one more tensor, candidates int32 [R, k], the ids
+the client wants per row (e.g. the student's own top k), distinct within a row. The TOPK
+answer's ids are those candidates in their order, logprobs their log-probabilities, and
+tail_logmass the log-mass of every other id.
+
 Full-vocabulary answer: CHUNKs of consecutive rows, `logits` [rows, V] in the requested
 dtype (temperature NOT applied to these raw logits; `lse` is of logits / T) and fp32
 `lse` [rows] and `token_logprob` [rows], so neither side holds [all rows x V] at once.
@@ -48,12 +59,15 @@ import msgspec
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = (2, 3)  # major mismatch is refused at HELLO; minor is informational
+PROTOCOL_VERSION = (2, 4)  # major mismatch is refused at HELLO; minor is informational
 # 2.0: TOPK carries the DONE statistics itself (one message less per top-k request, +20 %
 # positions/s at top-64 in `opd bench transport`); a 1.x client would wait for a DONE.
 # 2.1: WELCOME says max_positions (a 2.0 server's decodes as 0: not said).
 # 2.2: SCORE.vocab_limit, the distribution over the first columns (a 2.1 server ignores it).
 # 2.3: vLLM servers answer vocab_limit too (a 2.2 one refused it as UNSUPPORTED).
+# 2.4: SCORE.context (a teacher-only prompt per sequence) and SCORE.support "given" (the
+# client's candidate ids per row). Their extra tensors make a 2.3 server answer MALFORMED;
+# the 2.4 client refuses to send either to a server before 2.4, with a clear error.
 
 # Bounds checked before any allocation.
 MAX_HEADER_BYTES = 1 << 20        # 1 MiB of msgpack header
@@ -133,7 +147,9 @@ class Welcome(_Msg, tag="welcome"):
 
 
 class Score(_Msg, tag="score"):
-    """tensors: ids int32 [total_tokens], offsets int32 [B + 1]."""
+    """tensors: ids int32 [total_tokens], offsets int32 [B + 1]; then, in this order, when
+    asked: context_ids int32 [C] and context_offsets int32 [B + 1] (context), candidates
+    int32 [R, k] (support "given")."""
     request_id: int
     mode: Literal["topk", "full"]
     response_starts: list[int]          # [B], each >= 1
@@ -143,6 +159,8 @@ class Score(_Msg, tag="score"):
     chunk_rows: int = 1024              # full mode: rows per CHUNK (<= MAX_CHUNK_BYTES / (4 V))
     window: int = 4                     # full mode: CHUNKs the server may send before a CREDIT
     vocab_limit: int = 0                # > 0: score over the first vocab_limit columns only (2.2)
+    context: bool = False               # + context_ids int32 [C], context_offsets int32 [B + 1] (2.4)
+    support: Literal["teacher", "given"] = "teacher"   # "given": + candidates int32 [R, k] (2.4)
 
 
 class TopK(_Msg, tag="topk"):

@@ -31,38 +31,65 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     if rid < 0:
         fail(ErrorCode.BAD_REQUEST, f"request_id must be >= 0 (-1 marks unreadable ids), got {rid}")
 
-    # Frames: ids int32 [T], offsets int32 [B + 1].
-    if len(arrays) != 2:
-        fail(ErrorCode.MALFORMED, f"SCORE carries 2 tensors (ids, offsets), got {len(arrays)}")
-    ids, offsets = arrays
-    if ids.dtype != np.dtype("<i4") or offsets.dtype != np.dtype("<i4") or ids.ndim != 1 or offsets.ndim != 1:
-        fail(ErrorCode.MALFORMED, "ids and offsets must be 1-D int32")
+    # Frames: ids int32 [T], offsets int32 [B + 1], then context and candidates when asked (2.4).
+    want = 2 + 2 * msg.context + (msg.support == "given")
+    if len(arrays) != want:
+        fail(ErrorCode.MALFORMED, f"this SCORE carries {want} tensors (ids, offsets"
+                                  + (", context_ids, context_offsets" if msg.context else "")
+                                  + (", candidates" if msg.support == "given" else "") + f"), got {len(arrays)}")
+    ids, offsets = arrays[:2]
     starts = msg.response_starts
     B = len(starts)
-    if B < 1 or len(offsets) != B + 1:
-        fail(ErrorCode.MALFORMED, f"{B} response_starts need {B + 1} offsets, got {len(offsets)}")
-    offs = offsets.tolist()  # B + 1 Python ints: for a few dozen, cheaper than numpy calls
-    lengths = [b - a for a, b in zip(offs, offs[1:])]
-    if offs[0] != 0 or offs[-1] != len(ids) or min(lengths) < 0:
-        fail(ErrorCode.MALFORMED, f"offsets must rise from 0 to {len(ids)} (the number of ids)")
-
-    # Sizes.
-    if len(ids) > max_tokens_per_request:
-        fail(ErrorCode.TOO_LONG, f"request has {len(ids)} tokens, max_tokens_per_request is {max_tokens_per_request}")
-    longest = max(lengths)
-    if longest > backend.max_positions:
-        fail(ErrorCode.TOO_LONG, f"a sequence has {longest} tokens, the model takes at most {backend.max_positions}")
-
-    # Token ids, in one pass: read as uint32 a negative id is >= 2**31, above any vocabulary.
-    vocab = msg.vocab_limit if 0 < msg.vocab_limit <= backend.vocab_size else backend.vocab_size
-    if len(ids) and int(ids.view(np.uint32).max()) >= vocab:
-        fail(ErrorCode.BAD_TOKEN, f"token ids must lie in [0, {vocab}); "
-                                  f"got min {int(ids.min())}, max {int(ids.max())}")
-
+    if B < 1:
+        fail(ErrorCode.MALFORMED, "a SCORE needs at least one sequence (response_starts is empty)")
+    offs, lengths = _ragged(ids, offsets, B, "ids", fail)
     # Response starts: 1 <= s_b <= len_b (s_b == len_b means no rows for that sequence).
     for b, (s, n) in enumerate(zip(starts, lengths)):
         if not 1 <= s <= n:
             fail(ErrorCode.BAD_REQUEST, f"response_starts[{b}] = {s} must lie in [1, {n}] (sequence length)")
+    rows = sum(n - s for s, n in zip(starts, lengths))
+    if msg.context:   # the teacher's input: c_b + the response (c_b empty: the sequence's own prompt)
+        ctx, ctx_offs_arr = arrays[2], arrays[3]
+        ctx_offs, ctx_lengths = _ragged(ctx, ctx_offs_arr, B, "context_ids", fail)
+        parts = []
+        for b in range(B):
+            a, s, e = offs[b], starts[b], offs[b + 1]
+            prompt = ctx[ctx_offs[b]:ctx_offs[b + 1]] if ctx_lengths[b] else ids[a:a + s]
+            parts += [prompt, ids[a + s:e]]
+        starts = [c or s for c, s in zip(ctx_lengths, starts)]
+        lengths = [s + (n - s0) for s, n, s0 in zip(starts, lengths, msg.response_starts)]
+        ids = np.concatenate(parts) if parts else ids
+        offs = [0, *np.cumsum(lengths).tolist()]
+
+    # Sizes (of what the teacher scores: with a context, its own prompts).
+    if len(ids) > max_tokens_per_request:
+        fail(ErrorCode.TOO_LONG, f"request has {len(ids)} tokens, max_tokens_per_request is {max_tokens_per_request}")
+    longest = max(lengths)
+    if longest > backend.max_positions:
+        fail(ErrorCode.TOO_LONG, f"a sequence has {longest} tokens" + (" with its teacher context" if msg.context else "")
+                                 + f", the model takes at most {backend.max_positions}")
+
+    # Token ids, in one pass: read as uint32 a negative id is >= 2**31, above any vocabulary.
+    vocab = msg.vocab_limit if 0 < msg.vocab_limit <= backend.vocab_size else backend.vocab_size
+    if len(ids) and int(ids.view(np.uint32).max()) >= vocab:
+        fail(ErrorCode.BAD_TOKEN, f"token ids" + (" (context included)" if msg.context else "")
+                                  + f" must lie in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
+
+    candidates = None
+    if msg.support == "given":
+        cand = arrays[-1]
+        if msg.mode != "topk":
+            fail(ErrorCode.BAD_REQUEST, "support 'given' answers top-k requests only")
+        if cand.dtype != np.dtype("<i4") or cand.shape != (rows, msg.k):
+            fail(ErrorCode.MALFORMED, f"candidates must be int32 [rows, k] = [{rows}, {msg.k}], "
+                                      f"got {cand.dtype} {list(cand.shape)}")
+        if cand.size and int(cand.view(np.uint32).max()) >= vocab:
+            fail(ErrorCode.BAD_TOKEN, f"candidate ids must lie in [0, {vocab}); "
+                                      f"got min {int(cand.min())}, max {int(cand.max())}")
+        ordered = np.sort(cand, axis=1)
+        if cand.size and (ordered[:, 1:] == ordered[:, :-1]).any():
+            fail(ErrorCode.BAD_REQUEST, "candidate ids must be distinct within a row (the tail is the rest)")
+        candidates = torch.from_numpy(cand.astype(np.int64))
 
     # A temperature fp32 cannot divide by (subnormal, 0) answered with NaN rows.
     if not (math.isfinite(msg.temperature) and msg.temperature >= 1e-6):
@@ -72,7 +99,7 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
                                     f"(0: the whole vocabulary)")
     req = ScoreRequest(
         request_id=rid, mode=msg.mode, ids=torch.from_numpy(ids.astype(np.int64)),
-        offsets=tuple(offs), response_starts=tuple(starts),
+        offsets=tuple(offs), response_starts=tuple(starts), candidates=candidates,
         k=int(msg.k), temperature=float(msg.temperature), dtype=msg.dtype, chunk_rows=int(msg.chunk_rows),
         vocab_limit=int(msg.vocab_limit),
     )
@@ -95,3 +122,16 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
             fail(ErrorCode.BAD_REQUEST, f"window = {msg.window} must lie in [1, {MAX_WINDOW}]")
 
     return req
+
+
+def _ragged(ids: np.ndarray, offsets: np.ndarray, B: int, name: str, fail) -> tuple[list[int], list[int]]:
+    """Check `name` int32 [T] with its offsets int32 [B + 1] (rising from 0 to T); (offsets, lengths)."""
+    if ids.dtype != np.dtype("<i4") or offsets.dtype != np.dtype("<i4") or ids.ndim != 1 or offsets.ndim != 1:
+        fail(ErrorCode.MALFORMED, f"{name} and its offsets must be 1-D int32")
+    if len(offsets) != B + 1:
+        fail(ErrorCode.MALFORMED, f"{B} response_starts need {B + 1} offsets of {name}, got {len(offsets)}")
+    offs = offsets.tolist()  # B + 1 Python ints: for a few dozen, cheaper than numpy calls
+    lengths = [b - a for a, b in zip(offs, offs[1:])]
+    if offs[0] != 0 or offs[-1] != len(ids) or min(lengths) < 0:
+        fail(ErrorCode.MALFORMED, f"offsets of {name} must rise from 0 to {len(ids)} (their number)")
+    return offs, lengths

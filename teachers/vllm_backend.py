@@ -115,6 +115,9 @@ class VLLMBackend(TeacherBackend):
             return ("the vLLM backend answers at temperature 1 only (vLLM does not apply "
                     f"temperature to prompt log-probabilities); for temperature {req.temperature} "
                     f"{HF_BACKEND_HINT}")
+        if req.candidates is not None:
+            return ("the vLLM backend answers the teacher's own top k only (support 'teacher'); for the "
+                    f"client's candidate ids {HF_BACKEND_HINT}")
         if 0 < req.vocab_limit < self.vocab_size and not self.limits_vocab:
             return (f"this vLLM engine cannot cut its logits to the first {req.vocab_limit} of its "
                     f"{self.vocab_size} columns (its model has no vLLM LogitsProcessor, or another "

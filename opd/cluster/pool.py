@@ -92,17 +92,18 @@ class ReplicaPool:
         return self._welcome  # type: ignore[return-value]
 
     def submit_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
-                    vocab_limit: int = 0) -> Future:
-        """Future of a TopKResult, answered by the least-loaded live replica (failing over if it dies)."""
+                    vocab_limit: int = 0, contexts=None, candidates=None) -> Future:
+        """Future of a TopKResult, answered by the least-loaded live replica (failing over if it dies).
+        contexts, candidates: as TeacherClient.submit_topk's (protocol 2.4)."""
         out: Future = Future()
         args = ([list(map(int, s)) if not hasattr(s, "tolist") else s.tolist() for s in sequences],
-                list(response_starts), k, temperature, vocab_limit)
+                list(response_starts), k, temperature, vocab_limit, contexts, candidates)
         self._dispatch_topk(out, args, _tokens(sequences), tried=set())
         return out
 
     def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
-                   vocab_limit: int = 0) -> TopKResult:
-        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit).result()
+                   vocab_limit: int = 0, contexts=None, candidates=None) -> TopKResult:
+        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit, contexts, candidates).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
                    chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0) -> Iterator[FullChunk]:
