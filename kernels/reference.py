@@ -76,3 +76,16 @@ def distill_rows(student_logits, teacher, mask, opts: DistillOptions) -> torch.T
 
 def fused_linear_rows(hidden, weight, teacher, mask, opts: DistillOptions) -> torch.Tensor:
     return distill_rows(hidden @ weight.T, teacher, mask, opts)
+
+
+def student_topk_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor, k: int,
+                         temperature: float = 1.0) -> TopKTeacher:
+    """A teacher's answer over the student's own support (mode student_topk), naively from
+    both sides' full logits [N, V]: the student's k most likely ids under its raw logits (what
+    its rollout engine returns), the teacher's log-probabilities there at `temperature`, and
+    the log of the teacher's mass on every other id (-inf when k == V). The divergence over
+    {these ids, the tail} is then `distill_rows` with this teacher, as for the teacher's top k."""
+    ids = student_logits.topk(k, dim=-1).indices
+    log_t = torch.log_softmax(teacher_logits / temperature, dim=-1)
+    tail = torch.logsumexp(log_t.scatter(1, ids, float("-inf")), dim=-1)
+    return TopKTeacher(ids, log_t.gather(1, ids), tail)

@@ -143,6 +143,11 @@ class RLConfig:
         if off:
             raise ValueError(f"teachers {off}: opd rl adds a teacher as the sampled-token advantage (mode sampled); "
                              f"top-k and full divergences are opd train's (add `rewards` to a merge config)")
+        ctx = [t.name for t in self.teachers if t.context is not None]
+        if ctx:
+            raise ValueError(f"teachers {ctx}: a teacher context (privileged-context teachers) is opd train's; opd rl's "
+                             f"teachers score the policy's own prompt: remove `context`, or train with opd train and "
+                             f"`rewards:`")
         if self.teachers and (self.rollout.temperature != 1.0 or self.rollout.top_p < 1
                               or any(t.temperature != 1.0 for t in self.teachers)):
             raise ValueError("teachers: the reverse-KL advantage compares the policy's raw log-probs with the "

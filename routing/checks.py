@@ -21,7 +21,8 @@ class TeacherCheckError(RuntimeError):
 def _needed_mode(spec: TeacherSpec) -> str:
     # sampled-token reverse KL only needs the teacher's log-prob of the sampled token,
     # which a top-k answer carries (token_logprob).
-    return "topk" if spec.mode == "sampled" else spec.mode
+    # The student's top k is a top-k request whose candidates the student gives (protocol 2.4).
+    return "topk" if spec.mode in ("sampled", "student_topk") else spec.mode
 
 
 def check_welcome(spec: TeacherSpec, welcome, student_tokenizer_fingerprint: str, at: str | None = None) -> list[str]:
@@ -39,6 +40,12 @@ def check_welcome(spec: TeacherSpec, welcome, student_tokenizer_fingerprint: str
     if mode == "topk" and spec.k > welcome.max_k:
         problems.append(f"{where}: k={spec.k} exceeds the server's max_k={welcome.max_k} "
                         f"(lower `k` or start the server with --max-k {spec.k})")
+    needs = [what for what, on in (("a teacher context", spec.context is not None),
+                                   ("the student's candidate ids (mode student_topk)", spec.mode == "student_topk"))
+             if on]
+    if needs and tuple(welcome.version) < (2, 4):
+        problems.append(f"{where}: {' and '.join(needs)} need a server of protocol 2.4, it speaks "
+                        f"{tuple(welcome.version)}: upgrade the teacher server")
     # A vLLM teacher cannot score at another temperature: every request would come back
     # UNSUPPORTED, the first one at the step-0 evaluation after the student has loaded.
     if spec.temperature != 1.0 and not getattr(welcome, "supports_temperature", True):

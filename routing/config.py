@@ -17,7 +17,7 @@ from typing import Literal
 
 from opd.config import field
 
-Mode = Literal["topk", "full", "sampled"]
+Mode = Literal["topk", "student_topk", "full", "sampled"]
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,14 @@ class TeacherSpec:
     name: str = field(help="teacher name, used in rules, metrics and the training card")
     address: str = field(help="ZeroMQ address of its `opd serve-teacher`, e.g. tcp://127.0.0.1:5555")
     domains: list[str] = field(default_factory=list, help="domains this teacher covers")
-    mode: Mode = field("topk", help="topk: top-k log-probs + tail bucket; full: full-vocabulary logits; "
-                                    "sampled: sampled-token reverse KL as an advantage")
-    k: int = field(32, help="top-k size (topk mode)", min=1)
+    mode: Mode = field("topk", help="topk: the teacher's top-k log-probs + tail bucket; student_topk: the "
+                                    "teacher's log-probs at the student's own top k (at sampling) + tail bucket; "
+                                    "full: full-vocabulary logits; sampled: sampled-token reverse KL as an advantage")
+    k: int = field(32, help="top-k size (topk and student_topk modes)", min=1)
+    context: str | None = field(None, help="what this teacher sees instead of the student's prompt: a template "
+                                           "over the sample's fields, e.g. '{prompt}\\nReference answer: {answer}' "
+                                           "(any JSONL key; {{ }} for a literal brace), rendered as the student's "
+                                           "prompts are (chat template); it scores the student's response after it")
     temperature: float = field(1.0, help="divides both sides' logits before the softmax", min=1e-3)
     beta: float = field(0.0, help="divergence: 0 forward KL(teacher||student), 1 reverse KL(student||teacher), "
                                   "between: generalized JSD (sampled mode: always reverse KL)", min=0.0, max=1.0)
@@ -44,6 +49,18 @@ class TeacherSpec:
         if self.gamma and self.mode != "sampled":
             raise ValueError(f"teacher {self.name!r}: gamma discounts the sampled-token advantage; mode "
                              f"{self.mode} computes an exact divergence per position: remove gamma or use mode sampled")
+        if self.context is not None:
+            import string   # the template's fields, checked here rather than at the first batch
+
+            try:
+                names = [f for _, f, _, _ in string.Formatter().parse(self.context) if f is not None]
+            except ValueError as e:
+                raise ValueError(f"teacher {self.name!r}: context {self.context!r} is no template ({e}); "
+                                 f"write a literal brace as {{{{ or }}}}") from None
+            bad = [f for f in names if not f.isidentifier()]
+            if bad or not self.context.strip():
+                raise ValueError(f"teacher {self.name!r}: context needs text and plain field names like "
+                                 f"{{prompt}} or {{answer}}, got {self.context!r}")
         if self.mode == "sampled" and 0 < self.beta < 1:
             raise ValueError(f"teacher {self.name!r}: mode sampled trains reverse KL (the sampled-token estimate); "
                              f"beta {self.beta} would not be used: remove it, or use mode topk or full for a JSD")

@@ -1,6 +1,7 @@
 """How `TeacherClient` turns a batch of sequences into requests, and their answers into one.
 
     pack(sequences)                  flat int32 token ids + [B + 1] offsets, as SCORE carries them
+    scored_lengths(...)              the length of each sequence the teacher scores (contexts included)
     split_by_tokens(lengths, limit)  consecutive parts within the teacher's max_tokens_per_request
     SplitBatch(submit, parts, budget)  sends a top-k batch's parts within max_inflight_tokens
     join_topk(results)               the parts' TopKResults as one
@@ -15,6 +16,18 @@ from concurrent.futures import Future
 import numpy as np
 
 from opd.teachers.results import TopKResult
+
+
+def scored_lengths(sequences, response_starts, contexts=None, candidates=None, k: int = 0) -> list[int]:
+    """The length of each sequence the teacher scores: with a non-empty context (protocol 2.4),
+    the context + the response. ValueError when contexts or candidates [rows, k] do not fit."""
+    rows = [len(s) - int(st) for s, st in zip(sequences, response_starts)]
+    if contexts is not None and len(contexts) != len(sequences):
+        raise ValueError(f"{len(contexts)} contexts for {len(sequences)} sequences")
+    if candidates is not None and (candidates.ndim != 2 or tuple(candidates.shape) != (sum(rows), k)):
+        raise ValueError(f"candidates must be [rows, k] = [{sum(rows)}, {k}], got {list(candidates.shape)}")
+    return [len(s) if contexts is None or not len(c) else len(c) + r
+            for s, c, r in zip(sequences, contexts or sequences, rows)]
 
 
 def split_by_tokens(lengths: list[int], limit: int) -> list[tuple[int, int]]:

@@ -44,7 +44,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from opd.teachers.batching import SplitBatch, pack, split_by_tokens
+from opd.teachers.batching import SplitBatch, pack, scored_lengths, split_by_tokens
 from opd.teachers.keys import client_curve_keys
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
                                    Ping, ProtocolError, Score, TopK, Welcome, decode, default_chunk_rows, encode,
@@ -137,21 +137,10 @@ class TeacherClient:
         `candidates` int [R, k] (R rows, in row order) are the ids to answer per row instead of the
         teacher's top k (e.g. the student's own), distinct within a row."""
         welcome = self.info()
-        if (contexts is not None or candidates is not None) and tuple(welcome.version) < (2, 4):
-            raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher at {self.address} speaks protocol "
-                                                      f"{tuple(welcome.version)}: teacher contexts and given "
-                                                      f"candidates need 2.4")
-        if contexts is not None and len(contexts) != len(sequences):
-            raise ValueError(f"{len(contexts)} contexts for {len(sequences)} sequences")
-        rows = [len(s) - int(st) for s, st in zip(sequences, response_starts)]
-        if candidates is not None and (candidates.ndim != 2 or candidates.shape != (sum(rows), k)):
-            raise ValueError(f"candidates must be [rows, k] = [{sum(rows)}, {k}], got {list(candidates.shape)}")
-        # What the teacher scores: with a context, its prompt instead of the sequence's.
-        lengths = [len(s) if not contexts or not len(c) else len(c) + r
-                   for s, c, r in zip(sequences, contexts or sequences, rows)]
+        lengths = self._scored_lengths(welcome, sequences, response_starts, contexts, candidates, k)
         parts = split_by_tokens(lengths, welcome.max_tokens_per_request)
         args = (k, temperature, vocab_limit)
-        row_at = [0, *itertools.accumulate(rows)]
+        row_at = [0, *itertools.accumulate(len(s) - int(st) for s, st in zip(sequences, response_starts))]
 
         def part(a: int, b: int) -> Future:
             return self._submit_topk(sequences[a:b], response_starts[a:b], *args,
@@ -179,38 +168,49 @@ class TeacherClient:
         return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit, contexts, candidates).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
-                   chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0) -> Iterator[FullChunk]:
+                   chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0,
+                   contexts: Sequence[Sequence[int]] | None = None) -> Iterator[FullChunk]:
         """Full-vocabulary rows, streamed: at most `window` chunks are ever buffered here.
         `chunk_rows` None: ~64 MiB chunks for this teacher's vocabulary (`default_chunk_rows`).
         A batch over the teacher's max_tokens_per_request is streamed as several requests, one
-        after the other, `row_start` counting over the whole batch."""
+        after the other, `row_start` counting over the whole batch. `contexts`: as submit_topk's."""
         welcome = self.info()
         if chunk_rows is None:
             chunk_rows = default_chunk_rows(welcome.vocab_size, dtype)
-        parts = split_by_tokens([len(s) for s in sequences], welcome.max_tokens_per_request)
+        lengths = self._scored_lengths(welcome, sequences, response_starts, contexts)
+        parts = split_by_tokens(lengths, welcome.max_tokens_per_request)
         args = (temperature, dtype, chunk_rows, window, vocab_limit)
+        ctx = (lambda a, b: None) if contexts is None else (lambda a, b: contexts[a:b])
         # The (first) request goes out now, so the teacher computes while the caller does.
-        first = self._score_full(sequences[:parts[0][1]], response_starts[:parts[0][1]], *args)
+        first = self._score_full(sequences[:parts[0][1]], response_starts[:parts[0][1]], *args, ctx(0, parts[0][1]))
         if len(parts) == 1:
             return first
-        return self._score_full_parts(first, sequences, response_starts, parts, args)
+        return self._score_full_parts(first, sequences, response_starts, parts, args, ctx)
 
-    def _score_full_parts(self, first, sequences, response_starts, parts, args) -> Iterator[FullChunk]:
+    def _scored_lengths(self, welcome, sequences, response_starts, contexts, candidates=None, k: int = 0) -> list[int]:
+        """batching.scored_lengths, once the server is known to speak 2.4 if contexts or candidates are given."""
+        if (contexts is not None or candidates is not None) and tuple(welcome.version) < (2, 4):
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher at {self.address} speaks protocol "
+                                                      f"{tuple(welcome.version)}: teacher contexts and given "
+                                                      f"candidates need 2.4")
+        return scored_lengths(sequences, response_starts, contexts, candidates, k)
+
+    def _score_full_parts(self, first, sequences, response_starts, parts, args, ctx) -> Iterator[FullChunk]:
         """The parts' streams one after the other (each next request sent when the previous ended)."""
         shift = 0
         for i, (a, b) in enumerate(parts):
-            stream = first if i == 0 else self._score_full(sequences[a:b], response_starts[a:b], *args)
+            stream = first if i == 0 else self._score_full(sequences[a:b], response_starts[a:b], *args, ctx(a, b))
             for chunk in stream:
                 yield chunk._replace(row_start=chunk.row_start + shift)
             shift += sum(len(s) - int(st) for s, st in zip(sequences[a:b], response_starts[a:b]))
 
     def _score_full(self, sequences, response_starts, temperature: float, dtype: str, chunk_rows: int,
-                    window: int, vocab_limit: int) -> Iterator[FullChunk]:
-        ids, offsets = pack(sequences)
+                    window: int, vocab_limit: int, contexts=None) -> Iterator[FullChunk]:
+        arrays = pack(sequences) + (pack(contexts) if contexts is not None else ())
         score = Score(request_id=0, mode="full", response_starts=[int(s) for s in response_starts],
                       temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window),
-                      vocab_limit=int(vocab_limit))
-        call = _Call("full", score, (ids, offsets), chunks=queue.Queue())
+                      vocab_limit=int(vocab_limit), context=contexts is not None)
+        call = _Call("full", score, arrays, chunks=queue.Queue())
         self._command("submit", call)
         stream = self._iterate(call)
         # A generator dropped before its first read runs no `finally`: cancel it then, or the

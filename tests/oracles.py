@@ -26,6 +26,16 @@ def forward_logprobs(model, rollout) -> torch.Tensor:
     return lp[p - 1:len(ids) - 1].gather(1, ids[p:, None]).squeeze(1)
 
 
+def forward_topk_ids(model, rollout, k: int) -> torch.Tensor:
+    """[T, k]: the k most likely ids at each response position of `rollout` under the raw logits
+    of one transformers forward (most likely first): a rollout's `topk_ids`."""
+    ids = torch.tensor(rollout.ids)
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0].float()
+    p = len(rollout.prompt_ids)
+    return logits[p - 1:len(ids) - 1].topk(k, -1).indices
+
+
 def response_logits(model, batch) -> torch.Tensor:
     """[B, T, V]: the logits that predict each response token of a GRPO batch (rl/batch.py's
     PaddedRollouts), from the model's own forward over [B, L]: the plain computation that

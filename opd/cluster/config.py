@@ -22,7 +22,8 @@ Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 class TeacherReplicas:
     # --- what to serve
     name: str = field(help="teacher name; must match a teacher of the merge config")
-    model: str = field(help="model directory (the same on every node, e.g. a shared filesystem)")
+    model: str = field(help="model directory (the same on every node, e.g. a shared filesystem); `self`: the "
+                            "student's start (student.path), frozen: a teacher for self-distillation")
     backend: Literal["hf", "vllm"] = field("hf", help="teacher backend of `opd serve-teacher`")
     serve_args: list[str] = field(default_factory=list,
                                   help="extra `opd serve-teacher` arguments, e.g. ['--max-k', '64']")

@@ -106,11 +106,12 @@ class ReplicaPool:
         return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit, contexts, candidates).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
-                   chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0) -> Iterator[FullChunk]:
+                   chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0,
+                   contexts=None) -> Iterator[FullChunk]:
         """Full-vocabulary rows, streamed. The request goes to the least-loaded live replica now,
         so the teacher computes while the caller does; a replica dying mid-stream is replaced
         from the next unseen row."""
-        args = (sequences, response_starts, temperature, dtype, chunk_rows, window, vocab_limit)
+        args = (sequences, response_starts, temperature, dtype, chunk_rows, window, vocab_limit, contexts)
         tokens = _tokens(sequences)
         rep, client = self._acquire(tokens, set())
         try:

@@ -15,14 +15,19 @@ def divergence_words(beta: float) -> str:
     return f"generalized JSD with beta={beta:g} (between forward and reverse KL)"
 
 
-def _teacher_facts(cfg, t, welcome, tail: list[float], share: float) -> dict:
+def _teacher_facts(cfg, t, welcome, tail: list[float], share: float, student_fingerprint: str = "") -> dict:
     """tail: [sum of the teacher's tail mass over the rows trained on, rows]."""
     return {
         "address": t.address, "model": welcome.model_id, "model_fingerprint": welcome.model_fingerprint,
         "tokenizer_fingerprint": welcome.tokenizer_fingerprint, "domains": t.domains,
         "scoring": (f"full vocabulary ({cfg.loss.full_dtype} logits)" if t.mode == "full" else
-                    f"top-k, k={t.k}" if t.mode == "topk" else
-                    f"sampled token (reverse-KL advantage), top-{t.k} for diagnostics"),
+                    f"top-k, k={t.k}: the teacher's top k + one tail bucket" if t.mode == "topk" else
+                    f"top-k, k={t.k}: the student's own top k at sampling + one tail bucket" if t.mode == "student_topk"
+                    else f"sampled token (reverse-KL advantage), top-{t.k} for diagnostics"),
+        "sees": (f"its own prompt, context {t.context!r} (the sample's fields), then the student's response"
+                 if t.context else "the student's prompt and response"),
+        **({"self": "a frozen copy of the student's start (its model fingerprint)"}
+           if welcome.model_fingerprint == student_fingerprint else {}),
         "mean_teacher_tail_mass": ("0 (full vocabulary)" if t.mode == "full" else
                                    tail[0] / tail[1] if tail[1] else "not measured"),
         "temperature": t.temperature, "divergence": divergence_words(t.divergence_beta), "beta": t.divergence_beta,
@@ -59,7 +64,8 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
                          f"dropout={lora.dropout} (checkpoints hold the adapter alone)") if lora
             else "full fine-tuning"},
         **{f"teacher {t.name}": _teacher_facts(cfg, t, welcomes[t.name], tail_mass.get(t.name) or [0.0, 0],
-                                               teacher_samples.get(t.name, 0.0) / total)
+                                               teacher_samples.get(t.name, 0.0) / total,
+                                               student.get("model_fingerprint", ""))
            for t in cfg.merge.teachers},
         "trajectories": {
             "source": f"sampled by the student being trained ({cfg.rollout.engine} engine)",

@@ -124,6 +124,9 @@ class TrainConfig:
 
     def __post_init__(self):
         names = [t.name for t in self.merge.teachers]
+        if any(t.model == "self" for t in self.cluster.teachers):   # the student's start, served frozen
+            object.__setattr__(self, "cluster", replace(self.cluster, teachers=[
+                replace(t, model=self.student.path) if t.model == "self" else t for t in self.cluster.teachers]))
         extra = [t.name for t in self.cluster.teachers if t.name not in names]
         if extra:
             raise ValueError(f"cluster.teachers {extra} are not teachers of merge.teachers ({names})")

@@ -15,6 +15,7 @@ import torch
 from opd.checkpoint import rng_state, set_rng_state
 from opd.diagnostics import DomainTally, topk_overlap
 from opd.distill.batch import Batch
+from opd.distill.context import support_k
 from opd.distill.loss import common_vocabulary
 from opd.kernels import distill_loss
 from opd.rl.rewards import accuracy as share_correct
@@ -40,7 +41,7 @@ def _evaluate(tr) -> dict:
     r = cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, n=1,
                             seed=cfg.run.seed + 12_345, share=(world.rank * len(mine), len(prompts.eval_samples))
-                            if world.sharded else None)
+                            if world.sharded else None, topk=support_k(cfg.merge.teachers))
     rollouts = tr.engine.generate([tr.encode(s) for s in samples], params)
     keep = [tr.trim(ro.response_ids) for ro in rollouts]
     batch = tr._submit(Batch(index=-1, samples=samples, routes=routes, rollouts=rollouts, keep=keep,

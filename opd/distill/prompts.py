@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opd.distill.context import check_contexts
 from opd.data import Cycler, LoadReport, Sample, encode_prompt, load_jsonl
 from opd.routing.mixture import MixtureSampler
 from opd.routing.router import Route, Router, RoutingError
@@ -53,6 +54,8 @@ def load_prompts(cfg, tokenizer, base_dir: str | Path, student_positions: int,
         except RoutingError as e:
             raise TrainError(f"{path}: {e}") from None
         kept = _fit_length(cfg, tokenizer, samples, routed, path, student_positions, teacher_positions, warnings)
+        check_contexts({t.name: t for t in cfg.merge.teachers}, tokenizer, [s for s, _ in kept], [r for _, r in kept],
+                       path, teacher_positions, cfg.rollout.max_new_tokens)
         routes.update((id(s), r) for s, r in kept)   # kept samples live for the run: their ids stay theirs
         (eval_sets if held_out else datasets).setdefault(domain, []).extend(s for s, _ in kept)
     sampler = MixtureSampler(datasets, {d.domain: d.ratio for d in cfg.merge.datasets}, seed=cfg.run.seed)

@@ -22,6 +22,7 @@ from opd.kernels import TopKTeacher
 from opd.routing.checks import check_welcome
 from opd.spine.optim import TrainError
 from opd.spine.rows import take_rows
+from opd.teachers.batching import scored_lengths
 from opd.teachers.client import TeacherClient, TeacherError, _as_curve
 from opd.teachers.protocol import default_chunk_rows
 
@@ -350,8 +351,11 @@ class TeacherSet:
         """A teacher answers in full mode (its streams hold the server's budget until read)."""
         return any(spec.mode == "full" for spec in self.specs.values())
 
-    def request(self, teacher: str, sequences: list[list[int]], starts: list[int]) -> Future:
-        """Future of `teacher`'s Answer for these sequences (prompt + response, response from starts)."""
+    def request(self, teacher: str, sequences: list[list[int]], starts: list[int], contexts=None,
+                candidates=None) -> Future:
+        """Future of `teacher`'s Answer for these sequences (prompt + response, response from starts).
+        contexts [B]: the teacher's own prompts; candidates int32 [rows, k]: the ids it answers
+        (mode student_topk). Both from opd.distill.context.teacher_inputs."""
         spec, client = self.specs[teacher], self.clients[teacher][0]
         t0 = time.perf_counter()
         if spec.mode == "full":
@@ -363,7 +367,7 @@ class TeacherSet:
             # unless this client's open streams would then exceed that budget (BUSY until they
             # end): then it goes out at its first read, after the earlier streams ended.
             welcome = self.welcome(teacher)
-            tokens = min(sum(len(s) for s in sequences), welcome.max_tokens_per_request)
+            tokens = min(sum(scored_lengths(sequences, starts, contexts)), welcome.max_tokens_per_request)
 
             def done() -> None:
                 self._open_tokens[teacher] -= tokens
@@ -372,7 +376,7 @@ class TeacherSet:
                 self._open_tokens[teacher] += tokens
                 return client.score_full(sequences, starts, temperature=spec.temperature,
                                          dtype=self.cfg.loss.full_dtype, window=FULL_WINDOW,
-                                         vocab_limit=self.vocab_limit.get(teacher, 0))
+                                         vocab_limit=self.vocab_limit.get(teacher, 0), contexts=contexts)
 
             stream = RowStream(send, offsets[-1], lambda e: self._error(teacher, e), t0, on_done=done)
             fut: Future = Future()
@@ -387,7 +391,8 @@ class TeacherSet:
         outer: Future = Future()
         try:
             inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature,
-                                       vocab_limit=self.vocab_limit.get(teacher, 0))
+                                       vocab_limit=self.vocab_limit.get(teacher, 0), contexts=contexts,
+                                       candidates=candidates)
         except TeacherError as e:  # e.g. FINGERPRINT_CHANGED seen at submit time: answers() reports it
             outer.set_exception(e)
             return outer

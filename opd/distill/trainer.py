@@ -37,6 +37,7 @@ from opd.data import encode_prompt
 from opd.distill.ahead import RunAhead, load_into, own_copy
 from opd.distill.batch import Batch, Prefetcher
 from opd.distill.card import write_train_card
+from opd.distill.context import support_k, teacher_inputs
 from opd.distill.config import TrainConfig
 from opd.distill.evaluate import evaluate
 from opd.distill.launch import RunTeachers
@@ -240,7 +241,8 @@ class Trainer:
         share = (world.rank * len(samples) * r.samples_per_prompt, r.prompts_per_step * r.samples_per_prompt) \
             if world.sharded else None
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches, share=share)
+                                n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches, share=share,
+                                topk=support_k(self.cfg.merge.teachers))
         rollouts = (engine or self.engine).generate([self.encode(s) for s in samples], params)
         batch = Batch(index=self.batches, samples=samples, routes=[self.prompts.routes[id(s)] for s in samples],
                       rollouts=rollouts, keep=[self.trim(ro.response_ids) for ro in rollouts],
@@ -251,7 +253,11 @@ class Trainer:
     def _submit(self, batch: Batch) -> Batch:
         """Send every teacher the sequences routed to it (prompt + trimmed response)."""
         for t, (sequences, starts) in batch.requests().items():
-            batch.futures[t] = self.teachers.request(t, sequences, starts)
+            seqs = batch.members[t]   # what the teacher sees besides them, and where it looks (protocol 2.4)
+            extra = teacher_inputs(self.teachers.specs[t], self.tok, [batch.samples[batch.rollouts[s].prompt_index]
+                                                                      for s in seqs],
+                                   [batch.rollouts[s] for s in seqs], [batch.keep[s] for s in seqs])
+            batch.futures[t] = self.teachers.request(t, sequences, starts, **extra)
         return batch
 
     def _train_batch(self, batch: Batch, stats: StepStats, scale: float) -> None:

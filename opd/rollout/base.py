@@ -48,6 +48,9 @@ class SamplingParams:
     # batch: the hf engine then draws what the whole batch would have drawn (exactly so when
     # the whole batch fits one of its batches), so a run samples the same on any number of ranks.
     share: tuple[int, int] | None = None
+    # > 0: also return each response position's `topk` most likely ids under the raw logits
+    # (temperature 1, before top-p), most likely first: the support of a student_topk teacher.
+    topk: int = 0
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Rollout:
     finish_reason: FinishReason
     prompt_index: int = 0                   # which prompt of the batch it answers
     meta: dict = field(default_factory=dict)
+    topk_ids: list[list[int]] | None = None  # [len(response_ids), k] with SamplingParams.topk = k
 
     @property
     def ids(self) -> list[int]:

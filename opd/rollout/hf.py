@@ -150,11 +150,13 @@ class HFRolloutEngine(RolloutEngine):
                            use_cache=True, logits_to_keep=1).logits[:, -1].float()
         next_pos_B = pos_B_P[:, -1] + 1
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
-        toks, lps = [], []  # per step: [B] token ids, [B] raw log-probs
+        toks, lps, tops = [], [], []  # per step: [B] token ids, [B] raw log-probs, [B, k] top ids
         for step in range(params.max_new_tokens):
             tok_B = pick_tokens(logits_B_V, params.temperature, params.top_p, share)
             # Raw log-prob: temperature 1, before top-p (what a plain forward pass gives).
             lps.append(torch.log_softmax(logits_B_V, dim=-1).gather(1, tok_B[:, None]).squeeze(1))
+            if params.topk:
+                tops.append(logits_B_V.topk(params.topk, dim=-1).indices)
             toks.append(tok_B)
             done_B |= torch.isin(tok_B, stops)
             if step + 1 == params.max_new_tokens or self.agree(bool(done_B.all())):
@@ -168,11 +170,13 @@ class HFRolloutEngine(RolloutEngine):
 
         new_B_T = torch.stack(toks, dim=1).cpu()
         lp_B_T = torch.stack(lps, dim=1).cpu()
+        top_B_T_K = torch.stack(tops, dim=1).cpu() if tops else None
         is_stop_B_T = torch.isin(new_B_T, stops.cpu())
         rollouts = []
         for r, (pi, p) in enumerate(items):
             hits = is_stop_B_T[r].nonzero()
             end, reason = (int(hits[0]) + 1, "eos") if len(hits) else (new_B_T.shape[1], "length")
             rollouts.append(Rollout(prompt_ids=list(p), response_ids=new_B_T[r, :end].tolist(),
-                                    logprobs=lp_B_T[r, :end].tolist(), finish_reason=reason, prompt_index=pi))
+                                    logprobs=lp_B_T[r, :end].tolist(), finish_reason=reason, prompt_index=pi,
+                                    topk_ids=None if top_B_T_K is None else top_B_T_K[r, :end].tolist()))
         return rollouts

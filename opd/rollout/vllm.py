@@ -107,7 +107,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 max_tokens=params.max_new_tokens,
                 stop_token_ids=list(params.stop_token_ids),
                 seed=seed,
-                logprobs=0,              # the sampled token's log-prob only
+                logprobs=params.topk,    # the sampled token's log-prob, then the top k (0: none)
                 detokenize=False,
                 flat_logprobs=True,      # a few flat lists instead of one dict per token
             )
@@ -126,6 +126,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     logprobs=_sampled_logprobs(c.logprobs, ids),
                     finish_reason="length" if c.finish_reason == "length" else "eos",
                     prompt_index=i,
+                    topk_ids=_top_ids(c.logprobs, params.topk) if params.topk else None,
                 ))
         return rollouts
 
@@ -143,3 +144,13 @@ def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
     if isinstance(logprobs, FlatLogprobs):
         return [logprobs.logprobs[s] for s in logprobs.start_indices]
     return [pos[t].logprob for pos, t in zip(logprobs, ids)]
+
+
+def _top_ids(logprobs, k: int) -> list[list[int]]:
+    """Each position's top-k ids, most likely first: vLLM lists the sampled token, then the top k
+    (k + 1 entries per position even when the sampled token is among them)."""
+    from vllm.logprobs import FlatLogprobs
+
+    if isinstance(logprobs, FlatLogprobs):
+        return [list(logprobs.token_ids[s + 1:s + 1 + k]) for s in logprobs.start_indices]
+    return [[t for t, _ in sorted(pos.items(), key=lambda kv: kv[1].rank)][:k] for pos in logprobs]

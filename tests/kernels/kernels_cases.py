@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss
+from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss, reference
 
 RTOL_FP32 = 1e-5
 BF16_EPS = 1e-2
@@ -23,7 +23,7 @@ BF16_EPS = 1e-2
 @dataclass(frozen=True)
 class Case:
     impl: str = "torch"
-    teacher: str = "full"        # "full" | "topk"
+    teacher: str = "full"        # "full" | "topk" | "student_topk" (the student's top k as the support)
     beta: float = 0.0
     temperature: float = 1.0
     scale_by_t2: bool = False
@@ -79,8 +79,9 @@ def _run(case: Case, impl: str, dtype: torch.dtype, hidden, weight, student, tea
     mask = None if mask is None else mask.to(device)
     opts = dict(beta=case.beta, temperature=case.temperature, scale_by_t2=case.scale_by_t2,
                 mask=mask, reduction=case.reduction, vocab_size=vocab, impl=impl)
-    if case.teacher == "topk":
-        top = _topk(teacher, vocab, case.k, case.temperature)
+    if case.teacher in ("topk", "student_topk"):
+        top = _topk(teacher, vocab, case.k, case.temperature) if case.teacher == "topk" else \
+            reference.student_topk_teacher(student[:, :vocab], teacher[:, :vocab], case.k, case.temperature)
         teacher_arg = TopKTeacher(*(t.to(device) for t in top))
     else:
         teacher_arg = put(teacher)
@@ -133,6 +134,7 @@ TRITON_CASES = [
     Case(impl="triton", teacher="topk", beta=0.0, temperature=0.5, extreme=True),
     Case(impl="triton", teacher="full", beta=0.5, dtype="bfloat16"),
     Case(impl="triton", teacher="topk", beta=1.0, dtype="bfloat16", reduction="none", mask=False),
+    Case(impl="triton", teacher="student_topk", beta=1.0, temperature=2.0),
     *[Case(impl="triton", teacher=t, beta=b, temperature=2.0, fused=True, N=20)
       for t in ("full", "topk") for b in (0.0, 0.5, 1.0)],
     Case(impl="triton", teacher="topk", beta=0.5, fused=True, dtype="bfloat16", N=20),

@@ -28,14 +28,14 @@ def _assert(result):
     assert result["ok"], result
 
 
-@pytest.mark.parametrize("teacher", ["full", "topk"])
+@pytest.mark.parametrize("teacher", ["full", "topk", "student_topk"])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("temperature,scale", [(0.5, False), (1.0, False), (2.0, True), (0.5, True)])
 def test_torch_matches_reference(teacher, beta, temperature, scale):
     _assert(check(Case(teacher=teacher, beta=beta, temperature=temperature, scale_by_t2=scale)))
 
 
-@pytest.mark.parametrize("teacher", ["full", "topk"])
+@pytest.mark.parametrize("teacher", ["full", "topk", "student_topk"])
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_torch_fused_linear_matches_reference(teacher, beta):
     _assert(check(Case(teacher=teacher, beta=beta, temperature=2.0, fused=True)))
@@ -51,6 +51,31 @@ def test_torch_extreme_logits(teacher, beta):
 @pytest.mark.parametrize("fused", [False, True])
 def test_torch_bf16_no_worse_than_pytorch(teacher, fused):
     _assert(check(Case(teacher=teacher, beta=0.5, dtype="bfloat16", fused=fused)))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_student_topk_bounds_the_full_divergence_and_meets_it_at_full_support(beta):
+    """Over {the student's k ids, one tail}, each row's divergence is at most the full one (a
+    coarser partition loses information: the chain rule of KL), rises with k, and equals it
+    when the support is the whole vocabulary; its gradient then is the full one's too."""
+    from opd.kernels.reference import student_topk_teacher
+
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(9, 40, generator=g, dtype=torch.float64) * 2
+    t = s * 0.5 + torch.randn(9, 40, generator=g, dtype=torch.float64) * 1.5
+    full = distill_loss(s, t, beta=beta, impl="torch", reduction="none")
+    prev = torch.zeros(9, dtype=torch.float64)
+    for k in (1, 4, 16, 39):
+        rows = distill_loss(s, student_topk_teacher(s, t, k), beta=beta, impl="torch", reduction="none")
+        assert (rows <= full + 1e-5).all() and (rows >= prev - 1e-5).all(), k   # fp32 rows
+        prev = rows
+    x = s.clone().requires_grad_()
+    at_v = distill_loss(x, student_topk_teacher(s, t, 40), beta=beta, impl="torch")
+    at_v.backward()
+    y = s.clone().requires_grad_()
+    distill_loss(y, t, beta=beta, impl="torch").backward()
+    torch.testing.assert_close(at_v, full.mean(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(x.grad, y.grad, atol=1e-6, rtol=0)
 
 
 def test_torch_per_row_and_no_padding():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from opd.rollout.base import SamplingParams
-from oracles import forward_logprobs
+from oracles import forward_logprobs, forward_topk_ids
 from opd.rollout.hf import HFRolloutEngine, top_p_filter
 
 
@@ -22,6 +22,20 @@ def test_hf_rollout_logprobs_match_forward_pass(tiny_model_dir):
     for r in rollouts:
         torch.testing.assert_close(torch.tensor(r.logprobs), forward_logprobs(model, r), atol=1e-3, rtol=0)
         assert r.finish_reason == ("eos" if r.response_ids[-1] in stops else "length")
+
+
+def test_hf_rollout_returns_the_students_top_k_ids_per_position(tiny_model_dir):
+    """SamplingParams.topk: each response position's top-k ids (the support of a student_topk
+    teacher) equal a forward pass's, whatever the sampling temperature and top-p."""
+    model, tok = _load(tiny_model_dir)
+    rollouts = HFRolloutEngine(model, tok).generate([[72, 101, 108], list(range(60, 75))],
+                                                   SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=8,
+                                                                  n=2, seed=3, topk=5))
+    for r in rollouts:
+        assert len(r.topk_ids) == len(r.response_ids) and all(len(row) == 5 for row in r.topk_ids)
+        assert torch.equal(torch.tensor(r.topk_ids), forward_topk_ids(model, r, 5))
+    plain = HFRolloutEngine(model, tok).generate([[72, 101, 108]], SamplingParams(max_new_tokens=4, seed=3))
+    assert plain[0].topk_ids is None
 
 
 def _load(model_dir):

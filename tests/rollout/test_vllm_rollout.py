@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opd.rollout.base import SamplingParams
-from oracles import forward_logprobs
+from oracles import forward_logprobs, forward_topk_ids
 
 pytestmark = pytest.mark.vllm
 
@@ -92,3 +92,14 @@ def test_each_prompt_has_its_own_random_stream(vllm_rollout_engine):
     following = [r.response_ids for r in vllm_rollout_engine.generate([prompt], SamplingParams(
         temperature=1.0, max_new_tokens=8, n=2, seed=12))]
     assert following[0] != first[1]
+
+
+def test_rollouts_carry_the_students_top_k_ids(vllm_rollout_engine, student):
+    """SamplingParams.topk = k: vLLM's sample log-probs (raw) give each position's top k ids,
+    those of a transformers forward, whatever the sampling temperature."""
+    params = SamplingParams(temperature=0.8, max_new_tokens=8, n=2, seed=7, topk=4)
+    rollouts = vllm_rollout_engine.generate(PROMPTS[:2], params)
+    for r in rollouts:
+        assert len(r.topk_ids) == len(r.response_ids)
+        assert torch.equal(torch.tensor(r.topk_ids), forward_topk_ids(student, r, 4))
+    assert_matches(student, rollouts)   # the sampled token's log-prob still comes first
