@@ -152,3 +152,155 @@ def test_vllm_ignores_temperature_in_prompt_logprobs(vllm_teacher_backend):
         use_tqdm=False)[0].prompt_logprobs[5] for t in (1.0, 0.5)]
     assert {k: v.logprob for k, v in got[0].items()} == {k: v.logprob for k, v in got[1].items()}
     assert not math.isnan(next(iter(got[0].values())).logprob)
+
+
+# ---- given support (protocol 2.4): the client's candidate ids per row ---------------------
+
+def _with_candidates(req: ScoreRequest, gen: torch.Generator, width: int, *, with_token: bool = True) -> ScoreRequest:
+    """`req` asking for k distinct random ids per row below `width`; with_token: the first
+    row's candidates include the token that stands in the sequence."""
+    import dataclasses
+
+    R = req.row_offsets()[-1]
+    cands = torch.stack([torch.randperm(width, generator=gen)[:req.k] for _ in range(R)]) if R else torch.zeros(0, req.k, dtype=torch.long)
+    targets = _targets(req)
+    if with_token and R and not (cands[0] == targets[0]).any():
+        cands[0, 1] = targets[0]
+    return dataclasses.replace(req, candidates=cands)
+
+
+def _targets(req: ScoreRequest) -> torch.Tensor:
+    return torch.cat([req.sequence(b)[s:] for b, s in enumerate(req.response_starts)]).long()
+
+
+def _check_given(ans, req: ScoreRequest, ref: torch.Tensor) -> float:
+    """ref: [R, V] log-probs. Returns the largest deviation seen."""
+    cands = req.candidates
+    assert torch.equal(ans.ids, cands.int())                           # echoed, in their order
+    assert ans.ids.dtype == torch.int32 and ans.logprobs.dtype == torch.float32
+    want = ref.gather(1, cands)
+    tail = torch.logsumexp(ref.scatter(1, cands, float("-inf")), dim=-1)   # log-mass of all other ids
+    token = ref.gather(1, _targets(req)[:, None]).squeeze(1)
+    torch.testing.assert_close(ans.logprobs, want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ans.tail_logmass, tail, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ans.token_logprob, token, atol=1e-4, rtol=0)
+    assert torch.isnan(ans.lse).all()
+    if not len(want):
+        return 0.0
+    finite = torch.isfinite(tail)
+    assert torch.equal(finite, torch.isfinite(ans.tail_logmass))
+    return max(float((ans.logprobs - want).abs().max()), float((ans.token_logprob - token).abs().max()),
+               float((ans.tail_logmass[finite] - tail[finite]).abs().amax()) if finite.any() else 0.0)
+
+
+def test_given_candidates_match_transformers_forward(vllm_teacher_backend, hf_model):
+    """support 'given': the log-probs at the client's ids (echoed in their order) and the exact
+    log-mass of every other id, in one batch with a plain top-k request, a row whose
+    candidates hold its own token, a sequence without rows, a vocab_limit request and one
+    whose k ids are its whole limited vocabulary (tail -inf)."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(0, 200, (n,), generator=g).tolist() for n in (40, 17, 65, 9)]
+    given = _with_candidates(_request(1, seqs[:3], [5, 17, 60], k=8), g, 260)       # 17: no rows
+    wide = _with_candidates(_request(2, seqs[1:], [1, 30, 3], k=64), g, 260)
+    narrow = _with_candidates(dataclasses.replace(_request(3, seqs[2:], [10, 2], k=16), vocab_limit=200), g, 200)
+    whole = _with_candidates(dataclasses.replace(
+        _request(4, [[t % 12 for t in seqs[3]]], [4], k=12), vocab_limit=12), g, 12)
+    plain = _random_requests()[0]
+    backend = vllm_teacher_backend
+    assert backend.given_route == "v1" and backend.unsupported(given) is None
+    answers = backend.score_topk([given, plain, wide, narrow, whole])
+    err = 0.0
+    for req, ans in zip([given, wide], [answers[0], answers[2]]):
+        err = max(err, _check_given(ans, req, _reference_rows(hf_model, req)))
+    assert answers[0].ids.shape == (35 + 0 + 5, 8)
+    assert (answers[0].ids[0] == _targets(given)[0]).any()            # its token among the candidates
+    for req, ans in ((narrow, answers[3]), (whole, answers[4])):      # log_softmax(logits[:, :limit])
+        ref = torch.log_softmax(_reference_rows(hf_model, req)[:, :req.vocab_limit], -1)
+        err = max(err, _check_given(ans, req, ref))
+    assert torch.isneginf(answers[4].tail_logmass).all()
+    torch.testing.assert_close(answers[1].logprobs, _reference_rows(hf_model, plain).topk(8).values, atol=1e-4, rtol=0)
+    print(f"given candidates: max abs error {err:.2e}")
+
+
+def test_given_candidates_across_chunked_prefill(vllm_teacher_backend, hf_model):
+    """More tokens than one engine step takes: vLLM splits prompts over steps (chunked prefill),
+    and every row still gets its own candidates."""
+    g = torch.Generator().manual_seed(12)
+    scheduler = vllm_teacher_backend.llm.llm_engine.vllm_config.scheduler_config
+    budget = scheduler.max_num_batched_tokens
+    assert scheduler.enable_chunked_prefill                            # a prompt may span steps
+    n = -(-(budget + 300) // 250)
+    seqs = [torch.randint(0, 260, (250,), generator=g).tolist() for _ in range(n)]
+    req = _with_candidates(_request(5, seqs, [int(x) for x in torch.randint(1, 250, (n,), generator=g)], k=4), g, 260)
+    assert req.num_tokens > budget
+    ans = vllm_teacher_backend.score_topk([req])[0]
+    print(f"chunked prefill ({req.num_tokens} tokens, {budget} a step): max abs error "
+          f"{_check_given(ans, req, _reference_rows(hf_model, req)):.2e}")
+
+
+def test_given_candidates_refused_without_a_route(vllm_teacher_backend, monkeypatch):
+    """An engine whose workers found no prompt-logprob step to extend refuses them, naming hf."""
+    req = _with_candidates(_request(1, [[1, 2, 3, 4]], [1], k=4), torch.Generator().manual_seed(0), 260)
+    monkeypatch.setattr(vllm_teacher_backend, "given_route", "")
+    reason = vllm_teacher_backend.unsupported(req)
+    assert reason and "--backend hf" in reason and "candidate" in reason
+    with pytest.raises(ValueError, match="candidate"):
+        vllm_teacher_backend.score_topk([req])
+
+
+# ---- teacher context (protocol 2.4): the teacher's own prompt per sequence ----------------
+
+def _score(backend, seqs, starts, contexts=None, *, k: int, given: bool = False, gen=None):
+    """A ScoreRequest as the server's validator builds it from a SCORE message."""
+    import numpy as np
+
+    from opd.teachers.protocol import Score
+    from opd.teachers.validate import score_request
+
+    def ragged(parts):
+        return (np.array([t for p in parts for t in p], dtype=np.int32),
+                np.array([0, *np.cumsum([len(p) for p in parts])], dtype=np.int32))
+
+    arrays = [*ragged(seqs)] + ([*ragged(contexts)] if contexts is not None else [])
+    if given:
+        rows = sum(len(s) - st for s, st in zip(seqs, starts))
+        arrays.append(torch.stack([torch.randperm(260, generator=gen)[:k] for _ in range(rows)]).int().numpy())
+    msg = Score(request_id=1, mode="topk", response_starts=starts, k=k, context=contexts is not None,
+                support="given" if given else "teacher")
+    return score_request(msg, arrays, backend, max_tokens_per_request=1 << 20)
+
+
+def test_teacher_context_rows_are_the_response_after_the_context(vllm_teacher_backend, hf_model):
+    """With context c_b the teacher scores c_b + the response: row i is the response's token i,
+    from the forward pass of that input; an empty c_b leaves the sequence as it is, bit for bit.
+    Both supports (the teacher's top k and given candidates)."""
+    g = torch.Generator().manual_seed(13)
+    seqs = [torch.randint(0, 260, (n,), generator=g).tolist() for n in (30, 20, 12)]
+    starts = [6, 4, 12]                               # the last has no response rows
+    contexts = [torch.randint(0, 260, (n,), generator=g).tolist() for n in (25, 0, 3)]
+    backend = vllm_teacher_backend
+    for given in (False, True):
+        req = _score(backend, seqs, starts, contexts, k=8, given=given, gen=torch.Generator().manual_seed(1))
+        ans = backend.score_topk([req])[0]
+        ref = []
+        with torch.no_grad():
+            for seq, s, ctx in zip(seqs, starts, contexts):
+                prompt = ctx if ctx else seq[:s]
+                full = torch.tensor(prompt + seq[s:])
+                ref.append(torch.log_softmax(hf_model(full[None]).logits[0].float(), -1)[len(prompt) - 1:len(full) - 1])
+        ref = torch.cat(ref)
+        assert ans.logprobs.shape == (sum(len(q) - s for q, s in zip(seqs, starts)), 8)
+        if given:
+            _check_given(ans, req, ref)
+        else:
+            torch.testing.assert_close(ans.logprobs, ref.topk(8).values, atol=1e-4, rtol=0)
+        targets = torch.tensor([t for q, s in zip(seqs, starts) for t in q[s:]])
+        torch.testing.assert_close(ans.token_logprob, ref.gather(1, targets[:, None]).squeeze(1), atol=1e-4, rtol=0)
+        # an empty context for every sequence: the request without context, bit for bit
+        empty = _score(backend, seqs, starts, [[]] * 3, k=8, given=given, gen=torch.Generator().manual_seed(1))
+        bare = _score(backend, seqs, starts, k=8, given=given, gen=torch.Generator().manual_seed(1))
+        assert empty.ids.equal(bare.ids) and empty.response_starts == bare.response_starts
+        for a, b in zip(*backend.score_topk([empty, bare])):
+            assert torch.equal(a, b) or (torch.isnan(a).all() and torch.isnan(b).all())
