@@ -105,3 +105,15 @@ def test_context_templates_are_checked_when_the_config_loads(setup):
         _cfg(setup, "bad", context="{prompt} {")
     with pytest.raises(ValueError, match="plain field names"):
         _cfg(setup, "bad", context="{answer[0]}")
+
+
+def test_the_example_config_loads_with_its_self_teacher_resolved():
+    from pathlib import Path
+
+    from opd.distill.config import load_train_config
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "merge_self_distill.yaml"
+    cfg = load_train_config(path)
+    modes = {t.name: (t.mode, t.context) for t in cfg.merge.teachers}
+    assert modes == {"math": ("student_topk", None), "self": ("topk", "# a solution: {response}\n{prompt}")}
+    assert cfg.cluster.teachers[0].model == cfg.student.path == str(path.parent / "../runs/demo/student")

@@ -32,6 +32,20 @@ def _check_over_the_wire(client, expected_fingerprint: str, reference, narrow_re
     assert got.row_offsets == [0, 20, 25]
     torch.testing.assert_close(got.logprobs, reference.logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(got.token_logprob, reference.token_logprob, atol=1e-5, rtol=0)
+    # Protocol 2.4 on the wire: a teacher-only prompt per sequence (the first replaced, the second
+    # kept) answers as the plain request for [context + response] does, and given candidates are
+    # echoed with their log-probs (test_vllm_backend.py holds both to a transformers forward).
+    ctx = [[3, 4, 5], []]
+    seen = client.score_topk(SEQS, STARTS, k=8, contexts=ctx)
+    plain = client.score_topk([ctx[0] + SEQS[0][STARTS[0]:], SEQS[1]], [3, STARTS[1]], k=8)
+    assert seen.row_offsets == [0, 20, 25]
+    for f in ("ids", "logprobs", "tail_logmass", "token_logprob"):
+        assert torch.equal(getattr(seen, f), getattr(plain, f)), f
+    cand = torch.stack([torch.randperm(256, generator=torch.Generator().manual_seed(r))[:5] for r in range(25)]).int()
+    given = client.score_topk(SEQS, STARTS, k=5, candidates=cand)
+    assert torch.equal(given.ids, cand)
+    top = client.score_topk(SEQS, STARTS, k=5, candidates=got.ids[:, :5].contiguous())
+    torch.testing.assert_close(top.logprobs, got.logprobs[:, :5], atol=1e-5, rtol=0)
     with pytest.raises(TeacherError) as hot:
         client.score_topk(SEQS, STARTS, k=8, temperature=0.5)
     assert hot.value.code == "UNSUPPORTED" and "hf" in hot.value.message
