@@ -114,5 +114,7 @@ def _divergences(tr, batch: Batch, answers: dict, keep: list[int], real: int, ta
                                   reduction="none")
                 domain = batch.route_of(s).domain
                 tally.add_rows(domain, "kl", kl)
-                tally.add_rows(domain, "topk_overlap", topk_overlap(rows, tr.teachers.topk_ids(spec, ans, idx)))
+                ids = tr.teachers.topk_ids(spec, ans, idx)
+                if ids is not None:
+                    tally.add_rows(domain, "topk_overlap", topk_overlap(rows, ids))
     tr.model.train(was)

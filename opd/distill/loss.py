@@ -145,8 +145,8 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
             stats.add_signal("teacher", float((kl_rows.detach().abs() * spec.weight).sum()), len(local))
             # Diagnostics, from the same rows.
             diag_logits = rows_logits(rows) if diag_logits is None else diag_logits
-            overlap = topk_overlap(diag_logits[local_i.to(diag_logits.device)],
-                                   teachers.topk_ids(spec, answers[t], remote_i))
+            ids = teachers.topk_ids(spec, answers[t], remote_i)   # None: the teacher's own top k is unknown
+            overlap = None if ids is None else topk_overlap(diag_logits[local_i.to(diag_logits.device)], ids)
             topk = answers[t].topk
             tail = topk.tail_logmass[remote_i].exp() if topk is not None else None
             stats.add_teacher_rows(t, row_domain, weighted, kl_rows, overlap, tail, lam)

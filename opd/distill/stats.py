@@ -80,7 +80,7 @@ class StepStats:
         self.responses += len(batch.rollouts)
 
     def add_teacher_rows(self, teacher: str, row_domain: list[str], weighted: torch.Tensor, kl: torch.Tensor,
-                         overlap: torch.Tensor, tail: torch.Tensor | None, lam: dict[str, float]) -> None:
+                         overlap: torch.Tensor | None, tail: torch.Tensor | None, lam: dict[str, float]) -> None:
         """One teacher's rows of a micro-batch: their domains, weighted loss (what the gradient
         saw), divergence, top-k overlap and (top-k answers) the teacher's tail mass; `lam` the
         domains' multipliers, divided out of the per-domain loss the normalizer follows."""
@@ -90,7 +90,8 @@ class StepStats:
         for d in sorted(set(row_domain)):
             m = torch.tensor([x == d for x in row_domain])
             self.tally.add_rows(d, "kl", kl[m])
-            self.tally.add_rows(d, "topk_overlap", overlap[m])
+            if overlap is not None:
+                self.tally.add_rows(d, "topk_overlap", overlap[m])
             if tail is not None:
                 self.tally.add_rows(d, "teacher_tail_mass", tail[m])
             part = float(contrib[m].sum())

@@ -434,7 +434,11 @@ class TeacherSet:
                 waited += a.logits.waited_s
         return waited
 
-    def topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor:
+    def topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor | None:
+        """The teacher's top-k ids at answer rows `idx` (for the overlap diagnostic); None in mode
+        student_topk, whose answer is at the student's ids and never names the teacher's own."""
+        if spec.mode == "student_topk":
+            return None
         if answer.topk is not None:
             return take_rows(answer.topk.ids, idx)
         # topk in the wire dtype: a bf16 answer's values are exact in fp32, so the order is the
