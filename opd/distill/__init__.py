@@ -6,6 +6,7 @@
     prompts.py   the prompt sets: loaded, routed once, held to the teachers' lengths
     batch.py     Batch (prompts, routes, rollouts, teacher futures) and the look-ahead Prefetcher
     teachers.py  TeacherSet: checked connections, answers as futures, full-vocabulary RowStreams
+    context.py   what a teacher sees (its `context:` prompt) and where it looks (mode student_topk)
     launch.py    RunTeachers: the teacher servers cluster.mode fork / ray starts, and their watchdog
     loss.py      the objective of a batch: each teacher's rows, weighted, backward per micro-batch
     stats.py     StepStats (one step's measurements) and History (the run's, for the card)
