@@ -6,6 +6,7 @@
     opd bench grpo       GRPO's token log-probs + entropy + backward, with and without [B, T, V]
     opd bench staleness  opd train's steps/s: on-policy, pipelined, rollouts up to K steps ahead
     opd bench recipes    GRPO, offline distillation, OPD and OPD + reward: accuracy against CPU-s
+    opd bench self-distill  a self teacher shown the answer vs SFT on it, held-out accuracy
     opd bench all        the three, plus runs/bench/summary.md
 
 Benchmarks are not tests: they report numbers, they do not assert them.
@@ -25,6 +26,8 @@ SUBJECTS = {
                                               "and 2"),
     "recipes": ("opd.benchmarks.recipes", ("held-out accuracy against CPU-s and tokens: GRPO, offline "
                                            "distillation, OPD (sampled, top-k), OPD + reward, from the demo")),
+    "self-distill": ("opd.benchmarks.self_distill", ("self-distillation, the answer in the teacher's context, "
+                                                     "against SFT on the answers: held-out accuracy")),
     "all": ("opd.benchmarks.all", "run kernels, transport and step and write summary.md"),
 }
 
