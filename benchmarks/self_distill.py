@@ -46,6 +46,8 @@ import yaml
 from opd.benchmarks.recipes_inputs import snapshot_code
 from opd.benchmarks.recipes_report import machine
 from opd.benchmarks.recipes_worker import _write_jsonl
+from opd.teachers.launch import start_server_process
+from opd.tiny.data import make_split
 
 ARMS = ("self_distill", "sft")
 LABELS = {"base": "base (warm-up only)", "teacher": "teacher: the base, with the answer as a hint in its prompt",
@@ -97,8 +99,6 @@ def write_data(out: Path, n_train: int, n_eval: int, hint_ratio: float, context:
     """The demo's math generator (opd.tiny.data), seed 0: training and disjoint held-out rows.
     warm.jsonl: the training rows, a seeded `hint_ratio` of them with the hinted prompt;
     train.jsonl: the same rows plain (both arms); held-out plain and hinted."""
-    from opd.tiny.data import make_split
-
     train, held = make_split("math", n_train, n_eval, 0)
     rng = random.Random(0)
     warm = [{**r, "prompt": render(context, r)} if rng.random() < hint_ratio else r for r in train]
@@ -325,8 +325,6 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict] = []
     try:
         if args.teacher == "server" and "self_distill" in arms:
-            from opd.teachers.launch import start_server_process
-
             server = start_server_process(["--model", str(base), "--name", "self", "--max-k", "64"], env=env)
             address = server.address
         for seed in seeds:

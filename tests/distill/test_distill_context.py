@@ -3,6 +3,7 @@ teacher (the student's start, served by the run itself) that sees the reference 
 own prompt, beside a teacher that answers at the student's own top k."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -96,8 +97,13 @@ def test_a_self_teacher_with_context_and_a_student_topk_teacher_train_end_to_end
 
 
 def test_a_context_field_the_samples_lack_is_refused_at_load(setup):
+    cfg = _cfg(setup, "missing")   # only the served teacher, given a context its samples cannot fill
+    other = cfg.merge.teachers[1]
+    cfg = replace(cfg, cluster=replace(cfg.cluster, mode="local", teachers=[]), merge=replace(
+        cfg.merge, routing=replace(cfg.merge.routing, rules=[]),
+        teachers=[replace(other, domains=[], context="{prompt} Solution: {solution}")]))
     with pytest.raises(TrainError, match=r"needs the field 'solution'.*has \['answer', 'domain', 'prompt'\]"):
-        Trainer(_cfg(setup, "missing", context="{prompt} Solution: {solution}")).run()
+        Trainer(cfg).run()
 
 
 def test_context_templates_are_checked_when_the_config_loads(setup):

@@ -143,12 +143,13 @@ def test_the_policy_has_no_dropout_so_the_first_epoch_ratio_is_one(tmp_path, tin
 
 
 def test_cli_help():
+    helps = {}
     for cmd in ("rl", "validate"):
-        out = subprocess.run([sys.executable, "-m", "opd.cli", cmd, "--help"], capture_output=True, text=True,
-                             timeout=120)
+        helps[cmd] = out = subprocess.run([sys.executable, "-m", "opd.cli", cmd, "--help"], capture_output=True,
+                                          text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert "config" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "opd.cli", "rl", "--help"], capture_output=True, text=True, timeout=120)
+    out = helps["rl"]
     assert "group_size" in out.stdout and "--resume" in out.stdout
     # cluster.mode: it described opd train's fork mode (starting teachers), which opd rl refuses
     mode = next(line for line in out.stdout.splitlines() if line.strip().startswith("mode (") and "'local'" in line)
