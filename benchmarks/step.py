@@ -1,13 +1,17 @@
-"""`opd bench step`: one on-policy distillation step, this project vs TRL's GKDTrainer.
+"""`opd bench step`: one on-policy distillation step, this project vs TRL's trainers.
 
-Same tiny student, same teacher, same prompts, same batch (8 prompts x 32 new tokens),
-fp32 on CPU, forward KL (beta=0) on the full vocabulary, fully on-policy:
+Same student, same teacher, same prompts, same batch (default: tiny models, 8 prompts x 32
+new tokens; `--preset small-real`: SmolLM2-135M's shapes, 4 chat prompts x 32, see
+step_real.py; `--student DIR --teacher DIR`: any local models), fp32 on CPU, forward KL
+(beta=0), fully on-policy:
   opd-full   `opd train`, teacher in its own `opd serve-teacher` process, mode full; the
              trainer forks that process after its imports (cluster.mode fork), or with
              `--teacher-launch process` it is started beforehand as its own interpreter
-  opd-topk   the same with the teacher's top-k answer (k=32) and its tail bucket
+  opd-topk   the same with the teacher's top-k answer (--k) and its tail bucket
+  opd-topk-pipelined  opd-topk with `run.pipeline: true` (staleness 1): NOT fully on-policy
   trl-gkd    TRL `GKDTrainer` with lmbda=1 (every step samples from the student), teacher
-             in the trainer's process (TRL's design)
+             in the trainer's process (TRL's design); trl-distill TRL's `DistillationTrainer`
+             (step_trl.py)
 Each runs in its own process, `--rounds` times, the systems taking turns; the first
 `--warmup` steps of a run are dropped and the rest pooled. Reported: trained
 response tokens per second, seconds per step, peak RSS of the trainer (and of the teacher
@@ -31,10 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from opd.benchmarks.step_real import prompts_file
+from opd.benchmarks.step_trl import has_distillation_trainer
 from opd.teachers.launch import start_server_process
 from opd.tiny import build_tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\nA:"
                  "{% else %} {{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}")
 PROMPTS = [f"{a}+{b}=?" for a, b in [(12, 7), (40, 33), (5, 91), (68, 14), (23, 23), (77, 8), (31, 45), (9, 60)]]
@@ -149,35 +155,38 @@ class GroupMemory:
 
 
 def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, steps: int, warmup: int,
-            threads: int = 1, launch: str = "fork") -> dict:
+            threads: int = 1, launch: str = "fork", batch: int = 8, new_tokens: int = 32, k: int = 32,
+            pipeline: bool = False) -> dict:
     """One `opd train` run. launch: fork: the trainer forks its teacher server (cluster.mode fork,
-    the runtime held once); process: the teacher is an `opd serve-teacher` started beforehand."""
+    the runtime held once); process: the teacher is an `opd serve-teacher` started beforehand.
+    pipeline: `run.pipeline: true`, the next batch sampled while this one trains (staleness 1)."""
     import yaml
 
     memory = GroupMemory()
     server = None
-    out = work / f"opd-{mode}"
+    name = f"opd-{mode}" + ("-pipelined" if pipeline else "")
+    out = work / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each round, not a resume
     try:
         if launch == "process":
-            server = start_server_process(["--model", str(teacher), "--max-k", "64"], threads=threads)
+            server = start_server_process(["--model", str(teacher), "--max-k", str(max(64, k))], threads=threads)
             memory.pids.append(server.proc.pid)
         cfg = {
             "student": {"path": str(student)},
             "merge": {"teachers": [{"name": "teacher", "address": server.address if server else "tcp://127.0.0.1:*",
-                                    "mode": mode, "k": 32, "beta": 0.0, "domains": ["math"]}],
+                                    "mode": mode, "k": k, "beta": 0.0, "domains": ["math"]}],
                       "datasets": [{"domain": "math", "path": str(data)}],
                       "routing": {"rules": [{"kind": "fallback", "teacher": "teacher"}]}},
-            "rollout": {"prompts_per_step": 8, "max_new_tokens": 32, "temperature": 1.0},
+            "rollout": {"prompts_per_step": batch, "max_new_tokens": new_tokens, "temperature": 1.0},
             "loss": {"trim": "none"},
-            "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "micro_batch_size": 8},
-            "run": {"steps": steps, "out_dir": str(out), "pipeline": False, "eval_every": 0,
+            "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "micro_batch_size": batch},
+            "run": {"steps": steps, "out_dir": str(out), "pipeline": pipeline, "eval_every": 0,
                     "checkpoint_every": 0, "progress": False, "tensorboard": False},
         }
         if launch == "fork":
             cfg["cluster"] = {"mode": "fork", "teachers": [{"name": "teacher", "model": str(teacher),
-                                                            "serve_args": ["--max-k", "64"], "num_cpus": threads}]}
-        path = work / f"opd-{mode}.yaml"
+                                                            "serve_args": ["--max-k", str(max(64, k))], "num_cpus": threads}]}
+        path = work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         proc = subprocess.Popen([sys.executable, "-m", "opd.cli", "train", str(path)], env=env,
@@ -204,7 +213,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
     # (each row's time is when it was logged, right after its step).
     cpu = memory.cpu_between(rows[warmup - 1]["time"] if warmup else rows[0]["time"] - rows[0]["step_s"],
                              rows[-1]["time"])
-    return {**summarize(f"opd-{mode}", steps_, rss, teacher_rss, pss, cpu), "teacher_launch": launch}
+    return {**summarize(name, steps_, rss, teacher_rss, pss, cpu), "teacher_launch": launch}
 
 
 PHASES = ("rollout", "teacher_wait", "loss_backward_optim")
@@ -233,45 +242,6 @@ def pool(rows: list[dict]) -> dict:
     return {**pooled, **({"teacher_launch": rows[0]["teacher_launch"]} if "teacher_launch" in rows[0] else {})}
 
 
-def _trl_main(work: str, steps: int, threads: int = 1) -> None:
-    """Runs inside the TRL interpreter: GKDTrainer, fully on-policy, per-step times and tokens."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl.experimental.gkd import GKDConfig, GKDTrainer
-
-    torch.set_num_threads(threads)
-    work = Path(work)
-    tok = AutoTokenizer.from_pretrained(str(work / "student"))
-    ds = Dataset.from_list([{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": "0"}]}
-                            for p in PROMPTS])
-    times, tokens, ends = [], [], []
-
-    class Trainer(GKDTrainer):
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            tokens.append(int((inputs["labels"] != -100).sum()))  # the on-policy completion tokens
-            return loss
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            self.t = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            times.append(time.perf_counter() - self.t)
-            ends.append(time.time())
-
-    args = GKDConfig(output_dir=str(work / "trl"), per_device_train_batch_size=8, max_steps=steps, lmbda=1.0,
-                     beta=0.0, temperature=1.0, max_new_tokens=32, learning_rate=1e-4, lr_scheduler_type="constant",
-                     logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-                     dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(str(work / "student"), dtype=torch.float32),
-                      teacher_model=AutoModelForCausalLM.from_pretrained(str(work / "teacher"), dtype=torch.float32),
-                      args=args, train_dataset=ds, processing_class=tok, callbacks=[Clock()])
-    trainer.train()
-    print("TRL_RESULT " + json.dumps({"times": times, "tokens": tokens, "ends": ends}), flush=True)
-
-
 def _trl_python(arg: str | None) -> str | None:
     """The interpreter to run TRL with: the one given, this one if it has trl, else .venv-bench's."""
     import importlib.util
@@ -284,9 +254,11 @@ def _trl_python(arg: str | None) -> str | None:
     return str(bench) if bench.exists() else None
 
 
-def run_trl(python: str, work: Path, steps: int, warmup: int, threads: int = 1) -> dict:
+def run_trl(python: str, work: Path, student: Path, teacher: Path, steps: int, warmup: int, threads: int = 1,
+            trainer: str = "gkd", batch: int = 8, new_tokens: int = 32) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    code = f"from opd.benchmarks.step import _trl_main; _trl_main({str(work)!r}, {steps}, {threads})"
+    code = (f"from opd.benchmarks.step_trl import trl_main; trl_main({str(work)!r}, {str(student)!r}, {str(teacher)!r}, "
+            f"{steps}, {threads}, {trainer!r}, {batch}, {new_tokens})")
     memory = GroupMemory()
     proc = subprocess.Popen([python, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     memory.pids.append(proc.pid)
@@ -300,71 +272,133 @@ def run_trl(python: str, work: Path, steps: int, warmup: int, threads: int = 1) 
     steps = [{"tokens": n, "step_s": t} for n, t in zip(res["tokens"][warmup:], res["times"][warmup:])]
     ends = res["ends"]
     cpu = memory.cpu_between(ends[warmup - 1] if warmup else ends[0] - res["times"][0], ends[-1])
-    return summarize("trl-gkd", steps, rss, 0, pss, cpu)
+    return summarize(f"trl-{trainer}", steps, rss, 0, pss, cpu)
+
+
+SYSTEMS = ["opd-full", "opd-topk", "opd-topk-pipelined", "trl-gkd", "trl-distill"]
+# --preset small-real: SmolLM2-135M's shapes (step_real.py); one step is ~3 s on 2 cores, so
+# fewer steps than the tiny models' 60, and torch's default threads (both cores) per process.
+PRESETS = {
+    "tiny": dict(steps=60, warmup=5, rounds=3, batch=8, new_tokens=32, k=32, threads=1,
+                 systems=["opd-full", "opd-topk", "trl-gkd"]),
+    "small-real": dict(steps=6, warmup=1, rounds=2, batch=4, new_tokens=32, k=64, threads=os.cpu_count() or 1,
+                       systems=SYSTEMS),
+}
+QUICK = dict(steps=2, warmup=1, rounds=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
-    # 3 runs of 60 steps per system: one step of the tiny models is 0.06-0.1 s, and shorter runs
-    # (2 of 18) gave ratios to TRL between 1.32x and 1.74x on this 2-core box.
-    p.add_argument("--steps", type=int, default=60, help="steps per run (the first --warmup are dropped)")
-    p.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the timings")
-    p.add_argument("--rounds", type=int, default=3, help="runs per system, the systems taking turns; steps pooled")
-    p.add_argument("--systems", nargs="+", default=["opd-full", "opd-topk", "trl-gkd"],
-                   choices=["opd-full", "opd-topk", "trl-gkd"],
-                   help="systems timed: opd-full (teacher answers the full vocabulary), opd-topk (top-32 + tail), "
-                        "trl-gkd (TRL GKDTrainer, lmbda=1; skipped without trl)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="tiny: 2- and 4-layer models, byte tokenizer; small-real: random weights at SmolLM2-135M's "
+                        "config (teacher 30 layers, student its first 8, V=49,152, tied), a 49,152-token BPE, chat "
+                        "prompts. Sets the defaults of the options below")
+    p.add_argument("--student", type=Path, default=None, help="a local student model directory (with --teacher)")
+    p.add_argument("--teacher", type=Path, default=None, help="a local teacher model directory (with --student)")
+    p.add_argument("--quick", action="store_true", help="2 steps (1 measured), 1 round: a smoke run")
+    # tiny: 3 runs of 60 steps per system: one step of the tiny models is 0.06-0.1 s, and
+    # shorter runs (2 of 18) gave ratios to TRL between 1.32x and 1.74x on this 2-core box.
+    p.add_argument("--steps", type=int, default=None, help="steps per run (the first --warmup are dropped)")
+    p.add_argument("--warmup", type=int, default=None, help="first steps of each run left out of the timings")
+    p.add_argument("--rounds", type=int, default=None, help="runs per system, the systems taking turns; steps pooled")
+    p.add_argument("--batch", type=int, default=None, help="prompts per step")
+    p.add_argument("--new-tokens", type=int, default=None, help="new tokens sampled per prompt")
+    p.add_argument("--k", type=int, default=None, help="opd-topk's k")
+    p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
+                   help="systems timed: opd-full (teacher answers the full vocabulary), opd-topk (top-k + tail), "
+                        "opd-topk-pipelined (run.pipeline: true, staleness 1, not fully on-policy), trl-gkd (TRL "
+                        "GKDTrainer, lmbda=1), trl-distill (TRL DistillationTrainer); TRL rows skipped without trl")
     p.add_argument("--trl-python", default=None, help="interpreter that has trl installed")
     p.add_argument("--vocab", type=int, default=None,
-                   help="pad both models' vocabulary to this many rows; None: the byte tokenizer's 260")
-    p.add_argument("--threads", type=int, default=1,
+                   help="tiny: pad both models' vocabulary to this many rows; None: the byte tokenizer's 260")
+    p.add_argument("--threads", type=int, default=None,
                    help="torch threads of every process (TRL's, opd's trainer, opd's teacher server)")
     p.add_argument("--teacher-launch", choices=["fork", "process"], default="fork",
                    help="fork: opd train forks its teacher server (cluster.mode fork: one copy of the Python and "
                         "torch runtime in memory); process: an `opd serve-teacher` started beforehand")
 
 
+def _settle(args) -> None:
+    """The preset's defaults for every option left unset, --quick's on top."""
+    for key, value in {**PRESETS[args.preset], **(QUICK if args.quick else {})}.items():
+        if getattr(args, key) is None or (args.quick and key in QUICK):
+            setattr(args, key, value)
+
+
+def prepare(args, work: Path) -> tuple[Path, Path, Path]:
+    """(student, teacher, prompts file): given directories, or built in a child process so that
+    this process never maps torch (see GroupMemory)."""
+    if (args.student is None) != (args.teacher is None):
+        raise SystemExit("opd bench step: --student and --teacher go together")
+    if args.student is not None:
+        return args.student.resolve(), args.teacher.resolve(), prompts_file(work, args.batch)
+    if args.preset == "small-real":
+        code = f"from opd.benchmarks.step_real import build_small_real; build_small_real({str(work)!r}, {args.batch})"
+    else:
+        code = f"from opd.benchmarks.step import build_models; build_models({str(work)!r}, {args.vocab})"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return work / "student", work / "teacher", work / "prompts.jsonl"
+
+
 def run(args) -> int:
+    _settle(args)
     if not 0 <= args.warmup < args.steps:
         raise SystemExit(f"opd bench step: --warmup ({args.warmup}) must lie in [0, --steps ({args.steps}))")
     work = Path(tempfile.mkdtemp(prefix="opd-bench-step-"))
-    # In a child, so that this process never maps torch (see GroupMemory).
-    subprocess.run([sys.executable, "-c", f"from opd.benchmarks.step import build_models; build_models({str(work)!r}, {args.vocab})"],
-                   check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
-    student, teacher, data = work / "student", work / "teacher", work / "prompts.jsonl"
+    try:
+        return _run(args, work)
+    finally:   # the small-real models and every run's output: about 1 GB
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args, work: Path) -> int:
+    student, teacher, data = prepare(args, work)
     python = _trl_python(args.trl_python)
-    systems = [s for s in args.systems if s != "trl-gkd" or python is not None]
+    systems = [s for s in args.systems if not s.startswith("trl-") or python is not None]
     if len(systems) < len(args.systems):
-        print("trl-gkd: skipped (trl not installed; `make bench` installs it into .venv-bench)")
+        print("trl: skipped (trl not installed; `make bench` installs it into .venv-bench)")
+    if "trl-distill" in systems and not has_distillation_trainer(python):
+        systems.remove("trl-distill")
+        print("trl-distill: skipped (this TRL has no DistillationTrainer)")
     # Systems take turns, round after round: drifts of a shared machine hit all of them alike.
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for system in systems:
-            if system == "trl-gkd":
-                row = run_trl(python, work, args.steps, args.warmup, args.threads)
+            if system.startswith("trl-"):
+                row = run_trl(python, work, student, teacher, args.steps, args.warmup, args.threads,
+                              system.split("-")[1], args.batch, args.new_tokens)
             else:
                 row = run_opd(work, student, teacher, data, system.split("-")[1], args.steps, args.warmup,
-                              args.threads, args.teacher_launch)
+                              args.threads, args.teacher_launch, args.batch, args.new_tokens, args.k,
+                              pipeline=system.endswith("-pipelined"))
             runs[system].append(row)
             print(f"round {r + 1}/{args.rounds}  " + _fmt(row), flush=True)
     rows = [pool(v) for v in runs.values()]
     for row in rows:
+        row["fully_on_policy"] = not row["system"].endswith("-pipelined")
         print(_fmt(row), flush=True)
-    trl = next((r for r in rows if r["system"] == "trl-gkd"), None)
+    trls = [r for r in rows if r["system"].startswith("trl-")]
+    trl = max(trls, key=lambda r: r["tokens_per_s"]) if trls else None
     if trl:
+        print(f"against the faster TRL trainer: {trl['system']}")
         for r in rows:
+            r["vs_trl_system"] = trl["system"]
             r["tokens_per_s_vs_trl"] = r["tokens_per_s"] / trl["tokens_per_s"]
             # per token of CPU: the ratio at equal CPU (opd's teacher scores on the other core)
             r["tokens_per_cpu_s_vs_trl"] = trl["cpu_us_per_token"] / r["cpu_us_per_token"]
             r["peak_rss_vs_trl"] = r["peak_rss_trainer"] / trl["peak_rss_trainer"]
             r["peak_pss_total_vs_trl"] = r["peak_pss_total"] / trl["peak_pss_total"]
-            print(f"{r['system']:<9} {r['tokens_per_s_vs_trl']:.2f}x TRL tokens/s, "
+            print(f"{r['system']:<19} {r['tokens_per_s_vs_trl']:.2f}x TRL tokens/s, "
                   f"{r['tokens_per_cpu_s_vs_trl']:.2f}x TRL tokens per CPU second, "
                   f"{r['peak_rss_vs_trl']:.2f}x TRL trainer peak RSS, "
                   f"{r['peak_pss_total_vs_trl']:.2f}x TRL total peak PSS (trainer + teacher server)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": f"{os.cpu_count()} cores", "rows": rows}, indent=1))
+        machine = f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end"
+        settings = {k: getattr(args, k) for k in ("preset", "steps", "warmup", "rounds", "batch", "new_tokens", "k",
+                                                  "threads")}
+        args.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=1))
     return 0
 
 
@@ -372,7 +406,7 @@ def _fmt(r: dict) -> str:
     phases = ""
     if r["phases_s"]:
         phases = "  phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in r["phases_s"].items())
-    return (f"{r['system']:<9} {r['tokens_per_s']:8.0f} tok/s  {r['cpu_us_per_token']:6.0f} CPU us/token "
+    return (f"{r['system']:<19} {r['tokens_per_s']:8.1f} tok/s  {r['cpu_us_per_token']:6.0f} CPU us/token "
             f"({r['cores']:.2f} cores)  {r['step_s']:.3f} s/step  trainer RSS "
             f"{r['peak_rss_trainer'] / 2**20:6.0f} MiB  teacher RSS {r['peak_rss_teacher'] / 2**20:5.0f} MiB  "
             f"total PSS {r['peak_pss_total'] / 2**20:5.0f} MiB{phases}")

@@ -76,3 +76,41 @@ def test_opd_step_rows_and_what_a_forked_teacher_saves(tmp_path):
     # libtorch (a Ray session left by an earlier test) lower every PSS, and moved the two to
     # -0.47 and 0.29.
     assert added["process"] - added["fork"] > 0.3, added
+
+
+def test_small_real_tokenizer_is_49152_entries_and_chats():
+    from opd.benchmarks import step_real
+
+    tok = step_real.bpe_tokenizer()
+    assert len(tok) == 49152 and tok.eos_token == "<|im_end|>" and tok.pad_token_id == 0
+    text = "What is the capital of France?"
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text and len(ids) < len(text)   # merges apply: fewer tokens than bytes
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    assert chat.endswith("<|im_start|>assistant\n") and text in chat
+
+
+def test_presets_fill_what_is_not_given():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    step.add_arguments(p)
+    a = p.parse_args(["--preset", "small-real", "--k", "16"])
+    step._settle(a)
+    assert (a.batch, a.new_tokens, a.k, a.steps) == (4, 32, 16, 6) and "trl-distill" in a.systems
+    a = p.parse_args(["--preset", "small-real", "--quick", "--steps", "9"])
+    step._settle(a)
+    assert (a.steps, a.warmup, a.rounds) == (2, 1, 1)
+    a = p.parse_args([])
+    step._settle(a)
+    assert (a.batch, a.k, a.threads, a.steps) == (8, 32, 1, 60)
+
+
+@pytest.mark.slow
+def test_small_real_preset_runs_quick(tmp_path):
+    # Builds the 135M teacher and 8-layer student (~0.7 GB on disk) and runs one opd step.
+    out = tmp_path / "step.json"
+    subprocess.run([sys.executable, "-m", "opd.cli", "bench", "step", "--preset", "small-real", "--quick",
+                    "--systems", "opd-topk", "--json", str(out)], check=True, timeout=1200)
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["system"] == "opd-topk" and rows[0]["tokens_per_s"] > 0 and rows[0]["fully_on_policy"]
