@@ -32,9 +32,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from opd.benchmarks.step_memory import GroupMemory, _wait
 from opd.benchmarks.step_real import prompts_file
 from opd.benchmarks.step_trl import has_distillation_trainer
 from opd.teachers.launch import start_server_process
@@ -65,101 +65,14 @@ def build_models(work: Path | str, vocab: int | None = None) -> tuple[Path, Path
     return student, teacher, data
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid`, all its threads (0 once it has exited)."""
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    f = f[f.rindex(")") + 2:].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait(proc: subprocess.Popen) -> tuple[int, int]:
-    """(exit code, peak RSS bytes) of a child process."""
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024
-
-
-class GroupMemory:
-    """Peak of the summed PSS of groups of processes, sampled every `interval_s`.
-
-    Summing RSS would count twice the file pages two processes share (libtorch's code is
-    mapped by the trainer and the teacher server alike), and the copy-on-write pages a forked
-    teacher shares with its trainer; PSS splits each shared page among the processes that map
-    it, so the sum is what the group takes. Each pid counts with its descendants (a trainer's
-    forked teacher servers). This driver process never imports torch (the models are built in
-    a subprocess), so it holds no share.
-    """
-
-    def __init__(self, interval_s: float = 0.05):
-        import threading
-
-        self.pids: list[int] = []
-        self.peak = 0
-        self.hwm: dict[int, int] = {}   # every pid seen (roots and descendants) -> its peak RSS (VmHWM)
-        # (wall time, CPU seconds of every process of the group so far): the CPU a system spent
-        # between two moments, all its processes and threads (opd: trainer + teacher server).
-        self.cpu: list[tuple[float, float]] = []
-        self._cpu_of: dict[int, float] = {}     # last reading per pid: an exited one keeps its share
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _status(pid: int, key: str, file: str = "smaps_rollup") -> int:
-        try:
-            for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-        except OSError:  # the process has exited
-            pass
-        return 0
-
-    @staticmethod
-    def family(pid: int) -> list[int]:
-        """`pid` and its descendants."""
-        out, todo = [], [pid]
-        while todo:
-            p = todo.pop()
-            out.append(p)
-            try:
-                for task in os.listdir(f"/proc/{p}/task"):
-                    todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
-            except OSError:
-                pass
-        return out
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            pids = [p for root in list(self.pids) for p in self.family(root)]
-            self.peak = max(self.peak, sum(self._status(p, "Pss:") for p in pids))
-            for p in pids:
-                self.hwm[p] = max(self.hwm.get(p, 0), self._status(p, "VmHWM:", "status"))
-                self._cpu_of[p] = max(self._cpu_of.get(p, 0.0), _cpu_seconds(p))
-            self.cpu.append((time.time(), sum(self._cpu_of.values())))
-
-    def cpu_between(self, t0: float, t1: float) -> float:
-        """CPU seconds the group spent between wall times t0 and t1 (linear between samples)."""
-        import numpy as np
-
-        t, c = np.array(self.cpu).T
-        return float(np.interp(t1, t, c) - np.interp(t0, t, c))
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
-
-
 def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, steps: int, warmup: int,
             threads: int = 1, launch: str = "fork", batch: int = 8, new_tokens: int = 32, k: int = 32,
-            pipeline: bool = False) -> dict:
+            pipeline: bool = False, teacher_threads: int | None = None) -> dict:
     """One `opd train` run. launch: fork: the trainer forks its teacher server (cluster.mode fork,
     the runtime held once); process: the teacher is an `opd serve-teacher` started beforehand.
-    pipeline: `run.pipeline: true`, the next batch sampled while this one trains (staleness 1)."""
+    pipeline: `run.pipeline: true`, the next batch sampled while this one trains (staleness 1).
+    teacher_threads: the teacher server's torch threads (None: `threads`, the trainer's)."""
+    teacher_threads = teacher_threads or threads
     import yaml
 
     memory = GroupMemory()
@@ -169,7 +82,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each round, not a resume
     try:
         if launch == "process":
-            server = start_server_process(["--model", str(teacher), "--max-k", str(max(64, k))], threads=threads)
+            server = start_server_process(["--model", str(teacher), "--max-k", str(max(64, k))], threads=teacher_threads)
             memory.pids.append(server.proc.pid)
         cfg = {
             "student": {"path": str(student)},
@@ -185,7 +98,8 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
         }
         if launch == "fork":
             cfg["cluster"] = {"mode": "fork", "teachers": [{"name": "teacher", "model": str(teacher),
-                                                            "serve_args": ["--max-k", str(max(64, k))], "num_cpus": threads}]}
+                                                            "serve_args": ["--max-k", str(max(64, k))],
+                                                            "num_cpus": teacher_threads}]}
         path = work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -313,6 +227,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny: pad both models' vocabulary to this many rows; None: the byte tokenizer's 260")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of every process (TRL's, opd's trainer, opd's teacher server)")
+    p.add_argument("--teacher-threads", type=int, default=None,
+                   help="torch threads of opd's teacher server (default: --threads)")
+    p.add_argument("--omp-wait-policy", choices=["passive", "active"], default=None,
+                   help="OMP_WAIT_POLICY of every process of every system (default: unset, libgomp's spinning)")
     p.add_argument("--teacher-launch", choices=["fork", "process"], default="fork",
                    help="fork: opd train forks its teacher server (cluster.mode fork: one copy of the Python and "
                         "torch runtime in memory); process: an `opd serve-teacher` started beforehand")
@@ -353,6 +271,8 @@ def run(args) -> int:
 
 
 def _run(args, work: Path) -> int:
+    if args.omp_wait_policy:   # inherited by every child: opd's trainer, its forked teacher, TRL
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     student, teacher, data = prepare(args, work)
     python = _trl_python(args.trl_python)
     systems = [s for s in args.systems if not s.startswith("trl-") or python is not None]
@@ -371,7 +291,7 @@ def _run(args, work: Path) -> int:
             else:
                 row = run_opd(work, student, teacher, data, system.split("-")[1], args.steps, args.warmup,
                               args.threads, args.teacher_launch, args.batch, args.new_tokens, args.k,
-                              pipeline=system.endswith("-pipelined"))
+                              pipeline=system.endswith("-pipelined"), teacher_threads=args.teacher_threads)
             runs[system].append(row)
             print(f"round {r + 1}/{args.rounds}  " + _fmt(row), flush=True)
     rows = [pool(v) for v in runs.values()]
@@ -397,7 +317,7 @@ def _run(args, work: Path) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         machine = f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end"
         settings = {k: getattr(args, k) for k in ("preset", "steps", "warmup", "rounds", "batch", "new_tokens", "k",
-                                                  "threads")}
+                                                  "threads", "teacher_threads", "omp_wait_policy")}
         args.json.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows}, indent=1))
     return 0
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from opd.lm_head import FUSED_REFUSED, head_form, last_hidden, parts
 from opd.rope import rope_groups
@@ -172,9 +173,48 @@ def _student_rows(model, packed: Packed, fused: bool, form):
     b, pos = packed.row_b_N.to(device), packed.row_pos_N.to(device)
     if not fused and form.post is None:
         return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[b, pos]
-    hidden_N_H = last_hidden(model, input_ids=ids, attention_mask=attn, use_cache=False)[b, pos]
     _, head = parts(model)
+    embed = _tied_embedding(model, head)
+    inputs = {"input_ids": ids} if embed is None else {"inputs_embeds": _RowsEmbedding.apply(ids, embed.weight,
+                                                                                           embed.padding_idx)}
+    hidden_N_H = last_hidden(model, **inputs, attention_mask=attn, use_cache=False)[b, pos]
     return (hidden_N_H, head.weight) if fused else form.post(head(hidden_N_H))
+
+
+def _tied_embedding(model, head):
+    """The input embedding when it is a plain nn.Embedding whose weight is the trained LM head's
+    (tied, as in small Llama, Qwen and SmolLM models), else None."""
+    if isinstance(model, FSDPModule) or not torch.is_grad_enabled():
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embed = base.get_input_embeddings()
+    if type(embed) is not torch.nn.Embedding or embed.max_norm is not None or embed.sparse:
+        return None
+    return embed if embed.weight is head.weight and embed.weight.requires_grad else None
+
+
+class _RowsEmbedding(torch.autograd.Function):
+    """nn.Embedding's lookup whose weight gradient is sparse: the rows of the looked-up ids.
+
+    A tied LM head's gradient is dense anyway, and autograd adds this one into it row by row;
+    the dense embedding backward would build a zero [V, H] tensor, scatter into it and add all
+    V rows (at V = 49,152, H = 576: 113 MB written, then read, per backward). The same sums;
+    the padding row gets none, as nn.Embedding(padding_idx=...) gives it."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.shape, ctx.padding_idx = weight.shape, padding_idx
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        ids, grad = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:
+            keep = ids != ctx.padding_idx
+            ids, grad = ids[keep], grad[keep]
+        return None, torch.sparse_coo_tensor(ids[None], grad, ctx.shape, check_invariants=False), None
 
 
 def _rows_of(packed: Packed, seqs: list[int]) -> torch.Tensor:
