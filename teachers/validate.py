@@ -51,23 +51,24 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     if msg.context:   # the teacher's input: c_b + the response (c_b empty: the sequence's own prompt)
         ctx, ctx_offs_arr = arrays[2], arrays[3]
         ctx_offs, ctx_lengths = _ragged(ctx, ctx_offs_arr, B, "context_ids", fail)
-        parts = []
-        for b in range(B):
-            a, s, e = offs[b], starts[b], offs[b + 1]
-            prompt = ctx[ctx_offs[b]:ctx_offs[b + 1]] if ctx_lengths[b] else ids[a:a + s]
-            parts += [prompt, ids[a + s:e]]
-        starts = [c or s for c, s in zip(ctx_lengths, starts)]
-        lengths = [s + (n - s0) for s, n, s0 in zip(starts, lengths, msg.response_starts)]
-        ids = np.concatenate(parts) if parts else ids
-        offs = [0, *np.cumsum(lengths).tolist()]
-
-    # Sizes (of what the teacher scores: with a context, its own prompts).
-    if len(ids) > max_tokens_per_request:
-        fail(ErrorCode.TOO_LONG, f"request has {len(ids)} tokens, max_tokens_per_request is {max_tokens_per_request}")
+        new_starts = [c or s for c, s in zip(ctx_lengths, starts)]
+        lengths = [s + (n - s0) for s, n, s0 in zip(new_starts, lengths, starts)]
+    # Sizes (of what the teacher scores: with a context, its own prompts), before any copy.
+    total = sum(lengths)
+    if total > max_tokens_per_request:
+        fail(ErrorCode.TOO_LONG, f"request has {total} tokens" + (" with its teacher contexts" if msg.context else "")
+                                 + f", max_tokens_per_request is {max_tokens_per_request}")
     longest = max(lengths)
     if longest > backend.max_positions:
         fail(ErrorCode.TOO_LONG, f"a sequence has {longest} tokens" + (" with its teacher context" if msg.context else "")
                                  + f", the model takes at most {backend.max_positions}")
+
+    if msg.context:   # one array of the teacher's sequences: c_b (or the prompt) + the response
+        parts = []
+        for b in range(B):
+            a, s, e = offs[b], starts[b], offs[b + 1]
+            parts += [ctx[ctx_offs[b]:ctx_offs[b + 1]] if ctx_lengths[b] else ids[a:a + s], ids[a + s:e]]
+        ids, starts, offs = np.concatenate(parts), new_starts, [0, *np.cumsum(lengths).tolist()]
 
     # Token ids, in one pass: read as uint32 a negative id is >= 2**31, above any vocabulary.
     vocab = msg.vocab_limit if 0 < msg.vocab_limit <= backend.vocab_size else backend.vocab_size
