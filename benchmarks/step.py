@@ -67,7 +67,7 @@ def build_models(work: Path | str, vocab: int | None = None) -> tuple[Path, Path
 
 def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, steps: int, warmup: int,
             threads: int = 1, launch: str = "fork", batch: int = 8, new_tokens: int = 32, k: int = 32,
-            pipeline: bool = False, teacher_threads: int | None = None) -> dict:
+            pipeline: bool = False, teacher_threads: int | None = None, interval_s: float = 0.05) -> dict:
     """One `opd train` run. launch: fork: the trainer forks its teacher server (cluster.mode fork,
     the runtime held once); process: the teacher is an `opd serve-teacher` started beforehand.
     pipeline: `run.pipeline: true`, the next batch sampled while this one trains (staleness 1).
@@ -75,7 +75,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
     teacher_threads = teacher_threads or threads
     import yaml
 
-    memory = GroupMemory()
+    memory = GroupMemory(interval_s)
     server = None
     name = f"opd-{mode}" + ("-pipelined" if pipeline else "")
     out = work / name
@@ -169,11 +169,11 @@ def _trl_python(arg: str | None) -> str | None:
 
 
 def run_trl(python: str, work: Path, student: Path, teacher: Path, steps: int, warmup: int, threads: int = 1,
-            trainer: str = "gkd", batch: int = 8, new_tokens: int = 32) -> dict:
+            trainer: str = "gkd", batch: int = 8, new_tokens: int = 32, interval_s: float = 0.05) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     code = (f"from opd.benchmarks.step_trl import trl_main; trl_main({str(work)!r}, {str(student)!r}, {str(teacher)!r}, "
             f"{steps}, {threads}, {trainer!r}, {batch}, {new_tokens})")
-    memory = GroupMemory()
+    memory = GroupMemory(interval_s)
     proc = subprocess.Popen([python, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     memory.pids.append(proc.pid)
     text = proc.stdout.read()
@@ -194,9 +194,9 @@ SYSTEMS = ["opd-full", "opd-topk", "opd-topk-pipelined", "trl-gkd", "trl-distill
 # fewer steps than the tiny models' 60, and torch's default threads (both cores) per process.
 PRESETS = {
     "tiny": dict(steps=60, warmup=5, rounds=3, batch=8, new_tokens=32, k=32, threads=1,
-                 systems=["opd-full", "opd-topk", "trl-gkd"]),
+                 systems=["opd-full", "opd-topk", "trl-gkd"], memory_interval=0.05),
     "small-real": dict(steps=6, warmup=1, rounds=2, batch=4, new_tokens=32, k=64, threads=os.cpu_count() or 1,
-                       systems=SYSTEMS),
+                       systems=SYSTEMS, memory_interval=0.25),
 }
 QUICK = dict(steps=2, warmup=1, rounds=1)
 
@@ -231,6 +231,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads of opd's teacher server (default: --threads)")
     p.add_argument("--omp-wait-policy", choices=["passive", "active"], default=None,
                    help="OMP_WAIT_POLICY of every process of every system (default: unset, libgomp's spinning)")
+    # Reading smaps_rollup of 2.5 GB processes every 50 ms took ~0.3 of a core from the systems
+    p.add_argument("--memory-interval", type=float, default=None, help="seconds between PSS samples")
     p.add_argument("--teacher-launch", choices=["fork", "process"], default="fork",
                    help="fork: opd train forks its teacher server (cluster.mode fork: one copy of the Python and "
                         "torch runtime in memory); process: an `opd serve-teacher` started beforehand")
@@ -287,11 +289,12 @@ def _run(args, work: Path) -> int:
         for system in systems:
             if system.startswith("trl-"):
                 row = run_trl(python, work, student, teacher, args.steps, args.warmup, args.threads,
-                              system.split("-")[1], args.batch, args.new_tokens)
+                              system.split("-")[1], args.batch, args.new_tokens, args.memory_interval)
             else:
                 row = run_opd(work, student, teacher, data, system.split("-")[1], args.steps, args.warmup,
                               args.threads, args.teacher_launch, args.batch, args.new_tokens, args.k,
-                              pipeline=system.endswith("-pipelined"), teacher_threads=args.teacher_threads)
+                              pipeline=system.endswith("-pipelined"), teacher_threads=args.teacher_threads,
+                              interval_s=args.memory_interval)
             runs[system].append(row)
             print(f"round {r + 1}/{args.rounds}  " + _fmt(row), flush=True)
     rows = [pool(v) for v in runs.values()]
