@@ -151,3 +151,46 @@ def test_take_rows_copies_only_a_real_selection():
     assert take_rows(t, torch.arange(4)) is t
     assert torch.equal(take_rows(t, torch.tensor([2, 0])), t[[2, 0]])
     assert torch.equal(take_rows(t, torch.tensor([0, 1, 3, 2])), t[[0, 1, 3, 2]])   # same length, not in order
+
+
+@pytest.mark.parametrize("padding", [None, 3])
+def test_a_tied_embeddings_sparse_lookup_gradient_equals_the_dense_one(padding):
+    """student_rows(fused=True) looks a tied embedding up with a row-sparse weight gradient
+    (no zero [V, H] per backward): every parameter's gradient equals the plain forward's, the
+    weight's stays dense (AdamW needs it), and a padding row gets none, as nn.Embedding's."""
+    import transformers as tf
+
+    from opd.spine.rows import student_rows
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, pad_token_id=padding)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    packed = pack([[5, 6, 3, 7], [8, 9]], [[10, 11], [12, 3, 14]], pad_id=0)
+
+    def grads(fused: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        if fused:
+            hidden, weight = student_rows(model, packed, fused=True)
+            logits = hidden @ weight.T
+        else:
+            logits = model(input_ids=packed.input_ids_B_L, attention_mask=packed.attention_B_L).logits[
+                packed.row_b_N, packed.row_pos_N]
+        (torch.logsumexp(logits, -1) - logits[:, 1]).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    from opd.spine import rows as rows_module
+
+    calls = []
+    apply = rows_module._RowsEmbedding.apply
+    rows_module._RowsEmbedding.apply = lambda *a: calls.append(a) or apply(*a)
+    try:
+        want, got = grads(False), grads(True)
+    finally:
+        rows_module._RowsEmbedding.apply = apply
+    assert len(calls) == 1 and calls[0][2] == padding    # the sparse lookup was the one taken
+    weight = model.get_input_embeddings().weight
+    assert weight.grad.layout == torch.strided
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
