@@ -201,6 +201,11 @@ PRESETS = {
 QUICK = dict(steps=2, warmup=1, rounds=1)
 
 
+def _by_preset(key: str) -> str:
+    """What an option left unset becomes: each preset's value, e.g. "unset: tiny 5, small-real 1"."""
+    return "unset: " + ", ".join(f"{name} {values[key]}" for name, values in PRESETS.items())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON here")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
@@ -212,12 +217,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="2 steps (1 measured), 1 round: a smoke run")
     # tiny: 3 runs of 60 steps per system: one step of the tiny models is 0.06-0.1 s, and
     # shorter runs (2 of 18) gave ratios to TRL between 1.32x and 1.74x on this 2-core box.
-    p.add_argument("--steps", type=int, default=None, help="steps per run (the first --warmup are dropped)")
-    p.add_argument("--warmup", type=int, default=None, help="first steps of each run left out of the timings")
-    p.add_argument("--rounds", type=int, default=None, help="runs per system, the systems taking turns; steps pooled")
-    p.add_argument("--batch", type=int, default=None, help="prompts per step")
-    p.add_argument("--new-tokens", type=int, default=None, help="new tokens sampled per prompt")
-    p.add_argument("--k", type=int, default=None, help="opd-topk's k")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"steps per run (the first --warmup are dropped) ({_by_preset('steps')})")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"first steps of each run left out of the timings ({_by_preset('warmup')})")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"runs per system, the systems taking turns; steps pooled ({_by_preset('rounds')})")
+    p.add_argument("--batch", type=int, default=None, help=f"prompts per step ({_by_preset('batch')})")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"new tokens sampled per prompt ({_by_preset('new_tokens')})")
+    p.add_argument("--k", type=int, default=None, help=f"opd-topk's k ({_by_preset('k')})")
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
                    help="systems timed: opd-full (teacher answers the full vocabulary), opd-topk (top-k + tail), "
                         "opd-topk-pipelined (run.pipeline: true, staleness 1, not fully on-policy), trl-gkd (TRL "
@@ -228,9 +237,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of every process (TRL's, opd's trainer, opd's teacher server)")
     p.add_argument("--teacher-threads", type=int, default=None,
-                   help="torch threads of opd's teacher server (default: --threads)")
+                   help="torch threads of opd's teacher server; None: --threads")
     p.add_argument("--omp-wait-policy", choices=["passive", "active"], default=None,
-                   help="OMP_WAIT_POLICY of every process of every system (default: unset, libgomp's spinning)")
+                   help="OMP_WAIT_POLICY of every process of every system; None: unset (libgomp spins)")
     # Reading smaps_rollup of 2.5 GB processes every 50 ms took ~0.3 of a core from the systems
     p.add_argument("--memory-interval", type=float, default=None, help="seconds between PSS samples")
     p.add_argument("--teacher-launch", choices=["fork", "process"], default="fork",

@@ -67,10 +67,11 @@ def test_every_bench_option_says_what_it_is_and_its_default_once(capsys):
                          ("kernels", "dtype of the student's logits"),
                          ("transport", "--transports {tcp,ipc} [{tcp,ipc} ...] ZeroMQ transports measured"),
                          ("transport", "dtypes of the full-mode logits sent"),
-                         ("step", "--warmup WARMUP first steps of each run left out of the timings (default: 5)"),
+                         ("step", "--warmup WARMUP first steps of each run left out of the timings (unset: tiny 5, "
+                                  "small-real 1) (default: None)"),
                          ("step", "systems timed: opd-full"),
-                         ("step", "--vocab VOCAB pad both models' vocabulary to this many rows; None: the byte "
-                                  "tokenizer's 260 (default: None) ")]:
+                         ("step", "--vocab VOCAB tiny: pad both models' vocabulary to this many rows; None: the "
+                                  "byte tokenizer's 260 (default: None) ")]:
         with pytest.raises(SystemExit):
             main(["bench", name, "--help"])
         text = " ".join(capsys.readouterr().out.split()) + " "
