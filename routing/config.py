@@ -12,6 +12,7 @@ teacher and no rules (everything falls back to it).
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,9 +51,7 @@ class TeacherSpec:
             raise ValueError(f"teacher {self.name!r}: gamma discounts the sampled-token advantage; mode "
                              f"{self.mode} computes an exact divergence per position: remove gamma or use mode sampled")
         if self.context is not None:
-            import string   # the template's fields, checked here rather than at the first batch
-
-            try:
+            try:   # the template's fields, checked here rather than at the first batch
                 names = [f for _, f, _, _ in string.Formatter().parse(self.context) if f is not None]
             except ValueError as e:
                 raise ValueError(f"teacher {self.name!r}: context {self.context!r} is no template ({e}); "

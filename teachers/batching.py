@@ -30,6 +30,11 @@ def scored_lengths(sequences, response_starts, contexts=None, candidates=None, k
             for s, c, r in zip(sequences, contexts or sequences, rows)]
 
 
+def part_of(x, a: int, b: int):
+    """x[a:b], or None when x is None (a batch's contexts or candidates, when not given)."""
+    return None if x is None else x[a:b]
+
+
 def split_by_tokens(lengths: list[int], limit: int) -> list[tuple[int, int]]:
     """[a, b) ranges of consecutive sequences of at most `limit` tokens each (the teacher's
     max_tokens_per_request), in order; a sequence longer than `limit` alone is a ValueError."""

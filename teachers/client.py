@@ -44,7 +44,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from opd.teachers.batching import SplitBatch, pack, scored_lengths, split_by_tokens
+from opd.teachers.batching import SplitBatch, pack, part_of, scored_lengths, split_by_tokens
 from opd.teachers.keys import client_curve_keys
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
                                    Ping, ProtocolError, Score, TopK, Welcome, decode, default_chunk_rows, encode,
@@ -143,9 +143,8 @@ class TeacherClient:
         row_at = [0, *itertools.accumulate(len(s) - int(st) for s, st in zip(sequences, response_starts))]
 
         def part(a: int, b: int) -> Future:
-            return self._submit_topk(sequences[a:b], response_starts[a:b], *args,
-                                     None if contexts is None else contexts[a:b],
-                                     None if candidates is None else candidates[row_at[a]:row_at[b]])
+            return self._submit_topk(sequences[a:b], response_starts[a:b], *args, part_of(contexts, a, b),
+                                     part_of(candidates, row_at[a], row_at[b]))
         if len(parts) == 1:
             return part(0, len(sequences))
         return SplitBatch(part, [(a, b, sum(lengths[a:b])) for a, b in parts], welcome.max_inflight_tokens).future
@@ -180,12 +179,12 @@ class TeacherClient:
         lengths = self._scored_lengths(welcome, sequences, response_starts, contexts)
         parts = split_by_tokens(lengths, welcome.max_tokens_per_request)
         args = (temperature, dtype, chunk_rows, window, vocab_limit)
-        ctx = (lambda a, b: None) if contexts is None else (lambda a, b: contexts[a:b])
         # The (first) request goes out now, so the teacher computes while the caller does.
-        first = self._score_full(sequences[:parts[0][1]], response_starts[:parts[0][1]], *args, ctx(0, parts[0][1]))
+        first = self._score_full(sequences[:parts[0][1]], response_starts[:parts[0][1]], *args,
+                                 part_of(contexts, 0, parts[0][1]))
         if len(parts) == 1:
             return first
-        return self._score_full_parts(first, sequences, response_starts, parts, args, ctx)
+        return self._score_full_parts(first, sequences, response_starts, parts, args, contexts)
 
     def _scored_lengths(self, welcome, sequences, response_starts, contexts, candidates=None, k: int = 0) -> list[int]:
         """batching.scored_lengths, once the server is known to speak 2.4 if contexts or candidates are given."""
@@ -195,11 +194,12 @@ class TeacherClient:
                                                       f"candidates need 2.4")
         return scored_lengths(sequences, response_starts, contexts, candidates, k)
 
-    def _score_full_parts(self, first, sequences, response_starts, parts, args, ctx) -> Iterator[FullChunk]:
+    def _score_full_parts(self, first, sequences, response_starts, parts, args, contexts) -> Iterator[FullChunk]:
         """The parts' streams one after the other (each next request sent when the previous ended)."""
         shift = 0
         for i, (a, b) in enumerate(parts):
-            stream = first if i == 0 else self._score_full(sequences[a:b], response_starts[a:b], *args, ctx(a, b))
+            stream = first if i == 0 else self._score_full(sequences[a:b], response_starts[a:b], *args,
+                                                           part_of(contexts, a, b))
             for chunk in stream:
                 yield chunk._replace(row_start=chunk.row_start + shift)
             shift += sum(len(s) - int(st) for s, st in zip(sequences[a:b], response_starts[a:b]))

@@ -130,10 +130,9 @@ class HFBackend(TeacherBackend):
     def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
         answers = []
         for req, (hidden, targets) in zip(reqs, self._request_rows(reqs)):
-            given = req.candidates   # [R, k] or None: the teacher's own top k
-            cut = (lambda a: None) if given is None else (lambda a: given[a:a + self.row_chunk])
-            parts = [self._topk_chunk(hidden[a:a + self.row_chunk], targets[a:a + self.row_chunk], req, cut(a))
-                     for a in range(0, len(hidden), self.row_chunk)]
+            given, n = req.candidates, self.row_chunk   # given [R, k], or None: the teacher's own top k
+            parts = [self._topk_chunk(hidden[a:a + n], targets[a:a + n], req, None if given is None else given[a:a + n])
+                     for a in range(0, len(hidden), n)]
             if not parts:
                 parts = [self._topk_chunk(hidden, targets, req, given)]
             answers.append(TopKAnswer(*(torch.cat(p).cpu() for p in zip(*parts))))

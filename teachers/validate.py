@@ -47,7 +47,6 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     for b, (s, n) in enumerate(zip(starts, lengths)):
         if not 1 <= s <= n:
             fail(ErrorCode.BAD_REQUEST, f"response_starts[{b}] = {s} must lie in [1, {n}] (sequence length)")
-    rows = sum(n - s for s, n in zip(starts, lengths))
     if msg.context:   # the teacher's input: c_b + the response (c_b empty: the sequence's own prompt)
         ctx, ctx_offs_arr = arrays[2], arrays[3]
         ctx_offs, ctx_lengths = _ragged(ctx, ctx_offs_arr, B, "context_ids", fail)
@@ -73,12 +72,12 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     # Token ids, in one pass: read as uint32 a negative id is >= 2**31, above any vocabulary.
     vocab = msg.vocab_limit if 0 < msg.vocab_limit <= backend.vocab_size else backend.vocab_size
     if len(ids) and int(ids.view(np.uint32).max()) >= vocab:
-        fail(ErrorCode.BAD_TOKEN, f"token ids" + (" (context included)" if msg.context else "")
+        fail(ErrorCode.BAD_TOKEN, "token ids" + (" (context included)" if msg.context else "")
                                   + f" must lie in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
 
     candidates = None
     if msg.support == "given":
-        cand = arrays[-1]
+        cand, rows = arrays[-1], sum(n - s for s, n in zip(starts, lengths))   # a context leaves the rows as they are
         if msg.mode != "topk":
             fail(ErrorCode.BAD_REQUEST, "support 'given' answers top-k requests only")
         if cand.dtype != np.dtype("<i4") or cand.shape != (rows, msg.k):

@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+from opd.teachers.batching import scored_lengths
 from opd.teachers.client import FullChunk, TeacherClient, TeacherError, TopKResult
 from opd.teachers.protocol import Welcome
 
@@ -98,7 +99,7 @@ class ReplicaPool:
         out: Future = Future()
         args = ([list(map(int, s)) if not hasattr(s, "tolist") else s.tolist() for s in sequences],
                 list(response_starts), k, temperature, vocab_limit, contexts, candidates)
-        self._dispatch_topk(out, args, _tokens(sequences), tried=set())
+        self._dispatch_topk(out, args, sum(scored_lengths(sequences, response_starts, contexts)), tried=set())
         return out
 
     def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
@@ -112,7 +113,7 @@ class ReplicaPool:
         so the teacher computes while the caller does; a replica dying mid-stream is replaced
         from the next unseen row."""
         args = (sequences, response_starts, temperature, dtype, chunk_rows, window, vocab_limit, contexts)
-        tokens = _tokens(sequences)
+        tokens = sum(scored_lengths(sequences, response_starts, contexts))
         rep, client = self._acquire(tokens, set())
         try:
             chunks = client.score_full(*args)
@@ -320,6 +321,3 @@ class ReplicaPool:
             rep.alive = True
             self._lock.notify_all()
 
-
-def _tokens(sequences) -> int:
-    return sum(len(s) for s in sequences)

@@ -15,8 +15,9 @@ def divergence_words(beta: float) -> str:
     return f"generalized JSD with beta={beta:g} (between forward and reverse KL)"
 
 
-def _teacher_facts(cfg, t, welcome, tail: list[float], share: float, student_fingerprint: str = "") -> dict:
-    """tail: [sum of the teacher's tail mass over the rows trained on, rows]."""
+def _teacher_facts(cfg, t, welcome, tail: list[float], share: float, student_fingerprint: str) -> dict:
+    """tail: [sum of the teacher's tail mass over the rows trained on, rows]; student_fingerprint:
+    the model fingerprint of the student's start (a teacher with it is a frozen copy)."""
     return {
         "address": t.address, "model": welcome.model_id, "model_fingerprint": welcome.model_fingerprint,
         "tokenizer_fingerprint": welcome.tokenizer_fingerprint, "domains": t.domains,
@@ -65,7 +66,7 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
             else "full fine-tuning"},
         **{f"teacher {t.name}": _teacher_facts(cfg, t, welcomes[t.name], tail_mass.get(t.name) or [0.0, 0],
                                                teacher_samples.get(t.name, 0.0) / total,
-                                               student.get("model_fingerprint", ""))
+                                               student["model_fingerprint"])
            for t in cfg.merge.teachers},
         "trajectories": {
             "source": f"sampled by the student being trained ({cfg.rollout.engine} engine)",

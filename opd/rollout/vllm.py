@@ -147,10 +147,7 @@ def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
 
 
 def _top_ids(logprobs, k: int) -> list[list[int]]:
-    """Each position's top-k ids, most likely first: vLLM lists the sampled token, then the top k
-    (k + 1 entries per position even when the sampled token is among them)."""
-    from vllm.logprobs import FlatLogprobs
-
-    if isinstance(logprobs, FlatLogprobs):
-        return [list(logprobs.token_ids[s + 1:s + 1 + k]) for s in logprobs.start_indices]
-    return [[t for t, _ in sorted(pos.items(), key=lambda kv: kv[1].rank)][:k] for pos in logprobs]
+    """Each position's top-k ids, most likely first, from the FlatLogprobs this engine asks for:
+    vLLM lists the sampled token, then the top k (k + 1 entries per position even when the
+    sampled token is among them)."""
+    return [list(logprobs.token_ids[s + 1:s + 1 + k]) for s in logprobs.start_indices]

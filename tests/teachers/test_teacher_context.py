@@ -13,8 +13,9 @@ import torch
 
 from opd.teachers.client import TeacherClient, TeacherError
 from opd.teachers.launch import start_server_process
-from opd.teachers.protocol import Error, ErrorCode, Score, TopK, encode
-from test_teacher_server import GOOD, Raw, direct_rows, make_batch, model, score_frames  # noqa: F401
+from opd.teachers.protocol import ErrorCode, Score, encode
+from test_teacher_server import (GOOD, assert_refused_and_serving, direct_rows, make_batch, model,  # noqa: F401
+                                 score_frames)
 
 V = 260
 
@@ -146,14 +147,7 @@ def bad_inputs():
 
 @pytest.mark.parametrize("name,frames,code", list(bad_inputs()), ids=[b[0] for b in bad_inputs()])
 def test_bad_context_or_candidates_get_their_error_and_the_server_serves_on(server, name, frames, code):
-    raw = Raw(server.address)
-    try:
-        msg, _ = raw.ask(frames)
-        assert isinstance(msg, Error) and msg.code == code, (name, msg)
-        msg, arrays = raw.ask(score_frames(*GOOD, rid=77))
-        assert isinstance(msg, TopK) and msg.request_id == 77 and arrays[0].shape == (3, 4)
-    finally:
-        raw.close()
+    assert_refused_and_serving(server.address, name, frames, code)
 
 
 def test_client_refuses_to_send_24_fields_to_an_older_server(server):

@@ -225,9 +225,9 @@ def bad_messages():
                                              total_ms=0)), ErrorCode.BAD_REQUEST
 
 
-@pytest.mark.parametrize("name,frames,code", list(bad_messages()), ids=[b[0] for b in bad_messages()])
-def test_bad_input_gets_its_error_and_server_keeps_serving(server, name, frames, code):
-    raw = Raw(server.address)
+def assert_refused_and_serving(address: str, name: str, frames, code: ErrorCode) -> None:
+    """`frames` get ERROR(code), not retryable, and a good request right after is answered."""
+    raw = Raw(address)
     try:
         msg, _ = raw.ask(frames)
         assert isinstance(msg, Error) and msg.code == code, (name, msg)
@@ -237,6 +237,11 @@ def test_bad_input_gets_its_error_and_server_keeps_serving(server, name, frames,
         assert msg.stats.request_id == 77 and msg.stats.rows == 3  # TOPK ends the request: no DONE
     finally:
         raw.close()
+
+
+@pytest.mark.parametrize("name,frames,code", list(bad_messages()), ids=[b[0] for b in bad_messages()])
+def test_bad_input_gets_its_error_and_server_keeps_serving(server, name, frames, code):
+    assert_refused_and_serving(server.address, name, frames, code)
 
 
 def test_client_raises_typed_error(client):
