@@ -45,7 +45,7 @@ import yaml
 
 from opd.benchmarks.recipes_inputs import snapshot_code
 from opd.benchmarks.recipes_report import machine
-from opd.benchmarks.recipes_worker import _write_jsonl
+from opd.data import write_jsonl
 from opd.teachers.launch import start_server_process
 from opd.tiny.data import make_split
 
@@ -91,21 +91,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ----------------------------------------------------------------------------- data and configs
 
 
-def render(template: str, row: dict) -> str:
-    return template.format(**row)
-
-
 def write_data(out: Path, n_train: int, n_eval: int, hint_ratio: float, context: str) -> dict[str, Path]:
     """The demo's math generator (opd.tiny.data), seed 0: training and disjoint held-out rows.
     warm.jsonl: the training rows, a seeded `hint_ratio` of them with the hinted prompt;
     train.jsonl: the same rows plain (both arms); held-out plain and hinted."""
     train, held = make_split("math", n_train, n_eval, 0)
     rng = random.Random(0)
-    warm = [{**r, "prompt": render(context, r)} if rng.random() < hint_ratio else r for r in train]
+    warm = [{**r, "prompt": context.format(**r)} if rng.random() < hint_ratio else r for r in train]
     d = out / "data"
-    return {"warm": _write_jsonl(d / "warm.jsonl", warm), "train": _write_jsonl(d / "train.jsonl", train),
-            "held_plain": _write_jsonl(d / "heldout_plain.jsonl", held),
-            "held_hint": _write_jsonl(d / "heldout_hint.jsonl", [{**r, "prompt": render(context, r)} for r in held])}
+    return {"warm": write_jsonl(d / "warm.jsonl", warm), "train": write_jsonl(d / "train.jsonl", train),
+            "held_plain": write_jsonl(d / "heldout_plain.jsonl", held),
+            "held_hint": write_jsonl(d / "heldout_hint.jsonl", [{**r, "prompt": context.format(**r)} for r in held])}
 
 
 def warmup_config(out_dir: Path, data: dict, steps: int, batch: int, tiny: dict) -> dict:
@@ -298,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"opd bench self-distill: --arms of {', '.join(ARMS)}; --eval-steps and --batch >= 1")
     args.steps, args.checkpoint_every = args.eval_at[-1], math.gcd(*args.eval_at)
     try:
-        render(args.context, {"prompt": "1+1=", "answer": "2", "response": "2", "domain": "math"})
+        args.context.format(prompt="1+1=", answer="2", response="2", domain="math")
     except (KeyError, IndexError, ValueError) as e:
         raise SystemExit(f"opd bench self-distill: --context {args.context!r}: {e!r}") from None
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]

@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from opd.benchmarks.step_memory import GroupMemory, _wait
+from opd.benchmarks.step_memory import GroupMemory, wait_child
 from opd.benchmarks.step_real import prompts_file
 from opd.benchmarks.step_trl import has_distillation_trainer
 from opd.teachers.launch import start_server_process
@@ -107,7 +107,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         memory.pids.append(proc.pid)
         text = proc.stdout.read()
-        code, rss = _wait(proc)
+        code, rss = wait_child(proc)
         if code != 0:
             raise RuntimeError(f"opd train failed ({code}):\n{text[-3000:]}")
     finally:
@@ -177,7 +177,7 @@ def run_trl(python: str, work: Path, student: Path, teacher: Path, steps: int, w
     proc = subprocess.Popen([python, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     memory.pids.append(proc.pid)
     text = proc.stdout.read()
-    rc, rss = _wait(proc)
+    rc, rss = wait_child(proc)
     pss = memory.stop()
     line = next((l for l in text.splitlines() if l.startswith("TRL_RESULT ")), None)
     if rc != 0 or line is None:

@@ -18,7 +18,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _wait(proc: subprocess.Popen) -> tuple[int, int]:
+def wait_child(proc: subprocess.Popen) -> tuple[int, int]:
     """(exit code, peak RSS bytes) of a child process."""
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)

@@ -105,14 +105,11 @@ def build_small_real(work: Path | str, prompts: int = 4) -> tuple[Path, Path, Pa
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(str(work / name), safe_serialization=True)
         tok.save_pretrained(str(work / name))
-    data = work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "domain": "math", "response": "0"}) + "\n"
-                            for p in PROMPTS[:prompts]))
-    return work / "student", work / "teacher", data
+    return work / "student", work / "teacher", prompts_file(work, prompts)
 
 
 def prompts_file(work: Path | str, prompts: int = 4) -> Path:
-    """The chat prompts alone, for `--student DIR --teacher DIR` (models and tokenizers given)."""
+    """The chat prompts as the dataset (also alone, for `--student DIR --teacher DIR`)."""
     data = Path(work) / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "domain": "math", "response": "0"}) + "\n"
                             for p in PROMPTS[:prompts]))

@@ -93,12 +93,14 @@ def load_jsonl(path: str | Path, *, on_error: Literal["stop", "skip"] = "stop",
     return samples, report
 
 
-def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    """One JSON object per line (parents made); returns the path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     with p.open("w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return p
 
 
 class Cycler:
