@@ -86,6 +86,15 @@ def test_a_self_teacher_with_context_and_a_student_topk_teacher_train_end_to_end
             rows = sum(len(s) - st for s, st in zip(sequences, starts))
             assert contexts is None and candidates.shape == (rows, 6) and candidates.dtype == torch.int32
             assert torch.equal(fut.result().topk.ids, candidates)
+    # The first batch was sampled by the start's weights: its candidates are their top 6.
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(str(setup["student"]), dtype=torch.float32).eval()
+    _, sequences, starts, _, candidates = next(x for x in sent if x[0] == "other")
+    with torch.no_grad():
+        want = torch.cat([start(torch.tensor([q])).logits[0, st - 1:len(q) - 1].topk(6, -1).indices
+                          for q, st in zip(sequences, starts)])
+    assert torch.equal(candidates.long(), want)
     rows = read_metrics(setup["root"] / "both" / "metrics.jsonl")
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 3 and all(r["loss"] == r["loss"] and r["loss"] >= 0 for r in steps)
