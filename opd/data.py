@@ -1,13 +1,18 @@
 """Prompt data sets: JSONL files with one sample per line.
 
-Each line is an object with at least `prompt`; optional `domain`, `answer` (for math
+Each line is an object with `prompt` (a string, rendered as one user turn) or `messages` (a
+conversation in the shape of Hugging Face chat datasets: system / user / assistant / tool
+messages, rendered with the tokenizer's chat template); optional `domain`, `answer` (for math
 verifiers), `tests` (unit tests for code verifiers), `response` (a reference response for
-SFT data) and anything else (kept in `meta`). A malformed line is reported with its line
-number; the caller chooses to stop or to skip (and count) it.
+SFT data) and anything else (kept in `meta`). A conversation that ends with an assistant
+message and has no `response` gives that message as the response (SFT's target); what is
+left must end with a user or tool message, the turn the model answers. A malformed line is
+reported with its line number; the caller chooses to stop or to skip (and count) it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass, field
@@ -27,6 +32,14 @@ class Sample:
     tests: str | None = None
     response: str | None = None
     meta: dict = field(default_factory=dict, hash=False, compare=False)
+    # A `messages` row: the conversation up to the model's turn; `prompt` is then its last
+    # user message (what routing rules, classifiers and context templates read).
+    messages: list[dict] | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def chat(self) -> str | list[dict]:
+        """What `encode_prompt` renders: the conversation, or the prompt as one user turn."""
+        return self.messages if self.messages is not None else self.prompt
 
 
 @dataclass
@@ -38,6 +51,33 @@ class LoadReport:
 
 
 _KNOWN = {"prompt", "domain", "answer", "tests", "response"}
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _conversation(obj: dict, where: str) -> None:
+    """Check a `messages` row and set its `prompt` (the last user message) and, from a final
+    assistant message, its `response`, in place."""
+    msgs = obj["messages"]
+    if "prompt" in obj:
+        raise DataError(f"{where}: give `prompt` or `messages`, not both")
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of messages")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise DataError(f"{where}: messages[{i}] needs a role among {list(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str) and not (m["role"] == "assistant" and content is None and m.get("tool_calls")):
+            raise DataError(f"{where}: messages[{i}] ({m['role']}) needs a string 'content'")
+    if msgs[-1]["role"] == "assistant" and obj.get("response") is None:
+        if not isinstance(msgs[-1].get("content"), str):
+            raise DataError(f"{where}: the final assistant message is the response and needs a string 'content'")
+        obj["response"], msgs = msgs[-1]["content"], msgs[:-1]
+    if not msgs or msgs[-1]["role"] not in ("user", "tool"):
+        raise DataError(f"{where}: the conversation must end with a user or tool message (the model answers next)")
+    users = [m["content"] for m in msgs if m["role"] == "user"]
+    if not users:
+        raise DataError(f"{where}: the conversation has no user message")
+    obj["messages"], obj["prompt"] = msgs, users[-1]
 
 
 def _parse(line: str, where: str) -> Sample:
@@ -47,6 +87,8 @@ def _parse(line: str, where: str) -> Sample:
         raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        _conversation(obj, where)
     if not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
         raise DataError(f"{where}: missing or empty string field 'prompt'")
     for key in ("domain", "answer", "tests", "response"):
@@ -55,7 +97,8 @@ def _parse(line: str, where: str) -> Sample:
                 obj[key] = str(obj[key])
                 continue
             raise DataError(f"{where}: field '{key}' must be a string, got {type(obj[key]).__name__}")
-    return Sample(**{k: obj.get(k) for k in _KNOWN}, meta={k: v for k, v in obj.items() if k not in _KNOWN})
+    return Sample(**{k: obj.get(k) for k in _KNOWN}, messages=obj.get("messages"),
+                  meta={k: v for k, v in obj.items() if k not in _KNOWN and k != "messages"})
 
 
 def load_jsonl(path: str | Path, *, on_error: Literal["stop", "skip"] = "stop",
@@ -84,8 +127,7 @@ def load_jsonl(path: str | Path, *, on_error: Literal["stop", "skip"] = "stop",
                     report.errors.append(str(e))
                 continue
             if s.domain is None and default_domain is not None:
-                s = Sample(prompt=s.prompt, domain=default_domain, answer=s.answer, tests=s.tests,
-                           response=s.response, meta=s.meta)
+                s = dataclasses.replace(s, domain=default_domain)
             samples.append(s)
     report.loaded = len(samples)
     if not samples:
@@ -146,10 +188,15 @@ class Cycler:
         self._order = self._shuffle()
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt; the chat template is applied when the tokenizer has one."""
+def encode_prompt(tokenizer, prompt: str | list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a prompt (one user turn) or a conversation (`Sample.chat`), ending where the
+    model's turn begins; the chat template is applied when the tokenizer has one, with `tools`
+    (JSON schemas, opd.agent.tools) as the template expects them."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
         return [int(i) for i in ids]
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not isinstance(prompt, str) or tools:
+        raise DataError("a `messages` row or tools need a tokenizer with a chat template (this one has none)")
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])

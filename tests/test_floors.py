@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The import root and where its subpackages live (pyproject.toml's package-dir).
 ROOTS = {"opd": "opd", "opd.kernels": "kernels", "opd.teachers": "teachers", "opd.routing": "routing",
-         "opd.rl": "rl", "opd.benchmarks": "benchmarks"}
+         "opd.agent": "agent", "opd.rl": "rl", "opd.benchmarks": "benchmarks"}
 GROUND = ("opd.config", "opd.data", "opd.checkpoint", "opd.metrics", "opd.card", "opd.fingerprint", "opd.rope",
           "opd.lm_head", "opd.diagnostics", "opd.lora", "opd.tiny", "opd.vllm_args")
 # floor -> what it may import besides itself, the ground floor and third-party packages. A
@@ -24,14 +24,16 @@ MAY_IMPORT = {
     "opd.kernels": None,   # None: nothing of the project at all (it runs with torch and triton alone)
     "opd.teachers": (),
     "opd.rollout": (),
+    # tools, their sandbox, and the multi-turn loop over a rollout engine (code rewards share the sandbox)
+    "opd.agent": ("opd.rollout",),
     "opd.routing": ("opd.teachers",),
     "opd.spine": ("opd.rollout",),
     "opd.cluster": ("opd.teachers", "opd.rollout", "opd.spine"),
     "opd.sft": ("opd.spine",),
     # opd rl's teachers (rl/teachers.py) use opd train's client side of the teacher servers
-    "opd.rl": ("opd.rollout", "opd.spine", "opd.cluster", "opd.kernels", "opd.routing.config", "opd.distill.teachers",
+    "opd.rl": ("opd.rollout", "opd.agent", "opd.spine", "opd.cluster", "opd.kernels", "opd.routing.config", "opd.distill.teachers",
                "opd.distill.config"),
-    "opd.distill": ("opd.kernels", "opd.teachers", "opd.rollout", "opd.routing", "opd.spine", "opd.cluster",
+    "opd.distill": ("opd.kernels", "opd.teachers", "opd.rollout", "opd.agent", "opd.routing", "opd.spine", "opd.cluster",
                     "opd.rl.rewards"),
     "opd.benchmarks": ("*",),
     "opd.cli": ("*",),

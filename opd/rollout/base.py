@@ -62,14 +62,37 @@ class Rollout:
     prompt_index: int = 0                   # which prompt of the batch it answers
     meta: dict = field(default_factory=dict)
     topk_ids: list[list[int]] | None = None  # [len(response_ids), k] with SamplingParams.topk = k
+    # Multi-turn (opd.agent): [len(response_ids)], 1 on the tokens the model sampled (its turns),
+    # 0 on the context it did not write (tool observations, the chat template between turns;
+    # their logprobs are 0.0 and topk_ids rows []). None: a single turn, every token sampled.
+    mask: list[int] | None = None
 
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
+    def sampled(self, n: int | None = None) -> list[bool]:
+        """Per response token (the first n), whether the model sampled it: what is trained and
+        what the teachers score."""
+        n = len(self.response_ids) if n is None else n
+        return [True] * n if self.mask is None else [bool(m) for m in self.mask[:n]]
+
+    def last_turn(self) -> tuple[int, int]:
+        """[a, b): the response tokens of the model's last turn (the whole response for one turn)."""
+        if self.mask is None:
+            return 0, len(self.response_ids)
+        b = max((i + 1 for i, m in enumerate(self.mask) if m), default=0)
+        a = b
+        while a > 0 and self.mask[a - 1]:
+            a -= 1
+        return a, b
+
     def text(self, tokenizer) -> str:
-        """The response as the verifiers read it: decoded, its stop token dropped."""
-        ids = self.response_ids[:-1] if self.finish_reason == "eos" else self.response_ids
+        """The answer as the verifiers read it: the last turn decoded, its stop token dropped."""
+        a, b = self.last_turn()
+        ids = self.response_ids[a:b]
+        if self.finish_reason == "eos" and b == len(self.response_ids):
+            ids = ids[:-1]
         return tokenizer.decode(ids, skip_special_tokens=True)
 
 

@@ -11,12 +11,30 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
+# The chat variant's template (build_tokenizer(chat=True)): ChatML turns and Hermes / Qwen tool
+# calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` inside the assistant's text,
+# with the tools named in one short system line (a byte-level model pays one token per byte, so
+# the tiny template lists names and parameters where Qwen's lists full JSON schemas).
+CHAT_TEMPLATE = (   # one line, no whitespace control: every newline in it is one the model sees
+    "{% if tools %}<|im_start|>system\ntools:"
+    "{% for t in tools %} {{ t.function.name }}({{ t.function.parameters.properties | join(',') }}){% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-def build_tokenizer(out_dir: str | Path):
+
+def build_tokenizer(out_dir: str | Path, *, chat: bool = False):
     """A byte-level BPE tokenizer with no merges: every byte is one token (256 + 4 specials).
 
     Any text round-trips, and digits, code and whitespace are single tokens, which keeps
-    the demo's arithmetic and code tasks learnable by a tiny model.
+    the demo's arithmetic and code tasks learnable by a tiny model. chat: a chat model's
+    tokenizer: CHAT_TEMPLATE, and <|im_end|> (the end of a turn) as its EOS.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -29,12 +47,14 @@ def build_tokenizer(out_dir: str | Path):
     tok.add_special_tokens(SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|endoftext|>",
+        eos_token="<|im_end|>" if chat else "<|endoftext|>",
         pad_token="<|pad|>",
         bos_token=None,
         unk_token=None,
     )
     fast.model_max_length = 4096
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -52,12 +72,14 @@ def build_tiny_model(
     init_std: float = 0.02,
     tie_embeddings: bool = False,
     vocab_size: int | None = None,
+    chat: bool = False,
 ) -> Path:
     """Save a randomly initialised Qwen2-style causal LM plus the byte tokenizer to `out_dir`.
 
     `vocab_size` above the tokenizer's 260 pads the embedding and LM head, as real models pad
     theirs (Qwen2.5: 151,936 rows for 151,665 tokens): benchmarks get realistic [tokens x V]
-    sizes; ids past the tokenizer decode to nothing.
+    sizes; ids past the tokenizer decode to nothing. chat: with the chat tokenizer (tools in
+    Hermes format, <|im_end|> ends a turn; `build_tokenizer`).
 
     Head size hidden / heads defaults to 32: vLLM's CPU attention accepts 32 and up, so
     every tiny model can be served and sampled by vLLM as well as transformers.
@@ -69,7 +91,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out)
+    tok = build_tokenizer(out, chat=chat)
     cfg = Qwen2Config(
         vocab_size=max(len(tok), vocab_size or 0),
         hidden_size=hidden,
