@@ -1,4 +1,4 @@
-"""The child side of rl/rewards/sandbox.py: limit itself, then run the solution and each test.
+"""The child side of agent/sandbox.py: limit itself, then run the solution and each test.
 
 Run as `python -I -S _sandbox_child.py` with {"config", "code", "tests"} JSON on stdin.
 `-I` keeps this file's folder off sys.path (so `import math` is the stdlib's). Results go

@@ -2,7 +2,7 @@
 
 The code is the last ```python fenced block of the response (or the last fenced block,
 or an unclosed one cut off by the length limit), else the raw response. It runs in
-the sandbox (sandbox.py) with a time and memory limit, no network and a temporary
+the sandbox (opd.agent.sandbox) with a time and memory limit, no network and a temporary
 working directory; a hang or a crash scores 0 and never blocks the caller longer than
 the time limit.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from opd.rl.rewards.sandbox import SandboxLimits, run_many, run_tests
+from opd.agent.sandbox import SandboxLimits, run_many, run_tests
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
