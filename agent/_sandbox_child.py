@@ -1,13 +1,19 @@
-"""The child side of agent/sandbox.py: limit itself, then run the solution and each test.
+"""The child side of agent/sandbox.py: limit itself, then run a job.
 
-Run as `python -I -S _sandbox_child.py` with {"config", "code", "tests"} JSON on stdin.
-`-I` keeps this file's folder off sys.path (so `import math` is the stdlib's). Results go
-to an inherited pipe as lines "TOKEN {json}", one per test and a final "done" line.
+Run as `python -I -S _sandbox_child.py` with {"config", "job"} JSON on stdin (see
+sandbox_process.py). `-I` keeps this file's folder off sys.path (so `import math` is the
+stdlib's). Results go to an inherited pipe as lines "TOKEN {json}", the last a "done" line.
+Jobs ("mode"):
+    tests   run the solution `code`, then each top-level assert of `tests`: one line per test
+    call    call the function `ref` ('module:function' or '/abs/FILE.py:function') with the
+            keyword `arguments`: its return value as text, or the error it raised
 The limits and their honesty notes are described in sandbox.py.
 """
 
 import ast
 import builtins
+import importlib
+import importlib.util
 import json
 import os
 import resource
@@ -116,32 +122,60 @@ def _install_hook(workdir: str, allow_subprocess: bool) -> None:
     sys.addaudithook(hook)
 
 
-def main() -> None:
-    payload = json.loads(sys.stdin.read())
-    cfg = payload.pop("config")
-    sys.path.extend(cfg.get("site_packages", []))  # started with -S: libraries without .pth hooks
-    fd, token = cfg["result_fd"], cfg["token"]
-    workdir = os.path.realpath(cfg["workdir"])
+def _load_function(ref: str, paths: list[str]):
+    """The function `ref` names. A FILE.py's folder joins the end of sys.path (its siblings
+    import; the stdlib is not shadowed)."""
+    where, _, name = ref.rpartition(":")
+    sys.path.extend(p for p in paths if p not in sys.path)
+    if where.endswith(".py"):
+        sys.path.append(os.path.dirname(where))
+        spec = importlib.util.spec_from_file_location("_opd_tool", where)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_opd_tool"] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
 
-    def emit(obj) -> None:
-        os.write(fd, (token + " " + json.dumps(obj) + "\n").encode())
 
-    # 1. isolate and limit (order: namespaces need root, so before dropping privileges)
-    netns = _isolate_network()
-    if cfg["drop_to_nobody"]:
-        os.setgroups([])
-        os.setgid(65534)
-        os.setuid(65534)
-    mb = 1 << 20
-    for res, value in ((resource.RLIMIT_AS, cfg["memory_mb"] * mb), (resource.RLIMIT_FSIZE, cfg["max_file_mb"] * mb),
-                       (resource.RLIMIT_NPROC, cfg["max_processes"]), (resource.RLIMIT_CPU, cfg["cpu_s"]),
-                       (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(res, (value, value))
-    os.chdir(workdir)
-
-    # 2. split the tests: each top-level assert is one test, other statements are setup
+def _as_text(value) -> str:
+    """A return value as the model reads it: str as is, None as nothing, else JSON (or repr)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
     try:
-        statements = ast.parse(payload["tests"]).body
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _error(e: BaseException, memory_mb: int) -> str:
+    if isinstance(e, MemoryError):
+        return f"MemoryError: out of memory (the limit is {memory_mb} MiB)"
+    return f"{type(e).__name__}: {e}"[:500]
+
+
+def _call(job, cfg, function, emit) -> None:
+    try:
+        text = _as_text(function(**job["arguments"]))
+    except BaseException as e:  # noqa: BLE001 - whatever the tool does wrong is its answer
+        sys.stdout.flush()
+        emit({"kind": "done", "ok": False, "error": _error(e, cfg["memory_mb"])})
+        return
+    try:
+        sys.stdout.flush()      # its printed output comes before the value (the parent reads the file)
+    except OSError:             # past RLIMIT_FSIZE: what fit is kept
+        pass
+    # The parent reads a few hundred KB at most: send a head of the value and its full length.
+    limit = job["max_chars"]
+    emit({"kind": "done", "ok": True, "text": text[:limit], "length": len(text)})
+
+
+def _tests(job, cfg, emit, netns: bool) -> None:
+    # each top-level assert is one test, other statements are setup
+    try:
+        statements = ast.parse(job["tests"]).body
     except SyntaxError as e:
         emit({"kind": "done", "total": 0, "error": f"tests do not parse: {e}", "netns": netns})
         return
@@ -149,11 +183,11 @@ def main() -> None:
     compiled = [(isinstance(s, ast.Assert), compile(ast.Module(body=[s], type_ignores=[]), "tests.py", "exec"))
                 for s in statements]
 
-    # 3. from here on the audit hook guards network, processes, native calls and writes
-    _install_hook(workdir, cfg["allow_subprocess"])
+    # from here on the audit hook guards network, processes, native calls and writes
+    _install_hook(cfg["workdir"], cfg["allow_subprocess"])
     ns = {"__name__": "__solution__", "__builtins__": builtins}
     try:
-        exec(compile(payload["code"], "solution.py", "exec"), ns)
+        exec(compile(job["code"], "solution.py", "exec"), ns)
     except BaseException as e:  # noqa: BLE001 - anything the solution does wrong scores 0
         emit({"kind": "done", "total": total, "error": f"solution raised {type(e).__name__}: {e}"[:300],
               "netns": netns})
@@ -169,6 +203,48 @@ def main() -> None:
             emit({"kind": "test", "index": index, "ok": ok, "error": err})
             index += 1
     emit({"kind": "done", "total": total, "netns": netns})
+
+
+def main() -> None:
+    payload = json.loads(sys.stdin.read())
+    cfg, job = payload["config"], payload["job"]
+    sys.path.extend(cfg.get("site_packages", []))  # started with -S: libraries without .pth hooks
+    fd, token = cfg["result_fd"], cfg["token"]
+    cfg["workdir"] = os.path.realpath(cfg["workdir"])
+
+    def emit(obj) -> None:
+        os.write(fd, (token + " " + json.dumps(obj) + "\n").encode())
+
+    # 1. isolate (namespaces need root, so before dropping privileges)
+    netns = _isolate_network()
+    function = None
+    if job["mode"] == "call":
+        # The tool's module is the operator's code, like the parent's: it loads before the
+        # limits (as root it can still read files `nobody` cannot) and before the audit hook
+        # (libraries may use ctypes at import). Only the call itself runs limited.
+        try:
+            function = _load_function(job["ref"], job.get("sys_path", []))
+        except BaseException as e:  # noqa: BLE001
+            emit({"kind": "done", "ok": False, "error": f"cannot load {job['ref']}: {type(e).__name__}: {e}"[:500]})
+            return
+    # 2. limit
+    if cfg["drop_to_nobody"]:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    mb = 1 << 20
+    for res, value in ((resource.RLIMIT_AS, cfg["memory_mb"] * mb), (resource.RLIMIT_FSIZE, cfg["max_file_mb"] * mb),
+                       (resource.RLIMIT_NPROC, cfg["max_processes"]), (resource.RLIMIT_CPU, cfg["cpu_s"]),
+                       (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(res, (value, value))
+    os.chdir(cfg["workdir"])
+
+    # 3. run the job
+    if job["mode"] == "call":
+        _install_hook(cfg["workdir"], cfg["allow_subprocess"])
+        _call(job, cfg, function, emit)
+    else:
+        _tests(job, cfg, emit, netns)
 
 
 if __name__ == "__main__":

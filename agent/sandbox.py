@@ -1,4 +1,6 @@
-"""Run untrusted Python (a model's answer) against unit tests in a separate, limited process.
+"""Run untrusted Python in a separate, limited process: a model's answer against unit tests
+(`run_tests`, code rewards) and one call of a tool function (`call_function`, agentic rollouts).
+The launch itself is sandbox_process.py's; the child's side is _sandbox_child.py.
 
 What is enforced, and how (read this before trusting it with hostile code):
 - **Time**: the parent kills the child's whole process group with SIGKILL at `timeout_s`
@@ -35,35 +37,27 @@ that look too good.
 Each top-level `assert` in the tests is one test, run separately after the solution and
 any non-assert setup lines; the reward is the fraction that passed. A hang, a crash or a
 solution that does not even run scores 0.
+
+A tool call (`call_function`) loads the tool's module first (the operator's code, before
+the limits and the audit hook), then calls the function limited: its answer is what it
+printed and its return value, or the error it raised; a hang, a crash or output spam comes
+back as a status and a short text, never an exception. Code the python tool runs can forge
+its own answer the same way, which only changes what the model itself reads.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
-import signal
-import stat
-import subprocess
 import sys
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from opd.agent.sandbox_process import SandboxLimits, run_child
+
 Status = Literal["ok", "error", "timeout", "crash", "no_tests"]
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    timeout_s: float = 5.0          # wall clock, whole run (solution + all tests)
-    memory_mb: int = 512            # RLIMIT_AS
-    max_file_mb: int = 16           # RLIMIT_FSIZE
-    max_processes: int = 64         # RLIMIT_NPROC (per user)
-    allow_subprocess: bool = False  # let the code fork/exec (still under the limits above)
+CallStatus = Literal["ok", "error", "timeout", "crash"]
 
 
 @dataclass
@@ -83,32 +77,16 @@ class SandboxResult:
         return min(1.0, max(0.0, self.passed / self.total))
 
 
-_BOOTSTRAP = Path(__file__).with_name("_sandbox_child.py")
-
-
-def _world_readable(path: Path) -> bool:
-    """Every directory from / down to `path` is searchable by others (so `nobody` can import)."""
-    p = path.resolve()
-    for d in [p, *p.parents]:
-        if not d.exists() or not (d.stat().st_mode & stat.S_IXOTH):
-            return False
-    return True
-
-
-def _drop_to_nobody() -> bool:
-    if os.geteuid() != 0:
-        return False
-    import sysconfig
-
-    needed = [Path(sysconfig.get_paths()["stdlib"]), Path(sysconfig.get_paths()["purelib"])]
-    return all(_world_readable(p) for p in needed)
-
-
-def _site_packages() -> list[str]:
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+@dataclass
+class CallResult:
+    """One tool call's answer. ok: what it printed, then its return value. Otherwise the
+    error line first (it must survive any cut), then what it printed before. `text` is the
+    head of that answer; `omitted` counts what was not read back from the child (printed
+    output past _CALL_STDOUT_BYTES, a return value past _CALL_VALUE_CHARS)."""
+    status: CallStatus
+    text: str
+    seconds: float
+    omitted: int = 0
 
 
 def _is_count(value) -> bool:
@@ -116,14 +94,8 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _parse_results(raw: str, token: str) -> tuple[dict[int, tuple[bool, str]], dict | None]:
-    """The harness's result lines: per-test results by index, and its final `done` line.
-
-    A line the solution wrote with the token (it can find it, see the module docstring) must
-    not score above the harness: only indices 0 <= index < total count, each once (the first
-    line wins), so `passed` never exceeds `total`. Without a `done` line nothing is filtered
-    (the run scores 0 anyway).
-    """
+def _messages(raw: str, token: str) -> list[dict]:
+    """The JSON objects on the result pipe's lines that carry the run's token."""
     messages = []
     for line in raw.splitlines():
         parts = line.split(" ", 1)
@@ -135,6 +107,18 @@ def _parse_results(raw: str, token: str) -> tuple[dict[int, tuple[bool, str]], d
             continue
         if isinstance(msg, dict):
             messages.append(msg)
+    return messages
+
+
+def _parse_results(raw: str, token: str) -> tuple[dict[int, tuple[bool, str]], dict | None]:
+    """The harness's result lines: per-test results by index, and its final `done` line.
+
+    A line the solution wrote with the token (it can find it, see the module docstring) must
+    not score above the harness: only indices 0 <= index < total count, each once (the first
+    line wins), so `passed` never exceeds `total`. Without a `done` line nothing is filtered
+    (the run scores 0 anyway).
+    """
+    messages = _messages(raw, token)
     done = next((m for m in messages if m.get("kind") == "done" and _is_count(m.get("total"))), None)
     tests: dict[int, tuple[bool, str]] = {}
     for msg in messages:
@@ -149,106 +133,19 @@ def _parse_results(raw: str, token: str) -> tuple[dict[int, tuple[bool, str]], d
 
 def run_tests(code: str, tests: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `code`, then each assert of `tests`, in a limited child process; never raises for bad code."""
-    t0 = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="opd-sandbox-"))
-    token = secrets.token_hex(16)
-    drop = _drop_to_nobody()
-    read_fd, write_fd = os.pipe()
-    try:
-        if drop:
-            os.chown(workdir, 65534, 65534)
-        config = {"workdir": str(workdir), "token": token, "result_fd": write_fd, "drop_to_nobody": drop,
-                  "memory_mb": limits.memory_mb, "max_file_mb": limits.max_file_mb,
-                  "max_processes": limits.max_processes, "cpu_s": int(limits.timeout_s) + 1,
-                  "allow_subprocess": limits.allow_subprocess, "site_packages": _site_packages()}
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        with open(workdir / "stdout.txt", "wb") as out, open(workdir / "stderr.txt", "wb") as err:
-            # -S: skip site's .pth hooks (a third of the start-up time); the child adds
-            # site-packages to sys.path itself, so installed libraries still import.
-            # The config (with the result token) goes in on stdin, not the command line: the
-            # solution can read sys.argv and /proc/self/cmdline.
-            proc = subprocess.Popen([sys.executable, "-I", "-S", str(_BOOTSTRAP)],
-                                    stdin=subprocess.PIPE, stdout=out, stderr=err, cwd=workdir, env=env,
-                                    pass_fds=(write_fd,), start_new_session=True)
-        os.close(write_fd)
-        write_fd = -1
-        timed_out = False
-        try:
-            proc.stdin.write(json.dumps({"config": config, "code": code, "tests": tests}).encode())
-            proc.stdin.close()
-        except BrokenPipeError:  # the child died at start-up
-            pass
-        chunks = []
-        os.set_blocking(read_fd, False)
-        deadline = t0 + limits.timeout_s
-        while True:
-            chunks.append(_read_available(read_fd))
-            if proc.poll() is not None:
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.01)
-        _kill_group(proc)
-        chunks.append(_read_available(read_fd))
-        results, done = _parse_results(b"".join(chunks).decode(errors="replace"), token)
-        stderr_tail = _tail(workdir / "stderr.txt")
-        seconds = time.monotonic() - t0
-        if timed_out:
-            return SandboxResult(0, done["total"] if done else len(results), "timeout", seconds,
-                                 f"killed after {limits.timeout_s:.1f}s", bool(done and done.get("netns")))
-        if done is None:
-            return SandboxResult(0, len(results), "crash", seconds,
-                                 f"exit code {proc.returncode}; {stderr_tail}")
-        passed = sum(ok for ok, _ in results.values())
-        first_fail = next((e for ok, e in sorted(results.values(), key=lambda x: x[0]) if not ok), "")
-        status: Status = "no_tests" if done["total"] == 0 else ("error" if done.get("error") else "ok")
-        return SandboxResult(passed if not done.get("error") else 0, done["total"], status, seconds,
-                             done.get("error") or first_fail, bool(done.get("netns")))
-    finally:
-        for fd in (read_fd, write_fd):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _read_available(fd: int) -> bytes:
-    out = []
-    while True:
-        try:
-            b = os.read(fd, 65536)
-        except BlockingIOError:
-            break
-        if not b:
-            break
-        out.append(b)
-        if sum(map(len, out)) > 4 << 20:  # a spamming child gets no more of our memory
-            break
-    return b"".join(out)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _tail(path: Path, n: int = 400) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return ""
-    return data[-n:].decode(errors="replace").strip()
+    run = run_child({"mode": "tests", "code": code, "tests": tests}, limits)
+    results, done = _parse_results(run.raw, run.token)
+    if run.timed_out:
+        return SandboxResult(0, done["total"] if done else len(results), "timeout", run.seconds,
+                             f"killed after {limits.timeout_s:.1f}s", bool(done and done.get("netns")))
+    if done is None:
+        return SandboxResult(0, len(results), "crash", run.seconds,
+                             f"exit code {run.returncode}; {run.stderr_tail}")
+    passed = sum(ok for ok, _ in results.values())
+    first_fail = next((e for ok, e in sorted(results.values(), key=lambda x: x[0]) if not ok), "")
+    status: Status = "no_tests" if done["total"] == 0 else ("error" if done.get("error") else "ok")
+    return SandboxResult(passed if not done.get("error") else 0, done["total"], status, run.seconds,
+                         done.get("error") or first_fail, bool(done.get("netns")))
 
 
 def run_many(jobs: list[tuple[str, str]], limits: SandboxLimits = SandboxLimits(),
@@ -258,3 +155,45 @@ def run_many(jobs: list[tuple[str, str]], limits: SandboxLimits = SandboxLimits(
         return []
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         return list(pool.map(lambda job: run_tests(job[0], job[1], limits), jobs))
+
+
+# What of a tool call's answer comes back from the child: a model reads a few thousand
+# characters of it at most (AgentConfig.max_output_chars), so a few hundred KB is plenty.
+_CALL_STDOUT_BYTES = 256 << 10
+_CALL_VALUE_CHARS = 100_000
+
+
+def _import_paths() -> list[str]:
+    """The parent's sys.path as absolute folders: a module the parent imports, the child does."""
+    return [str(Path(p or ".").resolve()) for p in sys.path if Path(p or ".").is_dir()]
+
+
+def call_function(ref: str, arguments: dict, limits: SandboxLimits = SandboxLimits()) -> CallResult:
+    """Call the function `ref` ('module:function' or '/abs/FILE.py:function') with the keyword
+    `arguments` (JSON values) in a limited child process, under the same limits as run_tests.
+    Never raises for what the function does; raises TypeError for arguments that are not JSON."""
+    job = {"mode": "call", "ref": ref, "arguments": arguments, "sys_path": _import_paths(),
+           "max_chars": _CALL_VALUE_CHARS}
+    run = run_child(job, limits, read_stdout=_CALL_STDOUT_BYTES, max_result_bytes=1 << 20)
+    done = next((m for m in _messages(run.raw, run.token) if m.get("kind") == "done"), None)
+    printed, omitted = run.stdout, run.stdout_omitted
+
+    def failed(status: CallStatus, line: str) -> CallResult:
+        return CallResult(status, line + ("\n" + printed if printed else ""), run.seconds, omitted)
+
+    if run.timed_out:
+        return failed("timeout", f"timed out after {limits.timeout_s:g} s")
+    if run.overflow:
+        return failed("crash", "its answer was too long (killed)")
+    if done is None:
+        how = f"killed by signal {-run.returncode}" if (run.returncode or 0) < 0 else f"exit code {run.returncode}"
+        tail = run.stderr_tail.splitlines()[-1] if run.stderr_tail else ""
+        return failed("crash", f"the process ended without an answer ({how}){'; ' + tail if tail else ''}")
+    if done.get("ok") is not True:
+        return failed("error", str(done.get("error", "unknown error")))
+    value = str(done.get("text", ""))
+    length = done.get("length") if isinstance(done.get("length"), int) else len(value)
+    if omitted:   # printed output was cut: the value after it is part of what is missing
+        return CallResult("ok", printed, run.seconds, omitted + length)
+    sep = "\n" if printed and value and not printed.endswith("\n") else ""
+    return CallResult("ok", printed + sep + value, run.seconds, max(0, length - len(value)))
