@@ -32,7 +32,8 @@ class ScoreRequest:
 
     A SCORE with teacher context arrives here already composed: `ids`, `offsets` and
     `response_starts` describe the sequences the teacher scores (its prompt + the student's
-    response), so a backend never sees the context as such, and the rows are the student's."""
+    response), so a backend never sees the context as such, and the rows are the student's.
+    A row mask (2.5) arrives as `kept_rows`: the rows to answer, per sequence (`kept`)."""
     request_id: int
     mode: str                   # "topk" | "full"
     ids: torch.Tensor           # int64 [T], all sequences concatenated
@@ -46,6 +47,8 @@ class ScoreRequest:
                                 # whose LM head has fewer padding rows than the teacher's)
     candidates: torch.Tensor | None = None   # int64 [R, k]: the ids to answer per row (support
                                              # "given"), distinct within a row; None: the teacher's top k
+    kept_rows: tuple[torch.Tensor, ...] | None = None   # per sequence b, int64 [R_b], rising: the rows i
+                                                        # (token s_b + i) to answer; None: all len_b - s_b
 
     @property
     def num_sequences(self) -> int:
@@ -59,8 +62,14 @@ class ScoreRequest:
         """[B + 1]: sequence b's answer rows are row_offsets[b]:row_offsets[b+1]."""
         out = [0]
         for b, s in enumerate(self.response_starts):
-            out.append(out[-1] + (self.offsets[b + 1] - self.offsets[b]) - s)
+            out.append(out[-1] + ((self.offsets[b + 1] - self.offsets[b]) - s if self.kept_rows is None
+                                  else len(self.kept_rows[b])))
         return out
+
+    def kept(self, b: int):
+        """Which of sequence b's len_b - s_b response rows to answer, as an index into them:
+        all (a slice, no copy) or the row mask's (int64 [R_b]). `seq[s_b:][kept(b)]` are their tokens."""
+        return slice(None) if self.kept_rows is None else self.kept_rows[b]
 
     def sequence(self, b: int) -> torch.Tensor:
         return self.ids[self.offsets[b]:self.offsets[b + 1]]

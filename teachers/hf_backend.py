@@ -3,7 +3,8 @@
 Memory plan. Sequences are prefilled in micro-batches (right-padded, attention mask) up to
 `batch_tokens` padded tokens, through the model's body only (`model.model`), which gives
 hidden states [N, L, H]. Only the scored rows (positions `s_b - 1 .. len_b - 2`, see the
-row convention in teachers/protocol.py) are gathered, and the LM head is applied to them
+row convention in teachers/protocol.py; with a row mask, protocol 2.5, only the masked ones
+among them) are gathered, and the LM head is applied to them
 in chunks of `row_chunk` rows, so [tokens x vocab] logits never exist for a batch; the
 largest logits tensor is [row_chunk, V].
 
@@ -78,8 +79,9 @@ class HFBackend(TeacherBackend):
     # ---- prefill -------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _scored_hidden(self, seqs: list[torch.Tensor], starts: list[int]) -> list[torch.Tensor]:
-        """For each sequence, hidden states [len - start, H] of the positions that score its rows."""
+    def _scored_hidden(self, seqs: list[torch.Tensor], starts: list[int], kept: list) -> list[torch.Tensor]:
+        """For each sequence, hidden states [R_b, H] of the positions that score its rows: all
+        len - start of them, or those of a row mask (kept[b], ScoreRequest.kept)."""
         out: list[torch.Tensor | None] = [None] * len(seqs)
         # Longest-first micro-batches whose padded size stays within batch_tokens; a longrope
         # model's never mix the two sides of its switch length (opd.rope).
@@ -103,22 +105,23 @@ class HFBackend(TeacherBackend):
                                use_cache=False).last_hidden_state
             for j, i in enumerate(batch):
                 n, s = len(seqs[i]), starts[i]
-                out[i] = hidden[j, s - 1:n - 1]
+                out[i] = hidden[j, s - 1:n - 1][kept[i]]   # a view, or a gather of the masked rows
         return out  # type: ignore[return-value]
 
     def _request_rows(self, reqs: list[ScoreRequest]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per request: (hidden [R, H], target ids [R]) of all its rows, one prefill for all."""
-        seqs, starts, owner = [], [], []
+        seqs, starts, kept, owner = [], [], [], []
         for r, req in enumerate(reqs):
             for b in range(req.num_sequences):
                 seqs.append(req.sequence(b).long())
                 starts.append(req.response_starts[b])
+                kept.append(req.kept(b))
                 owner.append(r)
-        hidden = self._scored_hidden(seqs, starts)
+        hidden = self._scored_hidden(seqs, starts, kept)
         rows: list[tuple[list, list]] = [([], []) for _ in reqs]
-        for h, seq, s, r in zip(hidden, seqs, starts, owner):
+        for h, seq, s, sel, r in zip(hidden, seqs, starts, kept, owner):
             rows[r][0].append(h)
-            rows[r][1].append(seq[s:])
+            rows[r][1].append(seq[s:][sel])
         width = self.lm_head.weight.shape[1]
         return [(torch.cat(hs) if hs else torch.zeros(0, width, device=self.device, dtype=self.lm_head.weight.dtype),
                  torch.cat(ts).to(self.device) if ts else torch.zeros(0, dtype=torch.long, device=self.device))

@@ -43,6 +43,12 @@ the client wants per row (e.g. the student's own top k), distinct within a row. 
 answer's ids are those candidates in their order, logprobs their log-probabilities, and
 tail_logmass the log-mass of every other id.
 
+Row mask (2.5, `rows`): one more tensor, row_mask uint8 [sum over b of len_b - s_b], 0/1,
+one entry per response row of every sequence (after the context tensors, before the
+candidates). The answer then holds only the rows whose mask is 1, in order: row_offsets
+count those, candidates are [their number, k]. The teacher still reads every token (a
+multi-turn trajectory's tool observations are context), but answers only the rows trained on.
+
 Full-vocabulary answer: CHUNKs of consecutive rows, `logits` [rows, V] in the requested
 dtype (temperature NOT applied to these raw logits; `lse` is of logits / T) and fp32
 `lse` [rows] and `token_logprob` [rows], so neither side holds [all rows x V] at once.
@@ -59,7 +65,7 @@ import msgspec
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = (2, 4)  # major mismatch is refused at HELLO; minor is informational
+PROTOCOL_VERSION = (2, 5)  # major mismatch is refused at HELLO; minor is informational
 # 2.0: TOPK carries the DONE statistics itself (one message less per top-k request, +20 %
 # positions/s at top-64 in `opd bench transport`); a 1.x client would wait for a DONE.
 # 2.1: WELCOME says max_positions (a 2.0 server's decodes as 0: not said).
@@ -68,6 +74,8 @@ PROTOCOL_VERSION = (2, 4)  # major mismatch is refused at HELLO; minor is inform
 # 2.4: SCORE.context (a teacher-only prompt per sequence) and SCORE.support "given" (the
 # client's candidate ids per row). Their extra tensors make a 2.3 server answer MALFORMED;
 # the 2.4 client refuses to send either to a server before 2.4, with a clear error.
+# 2.5: SCORE.rows, a row mask (the rows a multi-turn trajectory trains on). A 2.4 server ignores
+# the field but not its tensor (MALFORMED); the 2.5 client does not send it to one.
 
 # Bounds checked before any allocation.
 MAX_HEADER_BYTES = 1 << 20        # 1 MiB of msgpack header
@@ -82,6 +90,7 @@ DTYPES: dict[str, np.dtype] = {
     "bf16": np.dtype("<u2"),
     "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"),
+    "uint8": np.dtype("u1"),      # the row mask (2.5)
 }
 LOGIT_DTYPES = ("float32", "bfloat16", "float16")  # what a client may ask for in full mode
 MAX_CHUNK_BYTES = 256 << 20       # a full-mode CHUNK's rows x V x 4 bytes may not exceed this
@@ -148,8 +157,8 @@ class Welcome(_Msg, tag="welcome"):
 
 class Score(_Msg, tag="score"):
     """tensors: ids int32 [total_tokens], offsets int32 [B + 1]; then, in this order, when
-    asked: context_ids int32 [C] and context_offsets int32 [B + 1] (context), candidates
-    int32 [R, k] (support "given")."""
+    asked: context_ids int32 [C] and context_offsets int32 [B + 1] (context), row_mask uint8
+    [response rows] (rows), candidates int32 [R, k] (support "given"; R: the mask's ones)."""
     request_id: int
     mode: Literal["topk", "full"]
     response_starts: list[int]          # [B], each >= 1
@@ -161,6 +170,7 @@ class Score(_Msg, tag="score"):
     vocab_limit: int = 0                # > 0: score over the first vocab_limit columns only (2.2)
     context: bool = False               # + context_ids int32 [C], context_offsets int32 [B + 1] (2.4)
     support: Literal["teacher", "given"] = "teacher"   # "given": + candidates int32 [R, k] (2.4)
+    rows: bool = False                  # + row_mask uint8 [response rows]: answer its 1s only (2.5)
 
 
 class TopK(_Msg, tag="topk"):

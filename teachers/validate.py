@@ -3,7 +3,7 @@
 Every check here runs before the request reaches the backend, so a bad request costs the
 server one ERROR answer and nothing else. Each failure names its ErrorCode:
 BAD_TOKEN (id < 0 or >= vocab), TOO_LONG (sequence or request over a limit), BAD_K,
-MALFORMED (tensors missing, wrong dtype or shape, offsets inconsistent), BAD_REQUEST
+MALFORMED (tensors missing, wrong dtype or shape, offsets inconsistent, a row mask not 0/1), BAD_REQUEST
 (temperature, response starts, dtype, chunking), UNSUPPORTED (the backend cannot answer
 it exactly).
 """
@@ -31,11 +31,13 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     if rid < 0:
         fail(ErrorCode.BAD_REQUEST, f"request_id must be >= 0 (-1 marks unreadable ids), got {rid}")
 
-    # Frames: ids int32 [T], offsets int32 [B + 1], then context and candidates when asked (2.4).
-    want = 2 + 2 * msg.context + (msg.support == "given")
+    # Frames: ids int32 [T], offsets int32 [B + 1], then context (2.4), row mask (2.5) and
+    # candidates (2.4) when asked.
+    want = 2 + 2 * msg.context + msg.rows + (msg.support == "given")
     if len(arrays) != want:
         fail(ErrorCode.MALFORMED, f"this SCORE carries {want} tensors (ids, offsets"
                                   + (", context_ids, context_offsets" if msg.context else "")
+                                  + (", row_mask" if msg.rows else "")
                                   + (", candidates" if msg.support == "given" else "") + f"), got {len(arrays)}")
     ids, offsets = arrays[:2]
     starts = msg.response_starts
@@ -75,14 +77,20 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
         fail(ErrorCode.BAD_TOKEN, "token ids" + (" (context included)" if msg.context else "")
                                   + f" must lie in [0, {vocab}); got min {int(ids.min())}, max {int(ids.max())}")
 
+    # Response rows per sequence (a context leaves them as they are), or those the mask keeps.
+    counts, kept_rows = [n - s for s, n in zip(starts, lengths)], None
+    if msg.rows:
+        kept_rows, counts = _row_mask(arrays[2 + 2 * msg.context], counts, fail)
+
     candidates = None
     if msg.support == "given":
-        cand, rows = arrays[-1], sum(n - s for s, n in zip(starts, lengths))   # a context leaves the rows as they are
+        cand, rows = arrays[-1], sum(counts)
         if msg.mode != "topk":
             fail(ErrorCode.BAD_REQUEST, "support 'given' answers top-k requests only")
         if cand.dtype != np.dtype("<i4") or cand.shape != (rows, msg.k):
-            fail(ErrorCode.MALFORMED, f"candidates must be int32 [rows, k] = [{rows}, {msg.k}], "
-                                      f"got {cand.dtype} {list(cand.shape)}")
+            fail(ErrorCode.MALFORMED, f"candidates must be int32 [rows, k] = [{rows}, {msg.k}]"
+                                      + (" (rows: the row mask's ones)" if msg.rows else "")
+                                      + f", got {cand.dtype} {list(cand.shape)}")
         if cand.size and int(cand.view(np.uint32).max()) >= vocab:
             fail(ErrorCode.BAD_TOKEN, f"candidate ids must lie in [0, {vocab}); "
                                       f"got min {int(cand.min())}, max {int(cand.max())}")
@@ -101,7 +109,7 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
         request_id=rid, mode=msg.mode, ids=torch.from_numpy(ids.astype(np.int64)),
         offsets=tuple(offs), response_starts=tuple(starts), candidates=candidates,
         k=int(msg.k), temperature=float(msg.temperature), dtype=msg.dtype, chunk_rows=int(msg.chunk_rows),
-        vocab_limit=int(msg.vocab_limit),
+        vocab_limit=int(msg.vocab_limit), kept_rows=kept_rows,
     )
     # The backend first: its refusal names the backend that can answer (vLLM: `--backend hf`).
     why = backend.unsupported(req)
@@ -122,6 +130,21 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
             fail(ErrorCode.BAD_REQUEST, f"window = {msg.window} must lie in [1, {MAX_WINDOW}]")
 
     return req
+
+
+def _row_mask(mask: np.ndarray, counts: list[int], fail) -> tuple[tuple[torch.Tensor, ...], list[int]]:
+    """Check row_mask uint8 [sum(counts)] (counts[b]: sequence b's response rows), 0/1 only.
+    Returns, per sequence, the indices of its ones into its own rows (int64 [R_b]), and R_b."""
+    if mask.dtype != np.uint8 or mask.shape != (sum(counts),):
+        fail(ErrorCode.MALFORMED, f"row_mask must be uint8 [response rows] = [{sum(counts)}], "
+                                  f"got {mask.dtype} {list(mask.shape)}")
+    if mask.size and int(mask.max()) > 1:
+        fail(ErrorCode.MALFORMED, f"row_mask values must be 0 or 1, got {int(mask.max())}")
+    ones = np.flatnonzero(mask)                          # [R] into all sequences' rows
+    first = np.cumsum([0, *counts])                      # [B + 1] each sequence's first row
+    cut = np.searchsorted(ones, first).tolist()          # [B + 1] each sequence's first one
+    kept = tuple(torch.from_numpy(ones[a:b] - first[i]) for i, (a, b) in enumerate(zip(cut, cut[1:])))
+    return kept, [b - a for a, b in zip(cut, cut[1:])]
 
 
 def _ragged(ids: np.ndarray, offsets: np.ndarray, B: int, name: str, fail) -> tuple[list[int], list[int]]:

@@ -39,6 +39,11 @@ the k ids and the token; its tail comes from the k log-probs (`tail_logmass_from
 route is not exercised by the tests (the CPU build runs V1). The answer is checked to be at
 the given ids before it is returned.
 
+A row mask (protocol 2.5: the rows a multi-turn trajectory trains on) changes nothing in what
+vLLM computes, since it scores every prompt position anyway: the masked rows are selected from
+its answer (with given candidates, the unmasked rows are scored at placeholder ids first), and
+a sequence with no rows is not sent at all.
+
 What it cannot answer exactly (reported as UNSUPPORTED by `unsupported`, never
 approximated): full-vocabulary mode, temperature != 1 (vLLM does not apply the sampling
 temperature to prompt log-probabilities, and log_softmax(z / T) cannot be recovered from
@@ -251,28 +256,40 @@ class VLLMBackend(TeacherBackend):
         row_offsets = [req.row_offsets() for req in reqs]
         for r, req in enumerate(reqs):
             sp = SamplingParams(max_tokens=1, prompt_logprobs=req.k, detokenize=False, flat_logprobs=True)
-            rows = row_offsets[r]
+            rows, cols = row_offsets[r], req.k + 1 + (req.candidates is not None)
             for b in range(req.num_sequences):
-                seq, s = req.sequence(b), req.response_starts[b]
+                seq, s, cands = req.sequence(b), req.response_starts[b], None
+                if rows[b] == rows[b + 1]:    # no rows (s == len, or a row mask of zeros): nothing to ask vLLM
+                    parts[r][b] = (np.zeros((0, cols), np.int64), np.zeros((0, cols), np.float32))
+                    continue
                 if req.candidates is not None:
-                    if s == len(seq):     # no rows: nothing to ask vLLM
-                        parts[r][b] = (np.zeros((0, req.k + 2), np.int64), np.zeros((0, req.k + 2), np.float32))
-                        continue
-                    sp = self._given_params(seq, s, req.candidates[rows[b]:rows[b + 1]])
+                    cands = self._row_candidates(req, b, req.candidates[rows[b]:rows[b + 1]])
+                    sp = self._given_params(seq, s, cands)
                 prompts.append(TokensPrompt(prompt_token_ids=seq.tolist()))
                 params.append(sp)
-                owner.append((r, b))
+                owner.append((r, b, cands))
         outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
-        for (r, b), out in zip(owner, outs):
+        for (r, b, cands), out in zip(owner, outs):
             req, s = reqs[r], reqs[r].response_starts[b]
             if req.candidates is None:
                 ids, lps = _prompt_logprob_arrays(out.prompt_logprobs, len(out.prompt_token_ids), req.k)
-                parts[r][b] = (ids[s - 1:], lps[s - 1:])   # array row p - 1 is position p
+                ids, lps = ids[s - 1:], lps[s - 1:]   # array row p - 1 is position p: [len - s, k + 1]
             else:
-                rows = row_offsets[r]
-                parts[r][b] = self._given_arrays(out, req.sequence(b)[s:], req.candidates[rows[b]:rows[b + 1]],
-                                                 req.vocab_limit or self.vocab_size)
+                ids, lps = self._given_arrays(out, req.sequence(b)[s:], cands, req.vocab_limit or self.vocab_size)
+            kept = req.kept(b)                        # vLLM scored every row; a row mask keeps its own (2.5)
+            parts[r][b] = (ids, lps) if isinstance(kept, slice) else (ids[kept.numpy()], lps[kept.numpy()])
         return parts
+
+    @staticmethod
+    def _row_candidates(req: ScoreRequest, b: int, cands: torch.Tensor) -> torch.Tensor:
+        """Sequence b's candidates for every one of its len - s rows, [len - s, k]: both given
+        routes score all rows from s - 1 on, so with a row mask (cands [R_b, k], its rows only)
+        the others get ids 0..k-1 (distinct, below any vocab_limit >= k) and are dropped after."""
+        if req.kept_rows is None:
+            return cands
+        full = torch.arange(req.k).repeat(len(req.sequence(b)) - req.response_starts[b], 1)
+        full[req.kept(b)] = cands
+        return full
 
     def _given_params(self, seq: torch.Tensor, s: int, cands: torch.Tensor):
         """The SamplingParams of a sequence scored at `cands` [len - s, k] (its rows)."""
