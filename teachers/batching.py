@@ -1,7 +1,9 @@
 """How `TeacherClient` turns a batch of sequences into requests, and their answers into one.
 
+    check_batch(welcome, ...)        the server speaks the protocol the batch needs; its lengths and masks
     pack(sequences)                  flat int32 token ids + [B + 1] offsets, as SCORE carries them
     scored_lengths(...)              the length of each sequence the teacher scores (contexts included)
+    row_masks(sequences, starts, rows)  the rows to answer per sequence (protocol 2.5), checked
     split_by_tokens(lengths, limit)  consecutive parts within the teacher's max_tokens_per_request
     SplitBatch(submit, parts, budget)  sends a top-k batch's parts within max_inflight_tokens
     join_topk(results)               the parts' TopKResults as one
@@ -15,23 +17,70 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from opd.teachers.results import TopKResult
+from opd.teachers.protocol import ErrorCode
+from opd.teachers.results import TeacherError, TopKResult
 
 
-def scored_lengths(sequences, response_starts, contexts=None, candidates=None, k: int = 0) -> list[int]:
+def check_batch(welcome, address: str, sequences, response_starts, contexts=None, candidates=None, k: int = 0,
+                rows=None) -> tuple[list[int], list[np.ndarray] | None]:
+    """(scored_lengths, row_masks) of a batch for the teacher that sent `welcome`, once it is known
+    to speak 2.4 if contexts or candidates are given, and 2.5 if rows are (TeacherError UNSUPPORTED)."""
+    version = tuple(welcome.version)
+    if (contexts is not None or candidates is not None) and version < (2, 4):
+        raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher at {address} speaks protocol {version}: teacher "
+                                                  f"contexts and given candidates need 2.4")
+    if rows is not None and version < (2, 5):
+        raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher at {address} speaks protocol {version}: row masks "
+                                                  f"need 2.5")
+    masks = row_masks(sequences, response_starts, rows)
+    return scored_lengths(sequences, response_starts, contexts, candidates, k, masks), masks
+
+
+def scored_lengths(sequences, response_starts, contexts=None, candidates=None, k: int = 0,
+                   masks=None) -> list[int]:
     """The length of each sequence the teacher scores: with a non-empty context (protocol 2.4),
-    the context + the response. ValueError when contexts or candidates [rows, k] do not fit."""
+    the context + the response. ValueError when contexts or candidates [rows, k] do not fit
+    (rows: the response rows, or the ones of `masks`, row_masks' answer, when given)."""
     rows = [len(s) - int(st) for s, st in zip(sequences, response_starts)]
     if contexts is not None and len(contexts) != len(sequences):
         raise ValueError(f"{len(contexts)} contexts for {len(sequences)} sequences")
-    if candidates is not None and (candidates.ndim != 2 or tuple(candidates.shape) != (sum(rows), k)):
-        raise ValueError(f"candidates must be [rows, k] = [{sum(rows)}, {k}], got {list(candidates.shape)}")
+    answered = sum(rows) if masks is None else sum(int(m.sum()) for m in masks)
+    if candidates is not None and (candidates.ndim != 2 or tuple(candidates.shape) != (answered, k)):
+        raise ValueError(f"candidates must be [rows, k] = [{answered}, {k}]"
+                         + (" (rows: the row masks' ones)" if masks is not None else "")
+                         + f", got {list(candidates.shape)}")
     return [len(s) if contexts is None or not len(c) else len(c) + r
             for s, c, r in zip(sequences, contexts or sequences, rows)]
 
 
+def row_masks(sequences, response_starts, rows) -> list[np.ndarray] | None:
+    """`rows` (protocol 2.5: per sequence, which of its len - start response rows to answer, as
+    bools or 0/1) as uint8 arrays, checked; None stays None. ValueError when they do not fit."""
+    if rows is None:
+        return None
+    if len(rows) != len(sequences):
+        raise ValueError(f"{len(rows)} row masks for {len(sequences)} sequences")
+    masks = []
+    for b, (s, st, m) in enumerate(zip(sequences, response_starts, rows)):
+        m = np.asarray(m.cpu() if hasattr(m, "cpu") else m).reshape(-1)
+        if len(m) != len(s) - int(st):
+            raise ValueError(f"row mask {b} has {len(m)} entries; its sequence has {len(s) - int(st)} response "
+                             f"rows (len - start = {len(s)} - {int(st)})")
+        if m.size and not np.isin(m, (0, 1)).all():
+            raise ValueError(f"row mask {b} holds values other than 0/1 (or True/False)")
+        masks.append(m.astype(np.uint8))
+    return masks
+
+
+def answered_rows(sequences, response_starts, masks) -> list[int]:
+    """Rows the teacher answers per sequence: its response rows, or its mask's ones."""
+    if masks is None:
+        return [len(s) - int(st) for s, st in zip(sequences, response_starts)]
+    return [int(m.sum()) for m in masks]
+
+
 def part_of(x, a: int, b: int):
-    """x[a:b], or None when x is None (a batch's contexts or candidates, when not given)."""
+    """x[a:b], or None when x is None (a batch's contexts, row masks or candidates, when not given)."""
     return None if x is None else x[a:b]
 
 
@@ -117,6 +166,11 @@ def join_topk(results: list[TopKResult]) -> TopKResult:
         shift += r.row_offsets[-1]
     fields = ("ids", "logprobs", "tail_logmass", "token_logprob", "lse")
     return TopKResult(*(torch.cat([getattr(r, f) for r in results]) for f in fields), row_offsets=offsets)
+
+
+def pack_masks(masks) -> tuple:
+    """A part's row masks as SCORE's row_mask tensor, (uint8 [its response rows],) (protocol 2.5); () without."""
+    return () if masks is None else (np.concatenate([np.zeros(0, np.uint8), *masks]),)
 
 
 def pack(sequences) -> tuple[np.ndarray, np.ndarray]:

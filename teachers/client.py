@@ -44,7 +44,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from opd.teachers.batching import SplitBatch, pack, part_of, scored_lengths, split_by_tokens
+from opd.teachers.batching import SplitBatch, answered_rows, check_batch, pack, pack_masks, part_of, split_by_tokens
 from opd.teachers.keys import client_curve_keys
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
                                    Ping, ProtocolError, Score, TopK, Welcome, decode, default_chunk_rows, encode,
@@ -126,7 +126,7 @@ class TeacherClient:
 
     def submit_topk(self, sequences: Sequence[Sequence[int]], response_starts: Sequence[int], k: int,
                     temperature: float = 1.0, vocab_limit: int = 0, contexts: Sequence[Sequence[int]] | None = None,
-                    candidates=None) -> Future:
+                    candidates=None, rows=None) -> Future:
         """Future of a TopKResult. Several may be in flight at once. A batch over the teacher's
         max_tokens_per_request goes as several requests (whole sequences each), kept within its
         max_inflight_tokens, and comes back as one result (`stats` None). vocab_limit > 0: the
@@ -135,81 +135,78 @@ class TeacherClient:
         Protocol 2.4: `contexts` [B] (token ids; an empty one keeps that sequence's prompt) is what
         the teacher sees instead of each sequence's prompt, its rows still the response's;
         `candidates` int [R, k] (R rows, in row order) are the ids to answer per row instead of the
-        teacher's top k (e.g. the student's own), distinct within a row."""
+        teacher's top k (e.g. the student's own), distinct within a row.
+
+        Protocol 2.5: `rows` [B], per sequence len - start bools (or 0/1), answers only the rows
+        marked 1 (a multi-turn trajectory's assistant tokens; the rest is context the teacher
+        reads but does not answer): R and row_offsets count those, candidates are [R, k]."""
         welcome = self.info()
-        lengths = self._scored_lengths(welcome, sequences, response_starts, contexts, candidates, k)
+        lengths, masks = check_batch(welcome, self.address, sequences, response_starts, contexts, candidates, k, rows)
         parts = split_by_tokens(lengths, welcome.max_tokens_per_request)
         args = (k, temperature, vocab_limit)
-        row_at = [0, *itertools.accumulate(len(s) - int(st) for s, st in zip(sequences, response_starts))]
+        row_at = [0, *itertools.accumulate(answered_rows(sequences, response_starts, masks))]
 
         def part(a: int, b: int) -> Future:
             return self._submit_topk(sequences[a:b], response_starts[a:b], *args, part_of(contexts, a, b),
-                                     part_of(candidates, row_at[a], row_at[b]))
+                                     part_of(candidates, row_at[a], row_at[b]), part_of(masks, a, b))
         if len(parts) == 1:
             return part(0, len(sequences))
         return SplitBatch(part, [(a, b, sum(lengths[a:b])) for a, b in parts], welcome.max_inflight_tokens).future
 
     def _submit_topk(self, sequences, response_starts, k: int, temperature: float, vocab_limit: int,
-                     contexts=None, candidates=None) -> Future:
-        arrays = pack(sequences)
-        if contexts is not None:
-            arrays += pack(contexts)
+                     contexts=None, candidates=None, masks=None) -> Future:
+        arrays = pack(sequences) + (pack(contexts) if contexts is not None else ()) + pack_masks(masks)
         if candidates is not None:
             arrays += (np.ascontiguousarray(np.asarray(candidates.cpu() if hasattr(candidates, "cpu") else candidates),
                                             dtype="<i4"),)
         score = Score(request_id=0, mode="topk", response_starts=[int(s) for s in response_starts], k=int(k),
                       temperature=float(temperature), vocab_limit=int(vocab_limit), context=contexts is not None,
-                      support="given" if candidates is not None else "teacher")
+                      support="given" if candidates is not None else "teacher", rows=masks is not None)
         return self._command("submit", _Call("topk", score, arrays))
 
     def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
-                   vocab_limit: int = 0, contexts=None, candidates=None) -> TopKResult:
-        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit, contexts, candidates).result()
+                   vocab_limit: int = 0, contexts=None, candidates=None, rows=None) -> TopKResult:
+        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit, contexts, candidates,
+                                rows).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
                    chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0,
-                   contexts: Sequence[Sequence[int]] | None = None) -> Iterator[FullChunk]:
+                   contexts: Sequence[Sequence[int]] | None = None, rows=None) -> Iterator[FullChunk]:
         """Full-vocabulary rows, streamed: at most `window` chunks are ever buffered here.
         `chunk_rows` None: ~64 MiB chunks for this teacher's vocabulary (`default_chunk_rows`).
         A batch over the teacher's max_tokens_per_request is streamed as several requests, one
-        after the other, `row_start` counting over the whole batch. `contexts`: as submit_topk's."""
+        after the other, `row_start` counting over the whole batch. `contexts`, `rows`: as
+        submit_topk's (with `rows`, only the marked rows are streamed)."""
         welcome = self.info()
         if chunk_rows is None:
             chunk_rows = default_chunk_rows(welcome.vocab_size, dtype)
-        lengths = self._scored_lengths(welcome, sequences, response_starts, contexts)
+        lengths, masks = check_batch(welcome, self.address, sequences, response_starts, contexts, rows=rows)
         parts = split_by_tokens(lengths, welcome.max_tokens_per_request)
         args = (temperature, dtype, chunk_rows, window, vocab_limit)
         # The (first) request goes out now, so the teacher computes while the caller does.
         first = self._score_full(sequences[:parts[0][1]], response_starts[:parts[0][1]], *args,
-                                 part_of(contexts, 0, parts[0][1]))
+                                 part_of(contexts, 0, parts[0][1]), part_of(masks, 0, parts[0][1]))
         if len(parts) == 1:
             return first
-        return self._score_full_parts(first, sequences, response_starts, parts, args, contexts)
+        return self._score_full_parts(first, sequences, response_starts, parts, args, contexts, masks)
 
-    def _scored_lengths(self, welcome, sequences, response_starts, contexts, candidates=None, k: int = 0) -> list[int]:
-        """batching.scored_lengths, once the server is known to speak 2.4 if contexts or candidates are given."""
-        if (contexts is not None or candidates is not None) and tuple(welcome.version) < (2, 4):
-            raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher at {self.address} speaks protocol "
-                                                      f"{tuple(welcome.version)}: teacher contexts and given "
-                                                      f"candidates need 2.4")
-        return scored_lengths(sequences, response_starts, contexts, candidates, k)
-
-    def _score_full_parts(self, first, sequences, response_starts, parts, args, contexts) -> Iterator[FullChunk]:
+    def _score_full_parts(self, first, sequences, response_starts, parts, args, contexts,
+                          masks) -> Iterator[FullChunk]:
         """The parts' streams one after the other (each next request sent when the previous ended)."""
-        shift = 0
+        shift, answered = 0, answered_rows(sequences, response_starts, masks)
         for i, (a, b) in enumerate(parts):
             stream = first if i == 0 else self._score_full(sequences[a:b], response_starts[a:b], *args,
-                                                           part_of(contexts, a, b))
+                                                           part_of(contexts, a, b), part_of(masks, a, b))
             for chunk in stream:
                 yield chunk._replace(row_start=chunk.row_start + shift)
-            shift += sum(len(s) - int(st) for s, st in zip(sequences[a:b], response_starts[a:b]))
+            shift += sum(answered[a:b])
 
     def _score_full(self, sequences, response_starts, temperature: float, dtype: str, chunk_rows: int,
-                    window: int, vocab_limit: int, contexts=None) -> Iterator[FullChunk]:
-        arrays = pack(sequences) + (pack(contexts) if contexts is not None else ())
+                    window: int, vocab_limit: int, contexts=None, masks=None) -> Iterator[FullChunk]:
+        arrays = pack(sequences) + (pack(contexts) if contexts is not None else ()) + pack_masks(masks)
         score = Score(request_id=0, mode="full", response_starts=[int(s) for s in response_starts],
                       temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window),
-                      vocab_limit=int(vocab_limit), context=contexts is not None)
+                      vocab_limit=int(vocab_limit), context=contexts is not None, rows=masks is not None)
         call = _Call("full", score, arrays, chunks=queue.Queue())
         self._command("submit", call)
         stream = self._iterate(call)
