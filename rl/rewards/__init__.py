@@ -8,10 +8,10 @@ validate` and the demo all measure accuracy with it.
 
 from __future__ import annotations
 
+from opd.agent.sandbox import SandboxLimits, SandboxResult, run_many, run_tests
 from opd.rl.rewards.code import code_reward, code_reward_batch, extract_code
 from opd.rl.rewards.combine import CombinedReward, build_reward
 from opd.rl.rewards.math import answers_match, extract_answer, math_reward
-from opd.agent.sandbox import SandboxLimits, SandboxResult, run_many, run_tests
 
 
 def correct(score: float) -> bool:
