@@ -170,7 +170,8 @@ def _with_candidates(req: ScoreRequest, gen: torch.Generator, width: int, *, wit
 
 
 def _targets(req: ScoreRequest) -> torch.Tensor:
-    return torch.cat([req.sequence(b)[s:] for b, s in enumerate(req.response_starts)]).long()
+    """The tokens of the rows answered (with a row mask, its ones')."""
+    return torch.cat([req.sequence(b)[s:][req.kept(b)] for b, s in enumerate(req.response_starts)]).long()
 
 
 def _check_given(ans, req: ScoreRequest, ref: torch.Tensor) -> float:
@@ -252,8 +253,9 @@ def test_given_candidates_refused_without_a_route(vllm_teacher_backend, monkeypa
 
 # ---- teacher context (protocol 2.4): the teacher's own prompt per sequence ----------------
 
-def _score(backend, seqs, starts, contexts=None, *, k: int, given: bool = False, gen=None):
-    """A ScoreRequest as the server's validator builds it from a SCORE message."""
+def _score(backend, seqs, starts, contexts=None, *, k: int, given: bool = False, gen=None, masks=None):
+    """A ScoreRequest as the server's validator builds it from a SCORE message (masks: protocol
+    2.5's row masks, one 0/1 list per sequence)."""
     import numpy as np
 
     from opd.teachers.protocol import Score
@@ -264,11 +266,14 @@ def _score(backend, seqs, starts, contexts=None, *, k: int, given: bool = False,
                 np.array([0, *np.cumsum([len(p) for p in parts])], dtype=np.int32))
 
     arrays = [*ragged(seqs)] + ([*ragged(contexts)] if contexts is not None else [])
+    rows = sum(len(s) - st for s, st in zip(seqs, starts))
+    if masks is not None:
+        arrays.append(np.array([x for m in masks for x in m], dtype=np.uint8))
+        rows = int(arrays[-1].sum())
     if given:
-        rows = sum(len(s) - st for s, st in zip(seqs, starts))
         arrays.append(torch.stack([torch.randperm(260, generator=gen)[:k] for _ in range(rows)]).int().numpy())
     msg = Score(request_id=1, mode="topk", response_starts=starts, k=k, context=contexts is not None,
-                support="given" if given else "teacher")
+                support="given" if given else "teacher", rows=masks is not None)
     return score_request(msg, arrays, backend, max_tokens_per_request=1 << 20)
 
 
@@ -304,3 +309,39 @@ def test_teacher_context_rows_are_the_response_after_the_context(vllm_teacher_ba
         assert empty.ids.equal(bare.ids) and empty.response_starts == bare.response_starts
         for a, b in zip(*backend.score_topk([empty, bare])):
             assert torch.equal(a, b) or (torch.isnan(a).all() and torch.isnan(b).all())
+
+
+# ---- row masks (protocol 2.5): only the rows a multi-turn trajectory trains on ------------
+
+def test_row_masks_select_the_rows_of_the_unmasked_answer(vllm_teacher_backend, hf_model):
+    """A mask interleaved like a trajectory, one all ones, one all zeros (with a teacher context on
+    the first): the answer is the unmasked answer's rows at the ones and a transformers forward
+    there, for the teacher's top k and for given candidates (one per masked row)."""
+    g = torch.Generator().manual_seed(14)
+    seqs = [torch.randint(0, 260, (n,), generator=g).tolist() for n in (12, 20, 9)]
+    starts, contexts = [5, 8, 3], [[7, 1, 9, 4, 2, 8, 3, 3, 6], [], []]
+    masks = [[1, 1, 0, 0, 0, 1, 1], [1] * 12, [0] * 6]
+    keep = torch.tensor([x for m in masks for x in m]).nonzero().squeeze(1)
+    ref = []
+    with torch.no_grad():
+        for seq, s, ctx in zip(seqs, starts, contexts):
+            full = torch.tensor((ctx or seq[:s]) + seq[s:])
+            n = len(ctx or seq[:s])
+            ref.append(torch.log_softmax(hf_model(full[None]).logits[0].float(), -1)[n - 1:len(full) - 1])
+    ref = torch.cat(ref)[keep]                                         # [16, V]
+    backend = vllm_teacher_backend
+    for given in (False, True):
+        req = _score(backend, seqs, starts, contexts, k=8, given=given, gen=torch.Generator().manual_seed(2),
+                     masks=masks)
+        assert req.row_offsets() == [0, 4, 16, 16]
+        ans = backend.score_topk([req])[0]
+        if given:
+            _check_given(ans, req, ref)                                # candidates [16, 8], targets at the ones
+        else:
+            torch.testing.assert_close(ans.logprobs, ref.topk(8).values, atol=1e-4, rtol=0)
+            targets = _targets(req)                                    # the tokens at the ones
+            torch.testing.assert_close(ans.token_logprob, ref.gather(1, targets[:, None]).squeeze(1),
+                                       atol=1e-4, rtol=0)
+            whole = backend.score_topk([_score(backend, seqs, starts, contexts, k=8)])[0]
+            for a, b in zip(ans, whole):
+                torch.testing.assert_close(a, b[keep], atol=1e-5, rtol=0, equal_nan=True)
