@@ -93,26 +93,27 @@ class ReplicaPool:
         return self._welcome  # type: ignore[return-value]
 
     def submit_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
-                    vocab_limit: int = 0, contexts=None, candidates=None) -> Future:
+                    vocab_limit: int = 0, contexts=None, candidates=None, rows=None) -> Future:
         """Future of a TopKResult, answered by the least-loaded live replica (failing over if it dies).
-        contexts, candidates: as TeacherClient.submit_topk's (protocol 2.4)."""
+        contexts, candidates: as TeacherClient.submit_topk's (protocol 2.4); rows: its row masks (2.5)."""
         out: Future = Future()
         args = ([list(map(int, s)) if not hasattr(s, "tolist") else s.tolist() for s in sequences],
-                list(response_starts), k, temperature, vocab_limit, contexts, candidates)
+                list(response_starts), k, temperature, vocab_limit, contexts, candidates, rows)
         self._dispatch_topk(out, args, sum(scored_lengths(sequences, response_starts, contexts)), tried=set())
         return out
 
     def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
-                   vocab_limit: int = 0, contexts=None, candidates=None) -> TopKResult:
-        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit, contexts, candidates).result()
+                   vocab_limit: int = 0, contexts=None, candidates=None, rows=None) -> TopKResult:
+        return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit, contexts, candidates,
+                                rows).result()
 
     def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
                    chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0,
-                   contexts=None) -> Iterator[FullChunk]:
+                   contexts=None, rows=None) -> Iterator[FullChunk]:
         """Full-vocabulary rows, streamed. The request goes to the least-loaded live replica now,
         so the teacher computes while the caller does; a replica dying mid-stream is replaced
-        from the next unseen row."""
-        args = (sequences, response_starts, temperature, dtype, chunk_rows, window, vocab_limit, contexts)
+        from the next unseen row. contexts, rows: as TeacherClient.score_full's."""
+        args = (sequences, response_starts, temperature, dtype, chunk_rows, window, vocab_limit, contexts, rows)
         tokens = sum(scored_lengths(sequences, response_starts, contexts))
         rep, client = self._acquire(tokens, set())
         try:

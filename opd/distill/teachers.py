@@ -22,7 +22,7 @@ from opd.kernels import TopKTeacher
 from opd.routing.checks import check_welcome
 from opd.spine.optim import TrainError
 from opd.spine.rows import take_rows
-from opd.teachers.batching import scored_lengths
+from opd.teachers.batching import answered_rows, row_masks, scored_lengths
 from opd.teachers.client import TeacherClient, TeacherError, _as_curve
 from opd.teachers.protocol import default_chunk_rows
 
@@ -352,16 +352,18 @@ class TeacherSet:
         return any(spec.mode == "full" for spec in self.specs.values())
 
     def request(self, teacher: str, sequences: list[list[int]], starts: list[int], contexts=None,
-                candidates=None) -> Future:
+                candidates=None, rows=None) -> Future:
         """Future of `teacher`'s Answer for these sequences (prompt + response, response from starts).
         contexts [B]: the teacher's own prompts; candidates int32 [rows, k]: the ids it answers
-        (mode student_topk). Both from opd.distill.context.teacher_inputs."""
+        (mode student_topk). Both from opd.distill.context.teacher_inputs. rows [B] (protocol 2.5):
+        per sequence, which of its len - start response rows to answer (0/1); the answer's rows are
+        then those (candidates one per such row). None: every row, and a request as before 2.5."""
         spec, client = self.specs[teacher], self.clients[teacher][0]
         t0 = time.perf_counter()
         if spec.mode == "full":
             offsets = [0]
-            for s, st in zip(sequences, starts):
-                offsets.append(offsets[-1] + len(s) - st)
+            for n in answered_rows(sequences, starts, row_masks(sequences, starts, rows)):
+                offsets.append(offsets[-1] + n)
             # A stream holds its tokens in the server's in-flight budget until its last row is
             # read. The request goes out now, so the teacher computes while the student does,
             # unless this client's open streams would then exceed that budget (BUSY until they
@@ -376,7 +378,8 @@ class TeacherSet:
                 self._open_tokens[teacher] += tokens
                 return client.score_full(sequences, starts, temperature=spec.temperature,
                                          dtype=self.cfg.loss.full_dtype, window=FULL_WINDOW,
-                                         vocab_limit=self.vocab_limit.get(teacher, 0), contexts=contexts)
+                                         vocab_limit=self.vocab_limit.get(teacher, 0), contexts=contexts,
+                                         rows=rows)
 
             stream = RowStream(send, offsets[-1], lambda e: self._error(teacher, e), t0, on_done=done)
             fut: Future = Future()
@@ -392,7 +395,7 @@ class TeacherSet:
         try:
             inner = client.submit_topk(sequences, starts, spec.k, temperature=spec.temperature,
                                        vocab_limit=self.vocab_limit.get(teacher, 0), contexts=contexts,
-                                       candidates=candidates)
+                                       candidates=candidates, rows=rows)
         except TeacherError as e:  # e.g. FINGERPRINT_CHANGED seen at submit time: answers() reports it
             outer.set_exception(e)
             return outer

@@ -13,7 +13,7 @@ import torch
 
 from opd.teachers.client import TeacherClient, TeacherError
 from opd.teachers.protocol import ErrorCode, Score, encode
-from test_teacher_context import client, server  # noqa: F401  (one server: max_tokens_per_request 128)
+from test_teacher_context import client, server  # noqa: F401  (its fixtures: this module gets its own server)
 from test_teacher_server import GOOD, assert_refused_and_serving, direct_rows, model, score_frames  # noqa: F401
 
 V = 260
@@ -130,6 +130,44 @@ def test_split_batch_keeps_each_parts_masks_and_candidates(server, model):
                                    atol=1e-5, rtol=0)
         torch.testing.assert_close(torch.cat([x.token_logprob for x in chunks]),
                                    ref.gather(1, targets[:, None]).squeeze(1), atol=1e-5, rtol=0)
+
+
+def test_a_replica_pool_passes_row_masks_through(server, client):
+    """opd.cluster.pool.ReplicaPool (what a run with replicas talks to) sends the masks along."""
+    from opd.cluster.pool import ReplicaPool
+
+    seqs, starts, rows = batch(27)
+    with ReplicaPool([server.address], timeout_s=20) as pool:
+        r = pool.score_topk(seqs, starts, k=4, rows=rows)
+        assert r.row_offsets == [0, 4, 16, 16]
+        assert torch.equal(r.logprobs, client.score_topk(seqs, starts, k=4, rows=rows).logprobs)
+        full = torch.cat([c.logits for c in pool.score_full(seqs, starts, chunk_rows=7, rows=rows)])
+        want = torch.cat([c.logits for c in client.score_full(seqs, starts, chunk_rows=7, rows=rows)])
+        assert torch.equal(full, want) and full.shape[0] == 16
+
+
+def test_the_trainers_teacher_set_passes_row_masks_through(client):
+    """opd.distill.teachers.TeacherSet.request(rows=...): the request logic alone, over this
+    module's server; a full-mode answer's offsets count the masked rows."""
+    from types import SimpleNamespace
+
+    from opd.distill.teachers import TeacherSet
+
+    seqs, starts, rows = batch(28)
+    ts = object.__new__(TeacherSet)
+    ts.cfg = SimpleNamespace(loss=SimpleNamespace(full_dtype="float32"))
+    ts.clients, ts._open_tokens, ts.vocab_limit = {"t": (client, client.info())}, {"t": 0}, {}
+    ts.specs = {"t": SimpleNamespace(mode="topk", k=4, temperature=1.0)}
+    top = ts.request("t", seqs, starts, rows=rows).result()
+    want = client.score_topk(seqs, starts, k=4, rows=rows)
+    assert top.row_offsets == [0, 4, 16, 16] and torch.equal(top.topk.logprobs, want.logprobs)
+    ts.specs = {"t": SimpleNamespace(mode="full", temperature=1.0)}
+    full = ts.request("t", seqs, starts, rows=rows).result()
+    assert full.row_offsets == [0, 4, 16, 16]
+    logits = full.logits[torch.arange(16)]
+    TeacherSet.finish({"t": full})
+    want = torch.cat([c.logits for c in client.score_full(seqs, starts, rows=rows)])
+    assert torch.equal(logits, want)
 
 
 def test_hf_lm_head_sees_only_the_masked_rows(tiny_teacher_dir):
