@@ -5,6 +5,12 @@ side, opd.distill.teachers), `submit` sends a step's responses right after sampl
 collects each teacher's log-probs of the sampled tokens, and `token_advantages` adds their
 discounted reverse-KL terms to the sequence advantage (opd.spine.objective, the objective
 opd train computes with `rewards`).
+
+Multi-turn trajectories (`agent`): a teacher reads the whole trajectory, observations
+included, and answers only the tokens the policy sampled (protocol 2.5's row masks,
+`Rollout.sampled`); its terms go to those positions (`mask_B_T`), an observation's term is 0,
+and the discount runs over the sampled tokens alone (`discounted_rows`), as opd train's rows
+are. A batch of single turns sends no masks: what a 2.4 server reads.
 """
 
 from __future__ import annotations
@@ -40,18 +46,22 @@ def connect(cfg, tokenizer) -> TeacherSet:
 
 def submit(teachers: TeacherSet, specs, rollouts_B, samples_P) -> dict[str, tuple[list[int], Future]]:
     """{teacher: (the sequences it scores, the Future of its answer)}: every response of a
-    sample whose domain the teacher covers (all, when its `domains` is empty)."""
+    sample whose domain the teacher covers (all, when its `domains` is empty); with multi-turn
+    trajectories, the rows it answers are the sampled tokens."""
     out = {}
+    multi = any(r.mask is not None for r in rollouts_B)
     for spec in specs:
         seqs = [b for b, r in enumerate(rollouts_B) if not spec.domains or samples_P[r.prompt_index].domain in spec.domains]
         if seqs:
+            rows = [rollouts_B[b].sampled() for b in seqs] if multi else None
             out[spec.name] = (seqs, teachers.request(spec.name, [rollouts_B[b].ids for b in seqs],
-                                                     [len(rollouts_B[b].prompt_ids) for b in seqs]))
+                                                     [len(rollouts_B[b].prompt_ids) for b in seqs], rows=rows))
     return out
 
 
 def terms(teachers: TeacherSet, specs, futures: dict, batch: PaddedRollouts) -> list[TeacherTerm]:
-    """Each teacher's log-probs of the sampled tokens, [B, T] (0 off its sequences)."""
+    """Each teacher's log-probs of the sampled tokens, [B, T] (0 off its sequences and off the
+    mask: its answer's rows are a sequence's masked positions in order)."""
     answers = teachers.answers({t: f for t, (_, f) in futures.items()})
     out = []
     for spec in specs:
@@ -61,7 +71,8 @@ def terms(teachers: TeacherSet, specs, futures: dict, batch: PaddedRollouts) -> 
         lp_B_T, on_B = torch.zeros_like(batch.old_logprobs_B_T), torch.zeros(batch.mask_B_T.shape[0])
         for j, b in enumerate(seqs):
             a, e = answer.row_offsets[j], answer.row_offsets[j + 1]
-            lp_B_T[b, :e - a] = answer.token_logprob[a:e]
+            at = batch.mask_B_T[b].nonzero(as_tuple=True)[0]   # one turn: 0 .. len - 1
+            lp_B_T[b, at] = torch.as_tensor(answer.token_logprob[a:e], dtype=lp_B_T.dtype)
             on_B[b] = 1.0
         out.append(TeacherTerm(spec.weight, spec.gamma, lp_B_T, on_B))
     return out
@@ -75,8 +86,25 @@ def token_advantages(adv_B, lp_B_T, mask_B_T, terms, rows, sl):
     signal = {"signal/reward": float((adv_B_T.abs() * m).sum()), "signal/teacher": 0.0}
     for term in terms:
         on = term.on_B[rows][sl].to(lp_B_T.device)[:, None] * m
-        t_B_T = objective.discounted_B_T(objective.teacher_advantage(lp_B_T, term.lp_B_T[rows][sl].to(lp_B_T.device),
-                                                                     term.lam), on, term.gamma)
+        t_B_T = discounted_rows(objective.teacher_advantage(lp_B_T, term.lp_B_T[rows][sl].to(lp_B_T.device),
+                                                            term.lam), on, term.gamma)
         adv_B_T = adv_B_T + t_B_T
         signal["signal/teacher"] += float(t_B_T.abs().sum())
     return adv_B_T, signal
+
+
+def discounted_rows(x_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float) -> torch.Tensor:
+    """sum over the later masked tokens s >= t of gamma^(k(s) - k(t)) x_s, k counting masked
+    tokens only (0 off the mask): opd.spine.objective.discounted_B_T where the mask is a prefix
+    (one turn, right padding), and across a trajectory's turns an observation between them
+    neither adds a term nor a discount step."""
+    m = mask_B_T.to(x_B_T.dtype)
+    x = x_B_T * m
+    if gamma == 0.0:
+        return x
+    out = torch.zeros_like(x)
+    acc = x.new_zeros(x.shape[0])
+    for t in range(x.shape[1] - 1, -1, -1):
+        acc = torch.where(m[:, t] > 0, x[:, t] + gamma * acc, acc)
+        out[:, t] = acc
+    return out * m
