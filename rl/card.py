@@ -3,7 +3,8 @@
 The card states every setting that changes the result (advantage estimator, group size G,
 clipping, KL to the reference, rewards and their weights, sampling, optimizer), each resume
 with the keys changed since its checkpoint, and the results: rewards, evaluation, the share
-of all-equal groups (which carry no gradient) and the warnings printed about them.
+of all-equal groups (which carry no gradient) and the warnings printed about them; with
+`agent`, the tools and limits and what the run's trajectories did (rl/agentic.py: facts).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from opd.config import to_dict
 
 def write_grpo_card(out: Path, c, *, reward: dict, train_report, resumes: list[dict], warnings: list[str],
                     start_step: int, history: list[dict] | None = None, ranks: int = 1,
-                    memory: dict | None = None) -> None:
+                    memory: dict | None = None, agent: dict | None = None) -> None:
     """card.md / card.json: the settings, the resumes, and with `history` (every step's
     metrics, the steps before a resume included) the results; without it, at the start,
-    the results section says the run is in progress."""
+    the results section says the run is in progress. agent: the `agent` section (multi-turn)."""
     is_lora = c.model.lora is not None
     facts = {
         "model": {"start": c.model.path, "training": "LoRA" if is_lora else "full fine-tuning",
@@ -49,6 +50,8 @@ def write_grpo_card(out: Path, c, *, reward: dict, train_report, resumes: list[d
                 "ranks": f"{ranks} (FSDP2, each rank {c.data.prompts_per_step // ranks} prompts a step)"
                 if ranks > 1 else "1", **({"memory_per_rank_bytes": memory} if memory else {})},
     }
+    if agent is not None:
+        facts["agent"] = agent
     if resumes:
         facts["resumes"] = {
             f"resumed at step {r['at_step']} ({r['checkpoint']})":

@@ -9,6 +9,8 @@
     cluster:    local, or ray: the G responses are sampled by rollout actors on a Ray cluster
     teachers:   optional teacher servers (mode sampled): each token's advantage gains
                 -lambda * (log pi - log pi_teacher), discounted with gamma (opd.spine.objective)
+    agent:      optional multi-turn trajectories with tools (opd.agent; rl/agentic.py), and
+    agent_shaping:  a reward per valid / failed tool call added to each trajectory's reward
 
 `model`, and the shared fields of `rollout`, `optim` and `run`, are the training spine's
 sections (opd/spine/config.py), the same classes `opd train` uses. Two keys were renamed when
@@ -22,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+from opd.agent.config import AgentConfig
 from opd.cluster.config import ClusterConfig, StudentWorkers, TeacherReplicas
 from opd.distill.config import TeacherClientSettings
 from opd.routing.config import TeacherSpec
@@ -32,7 +35,8 @@ from opd.spine.config import RewardConfig  # noqa: F401  (opd rl's rewards; opd 
 
 @dataclass(frozen=True)
 class RolloutConfig(spine.RolloutConfig):
-    max_new_tokens: int = field(256, help="response length limit (also the Dr. GRPO normalizer)", min=1)
+    max_new_tokens: int = field(256, help="response length limit (also the Dr. GRPO normalizer); with `agent` "
+                                          "each turn's limit", min=1)
     group_size: int = field(8, help="G: responses sampled per prompt", min=2)
     # --- on Ray (cluster.mode: ray): hf engines as actors, the prompts split between them
     actors: int = field(1, help="cluster.mode ray: rollout actors, each with its own copy of the policy", min=1)
@@ -88,6 +92,17 @@ class RunConfig(spine.RunConfig):
 
 
 @dataclass(frozen=True)
+class AgentShaping:
+    """Per-call shaping of a multi-turn trajectory's reward (with `agent`): added to what the
+    reward functions give its final answer, so the whole sum is the episode's reward."""
+    valid_call: float = field(0.0, help="added per tool call that ran and answered (e.g. 0.05); max_turns bounds "
+                                        "how many a trajectory makes")
+    failed_call: float = field(0.0, help="added per failed call: malformed, an unknown tool or argument, the tool "
+                                         "raised, timed out or crashed (e.g. -0.1)")
+    turn_limit: float = field(0.0, help="added when agent.max_turns cut a trajectory that was still calling tools")
+
+
+@dataclass(frozen=True)
 class RLClusterConfig(ClusterConfig):
     """`opd train`'s cluster section (opd.cluster.ClusterConfig, so RayCluster takes it as it
     is) with the help `opd rl --help` prints: opd rl has no teachers and one training process,
@@ -130,6 +145,11 @@ class RLConfig:
                                      help="local (default), or ray: rollout.actors rollout engines as Ray actors, "
                                           "new weights pushed to them by file after each step "
                                           "(docs/multi_machine.md)")
+    agent: AgentConfig | None = field(None, help="multi-turn trajectories: the policy calls tools and reads their "
+                                                 "answers; only its own tokens are trained (docs/agentic.md); "
+                                                 "unset: one turn per response")
+    agent_shaping: AgentShaping | None = field(None, help="with `agent`: rewards per valid / failed tool call, "
+                                                          "added to the trajectory's reward (reward/agent_shaping)")
 
     def __post_init__(self):
         batch = self.data.prompts_per_step * self.rollout.group_size
@@ -160,6 +180,7 @@ class RLConfig:
             raise ValueError("cluster.mode fork starts the teachers of `opd train`; opd rl has none "
                              "(use local or ray)")
         ranks = self.cluster.student.num_workers
+        self._check_agent(ranks)
         # Whole groups per rank: a group's G responses are sampled and scored on one rank.
         spine.check_sharded_sampling(ranks, "data.prompts_per_step", self.data.prompts_per_step, self.rollout.engine)
         if self.cluster.mode != "ray":
@@ -176,3 +197,21 @@ class RLConfig:
             raise ValueError("cluster.mode ray: the policy trains in one process, num_workers must be 1 "
                              "(rollout.actors sets the rollout actors; sharded policies run with cluster.mode "
                              "local)")
+
+    def _check_agent(self, ranks: int) -> None:
+        """What `agent` cannot be combined with, said before anything loads."""
+        if self.agent is None:
+            if self.agent_shaping is not None:
+                raise ValueError("agent_shaping rewards tool calls of multi-turn trajectories: it needs `agent`")
+            return
+        if not self.agent.tools:
+            raise ValueError("agent.tools is empty: name the tools the policy may call (e.g. {function: calculator}), "
+                             "or leave `agent` out for single-turn rollouts")
+        if self.cluster.mode == "ray":
+            raise ValueError("agent with cluster.mode ray is not supported: the multi-turn loop samples through "
+                             "this process's engine (use cluster.mode local)")
+        if ranks > 1:
+            # A sharded policy's forward is a collective: every rank would have to sample as many
+            # turns as the others, and a rank whose trajectories have all ended does not.
+            raise ValueError("agent with cluster.student.num_workers > 1 is not supported: multi-turn rollouts "
+                             "sample from one process")

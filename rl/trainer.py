@@ -13,6 +13,8 @@ Each step:
 With `teachers`, step 1 also sends the responses to the teacher servers, and in step 5 each
 token's advantage gains each teacher's -lambda * (log pi - log pi_teacher), discounted with
 its gamma (opd.spine.objective: the objective `opd train` computes with `rewards`).
+With `agent`, step 1 samples multi-turn trajectories with tools, and only the tokens the policy
+sampled are trained (rl/agentic.py).
 
 The card is written at the start and rewritten with the results at the end. A checkpoint
 holds the run's config: `--resume` with another value of a key that defines the objective
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from opd.rl import agentic
 from opd.rl.batch import PaddedRollouts, collate
 from opd.rl.card import summary as summarize
 from opd.rl.card import write_grpo_card
@@ -67,6 +70,7 @@ from opd.rl.teachers import TeacherTerm
 PLOT_GROUPS = {
     "reward": ["reward"], "groups": ["groups"], "length": ["length"], "kl": ["kl"],
     "clip_fraction": ["clip_fraction"], "entropy": ["entropy"], "loss": ["loss"], "eval": ["eval"],
+    "agent": ["agent/turns", "agent/tool_calls", "agent/tool_failure_share", "agent/turn_limit_rate"],
 }
 
 # Config keys a resumed run must share with its checkpoint (opd.checkpoint.resume_changes):
@@ -78,8 +82,8 @@ PLOT_GROUPS = {
 # memory change nothing the policy learns.
 RESUME_FIXED = ("model.*", "rollout.group_size", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
                 "algorithm.*", "rewards", "rewards.*", "data.train", "data.prompts_per_step", "run.seed",
-                "teachers", "teachers.*")
-RESUME_FREE = ("teachers.*.address", "teachers.*.curve_server_key", "model.device", "model.gradient_checkpointing", "algorithm.micro_batch_size",
+                "teachers", "teachers.*", "agent", "agent.*", "agent_shaping", "agent_shaping.*")
+RESUME_FREE = ("agent.workers", "teachers.*.address", "teachers.*.curve_server_key", "model.device", "model.gradient_checkpointing", "algorithm.micro_batch_size",
                "algorithm.max_grad_norm")   # retired: optim.grad_clip (a checkpoint from before has it)
 
 
@@ -136,6 +140,8 @@ class GRPOTrainer:
         self.model, self.tokenizer = load_policy(cfg.model, dropout=False, world=world,
                                                  mixed_precision=shards.precision(), cpu_offload=shards.cpu_offload)
         self.pad_id = self.tokenizer.pad_token_id
+        self.tools = agentic.toolbox(cfg.agent, self.tokenizer, cfg.model.path, config_dir)   # None: one turn
+        self.agent_sums: list[float] | None = None   # the run's trajectories, for the card (rl/agentic.py)
         self.is_lora = cfg.model.lora is not None
         # Full fine-tuning needs its own frozen reference; LoRA switches the adapter off instead.
         # Sharded, the reference is sharded too (a second load: a sharded module is not copied).
@@ -160,14 +166,16 @@ class GRPOTrainer:
         if state:
             self.data.load_state(state["data"])
             self.warnings = list(state.get("warnings", []))
+            self.agent_sums = state.get("agent")
             self.last_flat_warning = int(state.get("last_flat_warning", self.last_flat_warning))
             self.resumes = list(state.get("resumes", [])) + [
                 {"at_step": self.start_step, "checkpoint": self.run_dir.resume_from.name,
                  "changed": self.run_dir.changed}]
         self.teachers = rl_teachers.connect(cfg, self.tokenizer) if cfg.teachers else None
         self.cluster, self._ray_started = None, False
-        self.engine = self.start_ray_engine() if cfg.cluster.mode == "ray" \
-            else make_engine(cfg.rollout, cfg.model, self.model, self.tokenizer, seed=cfg.run.seed, world=world)
+        self.engine = agentic.wrap(cfg.agent, self.start_ray_engine() if cfg.cluster.mode == "ray" else make_engine(
+            cfg.rollout, cfg.model, self.model, self.tokenizer, seed=cfg.run.seed, world=world),
+            self.tools, self.tokenizer, getattr(self.model, "generation_config", None))
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -187,7 +195,7 @@ class GRPOTrainer:
                 t0 = time.time()
                 # 1. P prompts, G responses each, from the current policy (this rank's share of them)
                 samples_P = world.shard(self.data.take(P))
-                prompt_ids_P = [encode_prompt(self.tokenizer, s.prompt) for s in samples_P]
+                prompt_ids_P = [self.encode(s) for s in samples_P]
                 # A rank draws the numbers one process would draw for its rows of the whole batch.
                 share = (world.rank * len(samples_P) * G, P * G) if world.sharded else None
                 params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -199,7 +207,7 @@ class GRPOTrainer:
                 t_rollout = time.time() - t0
                 # 2. rewards
                 samples_B = [samples_P[r.prompt_index] for r in rollouts_B]
-                rewards_B, parts = self.reward(samples_B, texts_B)
+                rewards_B, parts = agentic.shaped(cfg, self.reward(samples_B, texts_B), rollouts_B)
                 t_reward = time.time() - t0 - t_rollout
                 # 3. group-relative advantages, over every rank's groups (batch_std's one std)
                 rewards_P_G, parts, every_rollout = self._all_ranks(rewards_B, parts, rollouts_B)
@@ -221,6 +229,7 @@ class GRPOTrainer:
                     self.engine.sync_weights(self.model)
                 # 6. metrics, warnings, eval, checkpoint
                 metrics = self.step_metrics(rewards_P_G, parts, every_rollout, upd)
+                self.agent_sums = agentic.sums(every_rollout, self.agent_sums) if cfg.agent else None
                 metrics.update({"time/rollout": t_rollout, "time/reward": t_reward,
                                 "time/step": time.time() - t0})
                 self.warn_if_flat(step, metrics)
@@ -244,7 +253,8 @@ class GRPOTrainer:
                 if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or done == cfg.run.steps:
                     self.run_dir.save(done, self.model, self.optimizer, self.scheduler, keep=cfg.run.keep_checkpoints,
                                       state={"data": self.data.state(), "warnings": self.warnings,
-                                             "last_flat_warning": self.last_flat_warning, "resumes": self.resumes})
+                                             "last_flat_warning": self.last_flat_warning, "resumes": self.resumes,
+                                             "agent": self.agent_sums})
         finally:
             bar.close()
             logger.close()
@@ -304,8 +314,11 @@ class GRPOTrainer:
 
     # -- step pieces -----------------------------------------------------------------------
 
+    def encode(self, sample) -> list[int]:
+        return encode_prompt(self.tokenizer, sample.chat, tools=self.tools.schemas() if self.tools else None)
+
     def decode(self, rollout) -> str:
-        return rollout.text(self.tokenizer)
+        return rollout.text(self.tokenizer)   # a trajectory's final answer: its last turn
 
     @torch.no_grad()
     def reference_logprobs(self, batch: PaddedRollouts) -> torch.Tensor:
@@ -357,7 +370,7 @@ class GRPOTrainer:
                             sums[k] = sums.get(k, 0.0) + v
                     pg_B_T, clipped_B_T = grpo.clipped_surrogate(lp, part.old_logprobs_B_T.to(dev), adv,
                                                                  a.eps_low, a.eps_high)
-                    agg = dict(num_sequences=n_seq, num_tokens=n_tok, max_tokens=self.cfg.rollout.max_new_tokens)
+                    agg = dict(num_sequences=n_seq, num_tokens=n_tok, max_tokens=agentic.sampled_budget(self.cfg))
                     pg = grpo.aggregate(pg_B_T, mask, a.loss_aggregation, **agg)
                     loss = pg
                     if ref_B_T is not None:
@@ -408,6 +421,7 @@ class GRPOTrainer:
             m["groups/all_bottom"] = float((flat_P & wrong_P_G.all(dim=1)).float().mean())
         for name, vals in parts.items():
             m[f"reward/{name}"] = sum(vals) / len(vals)
+        m.update(agentic.step_metrics(rollouts_B))   # multi-turn: turns, tool calls, masked observations
         m.update(upd)
         return m
 
@@ -443,18 +457,18 @@ class GRPOTrainer:
         # Each rank answers its share (the last padded with repeats, which are dropped: `padded_share`).
         world = self.world
         mine, real = world.padded_share(self.eval_samples)
-        prompts = [encode_prompt(self.tokenizer, s.prompt) for s in mine]
+        prompts = [self.encode(s) for s in mine]
         rollouts = self.engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
                                                                 n=1))
         texts = [self.decode(r) for r in rollouts][:real]
-        total, _ = self.reward(mine[:real], texts) if texts else ([], {})
+        total, _ = agentic.shaped(self.cfg, self.reward(mine[:real], texts), rollouts[:real]) if texts else ([], {})
         # The code reward's own limits (timeout, memory, workers), as in training: with the
         # defaults, a solution that needs more would fail here only.
         code = next((r.options for r in self.cfg.rewards if r.name == "code"), {})
         scores = verify_batch(mine[:real], texts, **code) if texts else []
         ranks = world.gather((total, scores))
         total, scores = [x for t, _ in ranks for x in t], [x for _, v in ranks for x in v]
-        out = {"eval/reward": sum(total) / len(total)}
+        out = {"eval/reward": sum(total) / len(total), **agentic.step_metrics(rollouts[:real], "eval/")}
         verified = [v for v in scores if v is not None]
         if verified:   # the mean score was logged as accuracy: code's partial credit counted
             out["eval/accuracy"] = accuracy(verified)
@@ -469,4 +483,5 @@ class GRPOTrainer:
         start, the results section says the run is in progress."""
         write_grpo_card(self.out, self.cfg, reward=self.reward.describe(), train_report=self.train_report,
                         resumes=self.resumes, warnings=self.warnings, start_step=self.start_step, history=history,
-                        ranks=self.world.size, memory=self.memory)
+                        ranks=self.world.size, memory=self.memory,
+                        agent=agentic.facts(self.cfg, self.agent_sums) if self.cfg.agent else None)
