@@ -13,6 +13,8 @@ checkpoint) answers every held-out verifiable set; the domain verifier
 and, for students, the share of the matching teacher's accuracy they reach. Optionally a
 short low-learning-rate GRPO pass from one model reports whether reward still rises
 (if it does, the model has headroom that imitation did not capture).
+With `agent:` every model answers as a multi-turn agent with those tools (opd.agent; the
+verifier reads its final turn), and the report adds its trajectories' turns and tool calls.
 Writes OUT/report.md and OUT/report.json.
 """
 
@@ -31,11 +33,13 @@ from typing import Any, Literal
 
 from tqdm import tqdm
 
+from opd.agent.config import AgentConfig
 from opd.config import ConfigError, check_top_p, describe, field, load_yaml, near, to_dict
 from opd.data import encode_prompt, load_jsonl
 from opd.fingerprint import check_model_dir, load_model_tokenizer
 from opd.rl.rewards import accuracy, correct, verify_batch
 from opd.rl.rewards.code import limits_from
+from opd.rl import agentic
 from opd.rl.train import HelpFormatter, load_config
 from opd.rl.trainer import GRPOTrainer
 from opd.rollout import SamplingParams
@@ -83,6 +87,8 @@ class ValidateConfig:
     batch_size: int = field(64, help="sequences sampled together (hf engine)", min=1)
     code: dict[str, Any] = field(default_factory=dict, help="code verifier options: timeout_s, memory_mb, workers")
     grpo: GRPOCheck | None = field(None, help="optional short GRPO pass: does reward still rise?")
+    agent: AgentConfig | None = field(None, help="answer as multi-turn agents with these tools (the verifier reads "
+                                                 "the final turn; max_new_tokens is each turn's limit); unset: one turn")
     seed: int = field(0, help="sampling seed")
     out_dir: str = field("runs/validate", help="where report.md and report.json go")
 
@@ -130,21 +136,35 @@ def _engine(cfg: ValidateConfig, path: str):
     return HFRolloutEngine(model, tok, batch_size=cfg.batch_size), tok
 
 
-def _answers(engine, tokenizer, samples, params) -> list[str]:
-    rollouts = engine.generate([encode_prompt(tokenizer, s.prompt) for s in samples], params)
-    texts = []
-    for r in rollouts:
-        ids = r.response_ids[:-1] if r.finish_reason == "eos" else r.response_ids
-        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
-    return texts
+def _agent(cfg: ValidateConfig, engine, tok, path: str, base_dir: Path | None):
+    """(the engine, multi-turn with `agent`'s tools; their schemas, or None without `agent`).
+    Its turns end at the tokenizer's EOS and the model's generation config's."""
+    try:
+        box = agentic.toolbox(cfg.agent, tok, path, base_dir)
+    except BaseException:
+        engine.close()
+        raise
+    if box is None:
+        return engine, None
+    gen = getattr(getattr(engine, "model", None), "generation_config", None) or agentic.generation_config(path)
+    return agentic.wrap(cfg.agent, engine, box, tok, gen), box.schemas()
 
 
-def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=None) -> dict[str, dict]:
+def _answers(engine, tokenizer, samples, params, tools=None) -> tuple[list[str], list]:
+    """(the final answers as the verifiers read them, the rollouts)."""
+    rollouts = engine.generate([encode_prompt(tokenizer, s.chat, tools=tools) for s in samples], params)
+    return [r.text(tokenizer) for r in rollouts], rollouts
+
+
+def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=None,
+                   base_dir: Path | None = None) -> dict[str, dict]:
     """{domain: {"pass@k": ..., "score": ..., "greedy": ..., "greedy_score": ..., "n_prompts": ...}} for one
     model. `greedy` is an accuracy (the share of greedy answers the verifier scores 1, as pass@k
     counts), `score` and `greedy_score` mean verifier scores (partial credit for code). `bar`: a
-    tqdm bar advanced by each set's prompts once they are scored."""
+    tqdm bar advanced by each set's prompts once they are scored. With `agent`, also the sampled
+    trajectories' agent/* metrics (opd.agent.loop.trajectory_metrics)."""
     engine, tok = _engine(cfg, path)
+    engine, tools = _agent(cfg, engine, tok, path, base_dir)
     workers = int(cfg.code.get("workers", 2))
     code_opts = {k: v for k, v in cfg.code.items() if k != "workers"}
     out = {}
@@ -153,16 +173,17 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
             n = cfg.samples
             params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                     max_new_tokens=cfg.max_new_tokens, n=n, seed=cfg.seed)
-            texts = _answers(engine, tok, samples, params)
+            texts, rollouts = _answers(engine, tok, samples, params, tools)
             expanded = [s for s in samples for _ in range(n)]
             scores = [v if v is not None else 0.0 for v in verify_batch(expanded, texts, workers=workers, **code_opts)]
             right = [sum(map(correct, scores[i * n:(i + 1) * n])) for i in range(len(samples))]
             res: dict[str, Any] = {"n_prompts": len(samples), "samples": n,
-                                   "score": sum(scores) / len(scores)}
+                                   "score": sum(scores) / len(scores), **agentic.step_metrics(rollouts)}
             for k in cfg.k:
                 res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(samples)
             if cfg.greedy:
-                g = _answers(engine, tok, samples, SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, n=1))
+                g, _ = _answers(engine, tok, samples, SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens,
+                                                                      n=1), tools)
                 gs = [v if v is not None else 0.0 for v in verify_batch(samples, g, workers=workers, **code_opts)]
                 # The share fully correct, as pass@k counts: the mean score gave code partial
                 # credit (0.667 for scores [1, 0, 0.333, 1, 1, 0, 1, 1]) and was called accuracy.
@@ -221,7 +242,8 @@ def teacher_shares(cfg: ValidateConfig, results: dict) -> dict:
 def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     domains = [s.domain for s in cfg.sets]
-    cols = [f"pass@{k}" for k in cfg.k] + ["score"] + (["greedy", "greedy_score"] if cfg.greedy else [])
+    cols = [f"pass@{k}" for k in cfg.k] + ["score"] + (["greedy", "greedy_score"] if cfg.greedy else []) \
+        + (["agent/turns", "agent/tool_calls"] if cfg.agent is not None else [])
     lines = ["# Validation report", "",
              f"{cfg.samples} samples per prompt at temperature {cfg.temperature}, max {cfg.max_new_tokens} new "
              f"tokens. Verifier: math answer match / share of code unit tests passed (sandboxed); an answer "
@@ -230,6 +252,10 @@ def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> 
              "- `score`: the samples' mean verifier score (partial credit for code)",
              *(["- `greedy`: accuracy of one temperature-0 answer per prompt (the share correct)",
                 "- `greedy_score`: those answers' mean verifier score (partial credit for code)"] if cfg.greedy else []),
+             *([f"- multi-turn with tools {[t.name or t.function for t in cfg.agent.tools]} (at most "
+                f"{cfg.agent.max_turns} turns, {cfg.agent.max_tokens} tokens a trajectory): `agent/turns` and "
+                f"`agent/tool_calls` per sampled trajectory; the verifier reads the final turn"]
+               if cfg.agent is not None else []),
              ""]
     for domain in domains:
         n = next(iter(results.values()))[domain]["n_prompts"] if results else 0
@@ -280,7 +306,7 @@ def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
         for m in cfg.models:
             tqdm.write(f"[opd validate] {m.name}: {m.path}", file=sys.stderr)
             bar.set_postfix(model=m.name)
-            results[m.name] = evaluate_model(cfg, m.path, sets, bar=bar)
+            results[m.name] = evaluate_model(cfg, m.path, sets, bar=bar, base_dir=base_dir)
     finally:
         bar.close()
     extra: dict[str, Any] = {"teacher_shares": teacher_shares(cfg, results)}
