@@ -207,6 +207,9 @@ class RLConfig:
         if not self.agent.tools:
             raise ValueError("agent.tools is empty: name the tools the policy may call (e.g. {function: calculator}), "
                              "or leave `agent` out for single-turn rollouts")
+        if self.rollout.engine == "vllm" and self.agent.max_tokens >= self.rollout.vllm_max_model_len:
+            raise ValueError(f"agent.max_tokens {self.agent.max_tokens} leaves no room for a prompt in "
+                             f"rollout.vllm_max_model_len {self.rollout.vllm_max_model_len} (prompt + trajectory)")
         if self.cluster.mode == "ray":
             raise ValueError("agent with cluster.mode ray is not supported: the multi-turn loop samples through "
                              "this process's engine (use cluster.mode local)")

@@ -166,7 +166,8 @@ def test_shaping_adds_per_valid_and_failed_call(tmp_path, chat_model_dir):
     ({"cluster": {"mode": "ray"}}, "agent with cluster.mode ray is not supported"),
     ({"cluster": {"student": {"num_workers": 2}}}, "agent with cluster.student.num_workers > 1"),
     ({"agent": None, "agent_shaping": {"valid_call": 0.1}}, "agent_shaping .* needs `agent`"),
-    ({"agent_shaping": {"failed_call": float("inf")}}, "key 'agent_shaping'"),   # the loader's finite check
+    ({"agent_shaping": {"failed_call": float("inf")}}, "key 'agent_shaping'"),
+    ({"rollout": {"engine": "vllm", "vllm_max_model_len": 240}}, "agent.max_tokens 240 leaves no room for a prompt"),   # the loader's finite check
 ])
 def test_what_agent_cannot_combine_with_is_refused(tmp_path, chat_model_dir, over, error):
     with pytest.raises(ConfigError, match=error):
@@ -287,7 +288,9 @@ def check_trajectories(rows: list[dict], card: dict, steps: int) -> None:
 
 
 def test_opd_rl_with_the_calculator_end_to_end(tmp_path, chat_model_dir, one_thread):
-    from opd.checkpoint import latest_checkpoint
+    from opd.checkpoint import CheckpointError, latest_checkpoint
+    from opd.rl.train import load_config
+    from opd.rl.trainer import GRPOTrainer
 
     rows, card = run_agentic(tmp_path, chat_model_dir, "hf")
     check_trajectories(rows, card, 2)
@@ -296,6 +299,10 @@ def test_opd_rl_with_the_calculator_end_to_end(tmp_path, chat_model_dir, one_thr
         assert fact in md, fact
     state = json.loads((latest_checkpoint(tmp_path / "run" / "checkpoints") / "state.json").read_text())
     assert state["agent"][0] == 16   # the run's trajectories so far, for the card after a resume
+    # a resume keeps the agent's objective (tools, limits, shaping)
+    with pytest.raises(CheckpointError, match=r"agent\.max_turns: 2 -> 3"):
+        GRPOTrainer(dataclasses.replace(cfg := load_config(write_yaml(tmp_path, chat_model_dir, "hf"), steps=3),
+                                        agent=dataclasses.replace(cfg.agent, max_turns=3)), resume=True)
     # --resume: the card's totals cover the steps before it
     rows, card = run_agentic(tmp_path, chat_model_dir, "hf", steps=3, resume=True)
     check_trajectories(rows, card, 3)
