@@ -308,8 +308,7 @@ def test_opd_rl_with_the_calculator_end_to_end(tmp_path, chat_model_dir, one_thr
     check_trajectories(rows, card, 3)
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
+@pytest.mark.vllm   # ~30 s: in make test, since the done-when names this run
 def test_opd_rl_with_the_calculator_on_the_vllm_engine(tmp_path, chat_model_dir, one_thread):
     pytest.importorskip("vllm")
     rows, card = run_agentic(tmp_path, chat_model_dir, "vllm")
