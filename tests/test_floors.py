@@ -29,7 +29,7 @@ MAY_IMPORT = {
     "opd.routing": ("opd.teachers",),
     "opd.spine": ("opd.rollout",),
     "opd.cluster": ("opd.teachers", "opd.rollout", "opd.spine"),
-    "opd.sft": ("opd.spine",),
+    "opd.sft": ("opd.spine", "opd.agent"),   # tools: the schemas an agentic rollout renders its prompts with
     # opd rl's teachers (rl/teachers.py) use opd train's client side of the teacher servers
     "opd.rl": ("opd.rollout", "opd.agent", "opd.spine", "opd.cluster", "opd.kernels", "opd.routing.config", "opd.distill.teachers",
                "opd.distill.config"),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from opd.agent.config import ToolSpec
 from opd.config import check_device, field, near
 from opd.lora import LoraSpec
 from opd.spine.config import ModelConfig, OptimConfig
@@ -24,11 +25,14 @@ class TinyModelSpec:
     intermediate: int = field(128, help="MLP width", min=8)
     max_positions: int = field(256, help="maximum sequence length", min=16)
     seed: int = field(0, help="initialisation seed (the same seed gives bit-identical weights)")
+    chat: bool = field(False, help="the chat tokenizer (ChatML turns, Hermes tool calls, <|im_end|> as EOS): "
+                                   "for `messages` rows, `tools` and agentic rollouts (opd.tiny.build_tokenizer)")
 
 
 @dataclass(frozen=True)
 class SFTDataset:
-    path: str = field(help="JSONL with `prompt` and `response` (relative to the config file)")
+    path: str = field(help="JSONL with `prompt` or `messages` (a conversation; its final assistant message is "
+                           "the response) and `response` (relative to the config file)")
     ratio: float = field(1.0, help="share of the batches drawn from this file (normalized over files; one file per batch)", min=0.0)
     domain: str | None = field(None, help="domain name for per-domain eval loss (a row's own `domain` wins)")
 
@@ -43,6 +47,10 @@ class SFTConfig:
     lora: LoraSpec | None = field(None, help="train a peft LoRA adapter instead of every weight (omit: full "
                                              "fine-tuning; model/ holds the adapter merged in)")
     eval: list[SFTDataset] = field(default_factory=list, help="held-out sets: eval loss per domain")
+    tools: list[ToolSpec] = field(default_factory=list, help="tools whose JSON schemas every prompt is rendered "
+                                  "with (the chat template's `tools=`), as an `agent:` section's tools render "
+                                  "them in opd train / opd rl: a response may then call them as text; e.g. "
+                                  "[{function: calculator}]")
     # optimisation
     steps: int = field(200, help="optimizer steps", min=1)
     batch_size: int = field(16, help="sequences per step", min=1)
@@ -78,6 +86,10 @@ class SFTConfig:
             raise ValueError(f"every train[].ratio is 0 ({', '.join(s.path for s in self.train)}): at least one "
                              f"training set needs a ratio above 0")
         check_device(self.device, auto=True)
+        names = [t.name or t.function.rsplit(":", 1)[-1] for t in self.tools]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"tools: two tools are called {dup}; give one a `name`")
         if self.batch_size % self.num_workers:
             raise ValueError(f"batch_size {self.batch_size} does not divide among num_workers {self.num_workers} "
                              f"ranks: each trains on an equal share of every batch")

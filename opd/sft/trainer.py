@@ -2,7 +2,10 @@
 
 Full fine-tuning of a causal LM on (prompt, response + EOS) pairs; the loss is the
 token-mean cross-entropy over response tokens only (the prompt is context, never a
-target). The model starts from a local model directory (`model:`) or, for the demo and
+target). A `messages` row is a conversation: everything before its final assistant message
+(earlier turns, tool calls and tool answers included) is the prompt, rendered by the chat
+template with the `tools` schemas exactly as an agentic rollout renders it (opd.agent), so
+the SFT'd model sees the prompt it later answers; only the final message + EOS is learnt. The model starts from a local model directory (`model:`) or, for the demo and
 tests, from a freshly initialised tiny Qwen2-style model (`tiny:`, see opd.tiny).
 
 Each step: one batch from one training set (SetPerBatchSampler), loss, backward, and the
@@ -25,9 +28,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from opd.agent.config import AgentConfig
+from opd.agent.tools import build_toolbox
 from opd.card import write_card
 from opd.config import ConfigError, to_dict
-from opd.data import Cycler, encode_prompt, load_jsonl
+from opd.data import Cycler, DataError, encode_prompt, load_jsonl
 from opd.metrics import read_metrics
 from opd.sft.config import SFTConfig, SFTDataset, resolve
 from opd.spine.dist import World, memory_per_rank
@@ -41,9 +46,12 @@ from opd.tiny import build_tiny_model
 # ----------------------------------------------------------------------------- data
 
 
-def encode_pair(tokenizer, prompt: str, response: str, max_length: int) -> tuple[list[int], list[int]]:
-    """(input ids, labels): labels are -100 on the prompt, the response ids + EOS after it."""
-    p = encode_prompt(tokenizer, prompt)
+def encode_pair(tokenizer, prompt: str | list[dict], response: str, max_length: int,
+                tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """(input ids, labels): labels are -100 on the prompt, the response ids + EOS after it.
+    prompt: a row's `Sample.chat` (a prompt string or the conversation up to the model's turn);
+    tools: the JSON schemas the chat template renders with it."""
+    p = encode_prompt(tokenizer, prompt, tools=tools)
     r = list(tokenizer(response, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
     ids = (p + r)[:max_length]
     labels = ([-100] * len(p) + r)[:max_length]
@@ -103,7 +111,19 @@ class SetPerBatchSampler:
             c.load_state(st)
 
 
-def _load_sets(cfg_path: Path, specs: list[SFTDataset], tokenizer, max_length: int):
+def tool_schemas(cfg: SFTConfig, cfg_path: Path) -> list[dict] | None:
+    """The JSON schemas of `cfg.tools` as an `agent:` section with those tools gives them to the
+    chat template (opd.agent.tools; FILE.py paths relative to the config); None without tools."""
+    if not cfg.tools:
+        return None
+    try:
+        return build_toolbox(AgentConfig(tools=list(cfg.tools)), cfg_path.parent).schemas()
+    except ValueError as e:
+        raise ConfigError(f"{cfg_path}: tools: {e}") from None
+
+
+def _load_sets(cfg_path: Path, specs: list[SFTDataset], tokenizer, max_length: int,
+               tools: list[dict] | None = None):
     sets, names = [], []
     for spec in specs:
         path = resolve(cfg_path, spec.path)
@@ -112,7 +132,10 @@ def _load_sets(cfg_path: Path, specs: list[SFTDataset], tokenizer, max_length: i
         if missing:
             raise ConfigError(f"{path}: {len(missing)} rows have no `response` (first: row {missing[0] + 1}); "
                               f"SFT needs a reference response per prompt")
-        pairs = [encode_pair(tokenizer, s.prompt, s.response, max_length) for s in samples]
+        try:
+            pairs = [encode_pair(tokenizer, s.chat, s.response, max_length, tools) for s in samples]
+        except DataError as e:   # messages rows or tools, and a tokenizer without a chat template
+            raise ConfigError(f"{path}: {e} (a tiny model has one with `tiny: {{chat: true}}`)") from None
         # A prompt that fills max_length leaves no response token to learn: such a row would
         # train nothing, and a batch of only such rows has a NaN loss.
         kept = [pair for pair in pairs if any(label != -100 for label in pair[1][1:])]
@@ -149,7 +172,7 @@ def eval_loss(model, sets: list[list], pad_id: int, batch_size: int) -> list[flo
 
 # What a resumed run must share with the checkpointed one to continue it: another value of any
 # of these makes the checkpoint's weights, optimizer or data positions belong to another run.
-SAME_RUN = ("model", "tiny", "tiny.*", "lora", "lora.*", "train", "batch_size", "max_length", "seed")
+SAME_RUN = ("model", "tiny", "tiny.*", "lora", "lora.*", "train", "tools", "batch_size", "max_length", "seed")
 PLOTS = {"loss": ["loss", "eval_loss"], "lr": ["lr"], "grad_norm": ["grad_norm"]}
 
 
@@ -159,7 +182,7 @@ def start_point(cfg: SFTConfig, cfg_path: Path, out: Path) -> Path:
         return resolve(cfg_path, cfg.model)
     t = cfg.tiny
     return build_tiny_model(out / "init", layers=t.layers, hidden=t.hidden, heads=t.heads, kv_heads=t.kv_heads,
-                            intermediate=t.intermediate, max_positions=t.max_positions, seed=t.seed)
+                            intermediate=t.intermediate, max_positions=t.max_positions, seed=t.seed, chat=t.chat)
 
 
 def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bool = False,
@@ -180,8 +203,9 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bo
     model, tokenizer = load_policy(cfg.model_config(src), seed=cfg.seed, what=f"{cfg_path}: `model`", world=world,
                                    cpu_offload=cfg.cpu_offload)
     pad_id = tokenizer.pad_token_id
-    train_sets, train_names = _load_sets(cfg_path, cfg.train, tokenizer, cfg.max_length)
-    eval_sets, eval_names = _load_sets(cfg_path, cfg.eval, tokenizer, cfg.max_length) if cfg.eval else ([], [])
+    tools = tool_schemas(cfg, cfg_path)
+    train_sets, train_names = _load_sets(cfg_path, cfg.train, tokenizer, cfg.max_length, tools)
+    eval_sets, eval_names = _load_sets(cfg_path, cfg.eval, tokenizer, cfg.max_length, tools) if cfg.eval else ([], [])
     sampler = SetPerBatchSampler(train_sets, [s.ratio for s in cfg.train], cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt, schedule = build_optimizer(model, cfg.optim_config(), cfg.steps)
@@ -238,7 +262,9 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bo
                                if cfg.lora else "full fine-tuning"),
                   "trained_parameters": sum(p.numel() for p in params), "output": str(out / "model")},
         "objective": {"loss": "token-mean cross-entropy on response tokens + EOS (prompt masked)",
-                      "max_length": cfg.max_length},
+                      "max_length": cfg.max_length,
+                      "tools": ([t.function if t.name is None else f"{t.function} (called {t.name!r})"
+                                 for t in cfg.tools] or "none")},
         "data": {f"train[{i}]": f"{resolve(cfg_path, s.path)} (ratio {s.ratio}, {len(train_sets[i])} rows)"
                  for i, s in enumerate(cfg.train)},
         "optimisation": {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "schedule": cfg.schedule,
