@@ -7,7 +7,9 @@ Row convention (the same as the teacher protocol): row i of sequence b is the to
 position p_b + i, where p_b = len(prompt_b); the student's distribution for it comes from
 the logits at position p_b + i - 1. Only response rows carry loss: prompt and padding
 positions are masked out, and rows after the answer's end are trimmed off before the
-teacher ever sees them.
+teacher ever sees them. A multi-turn trajectory (opd.agent) also masks out the response
+tokens the model did not sample (tool observations, the template between turns): they are
+context, and its rows are its kept assistant tokens alone (`trim_turns`, `pack(masks=)`).
 
 Per-row weights implement the merge loss  sum_d lambda_d * L^d  where L^d is domain d's
 mean loss (per token, or per sequence then over sequences). Weights are computed over the
@@ -55,6 +57,32 @@ def trim_length(response_ids: list[int], *, eos_ids: set[int], trim: str, marker
     return keep
 
 
+def trim_turns(rollout, trim_fn) -> tuple[int, list[bool] | None]:
+    """(keep, mask) of a rollout: how many response tokens stay in the sequence, and per kept
+    token whether it is a row (trained, scored); mask None for a single turn (every kept
+    token a row, keep = trim_fn(response)). Each assistant turn (a run of `rollout.mask` ones)
+    is trimmed by trim_fn(its ids) -> kept length (`trim_length`'s rule); what a turn loses is
+    context for the turns after it (mask 0), and keep ends at the last row, so a trailing
+    observation is never sent."""
+    ids = rollout.response_ids
+    if rollout.mask is None:
+        return trim_fn(ids), None
+    mask = [False] * len(ids)
+    i = 0
+    while i < len(ids):
+        if not rollout.mask[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and rollout.mask[j]:
+            j += 1
+        k = trim_fn(ids[i:j])
+        mask[i:i + k] = [True] * k
+        i = j
+    keep = max((k + 1 for k, m in enumerate(mask) if m), default=0)
+    return keep, mask[:keep]
+
+
 # ---- packing and masks ------------------------------------------------------------------
 
 @dataclass
@@ -80,8 +108,11 @@ def response_mask(prompt_lens: list[int], response_lens: list[int], length: int)
     return mask
 
 
-def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Packed:
-    """Right-pad prompt + response sequences and index their response rows."""
+def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+         masks: list[list[bool] | None] | None = None) -> Packed:
+    """Right-pad prompt + response sequences and index their response rows. masks[b] (bools
+    over responses[b], None: all True): which response tokens are rows; the others (a
+    trajectory's tool observations) are in the sequence as context only."""
     if any(len(p) < 1 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     lens = [len(p) + len(r) for p, r in zip(prompts, responses)]
@@ -92,10 +123,16 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> P
         ids[b, :lens[b]] = torch.tensor(p + r, dtype=torch.long)
         attn[b, :lens[b]] = 1
     mask = response_mask([len(p) for p in prompts], [len(r) for r in responses], width)
+    masks = masks or [None] * len(prompts)
+    for b, (p, r, m) in enumerate(zip(prompts, responses, masks)):
+        if m is not None:
+            if len(m) != len(r):
+                raise ValueError(f"sequence {b}: a row mask of {len(m)} for {len(r)} response tokens")
+            mask[b, len(p) - 1:len(p) - 1 + len(r)] = torch.tensor(m, dtype=torch.bool)
     row_b, row_pos = mask.nonzero(as_tuple=True)      # row-major: sequence by sequence, in order
     offsets = [0]
-    for r in responses:
-        offsets.append(offsets[-1] + len(r))
+    for r, m in zip(responses, masks):
+        offsets.append(offsets[-1] + (len(r) if m is None else sum(map(bool, m))))
     return Packed(ids, attn, row_b, row_pos, ids[row_b, row_pos + 1], offsets)
 
 
