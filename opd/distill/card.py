@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from opd.card import write_card
+from opd.distill import agentic
 
 
 def divergence_words(beta: float) -> str:
@@ -50,11 +51,13 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
                      tail_mass: dict[str, list[float]], staleness: list[int], prompts: dict[str, int],
                      eval_prompts: int, evals: list[dict], warnings: list[str], steps: int,
                      skipped_lines: dict | None = None, trimmed: list[int] | None = None, ranks: int = 1,
-                     memory: dict | None = None, importance: list[float] | None = None) -> None:
+                     memory: dict | None = None, importance: list[float] | None = None,
+                     agent: list[float] | None = None) -> None:
     """card.md + card.json in `out`. `student`: model/tokenizer fingerprints and trained parameter count;
     `trimmed`: [response tokens trimmed after the answer, response tokens sampled] over the run;
     `skipped_lines`: {file: {loaded, skipped, first}} for files with malformed lines skipped;
-    `importance`: [sum of the importance ratios, their max, rows cut by the correction, rows]."""
+    `importance`: [sum of the importance ratios, their max, rows cut by the correction, rows];
+    `agent`: the run's trajectory sums (opd.distill.agentic.SUMS), stated with `cfg.agent`."""
     total = sum(teacher_samples.values()) or 1.0
     st = staleness or [0]
     lora = cfg.student.lora
@@ -69,7 +72,8 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
                                                student["model_fingerprint"])
            for t in cfg.merge.teachers},
         "trajectories": {
-            "source": f"sampled by the student being trained ({cfg.rollout.engine} engine)",
+            "source": f"sampled by the student being trained ({cfg.rollout.engine} engine"
+                      + (", multi-turn with tools: see agent)" if cfg.agent else ")"),
             "pipelined": cfg.run.pipeline if cfg.run.max_staleness is None else
             f"rollouts run ahead by at most {cfg.run.max_staleness} optimizer steps (run.max_staleness)",
             "staleness": (f"mean {sum(st) / len(st):.3g}, max {max(st)} optimizer steps between the sampling "
@@ -83,6 +87,7 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
                         + (f"; {trimmed[0] / trimmed[1]:.1%} of the {trimmed[1]} response tokens sampled were "
                            f"trimmed, not distilled" if trimmed and trimmed[1] else ""),
         },
+        **({"agent": agentic.facts(cfg, agent)} if cfg.agent is not None else {}),
         "objective": {
             "loss": "sum_d lambda_d * L_OPD^d + lambda_sft * L_SFT"
                     + (" + alpha * L_reward (policy gradient of the group advantage)" if cfg.rewards else ""),

@@ -7,6 +7,7 @@
     loss      what is done with the teacher's answers (normalization, trimming, fused path)
     optim     AdamW and its schedule, accumulation, micro-batches
     run       steps, evaluation, checkpoints, seed, output directory, pipelining
+    agent     multi-turn trajectories with tools (opd.agent; opd/distill/agentic.py); unset: one turn
     cluster   local; fork: opd train starts its teachers; ray: teacher replicas on Ray (opd/cluster)
 
 `student`, and the shared fields of `rollout`, `optim` and `run`, are the training spine's
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from opd.agent.config import AgentConfig
 from opd.spine import config as spine
 from opd.cluster.config import ClusterConfig
 from opd.config import check_vllm_lora, field, load_yaml, near
@@ -121,6 +123,16 @@ class TrainConfig:
                                    help="local (default); fork: opd train starts cluster.teachers itself, on "
                                         "this machine (docs/train.md); or ray: teachers of cluster.teachers run "
                                         "as replicas placed on a Ray cluster (docs/multi_machine.md)")
+    agent: AgentConfig | None = field(None, help="multi-turn rollouts: the student calls tools and reads their "
+                                                 "answers; only its own tokens are trained and scored "
+                                                 "(docs/agentic.md); unset: one turn per rollout")
+
+    def response_budget(self) -> tuple[str, int]:
+        """(its key, tokens): the room a prompt must leave after it within the positions of the
+        student and its teachers: one response, or with `agent` the whole trajectory."""
+        if self.agent is not None:
+            return "agent.max_tokens", self.agent.max_tokens
+        return "rollout.max_new_tokens", self.rollout.max_new_tokens
 
     def __post_init__(self):
         names = [t.name for t in self.merge.teachers]
@@ -153,6 +165,14 @@ class TrainConfig:
             raise ValueError("run.max_staleness with cluster.student.num_workers > 1 is not supported: rollouts "
                              "run ahead on one process (its own copy of the weights)")
         spine.check_sharded_sampling(ranks, "rollout.prompts_per_step", r.prompts_per_step, r.engine)
+        if self.agent is not None and not self.agent.tools:
+            raise ValueError("agent.tools is empty: name the tools the model may call (e.g. {function: calculator}),"
+                             " or leave `agent` out for single-turn rollouts")
+        if self.agent is not None and ranks > 1:
+            # A sharded model's forward is a collective: every rank would have to sample as many
+            # turns as the others, and a rank whose trajectories have all ended does not.
+            raise ValueError("agent with cluster.student.num_workers > 1 is not supported yet: multi-turn rollouts "
+                             "sample from one process")
         if ranks > 1:
             if self.merge.sft is not None and self.merge.sft.batch_size % ranks:
                 raise ValueError(f"merge.sft.batch_size {self.merge.sft.batch_size} does not divide among "

@@ -48,16 +48,21 @@ def support_k(specs) -> int:
     return max([t.k for t in specs if t.mode == "student_topk"], default=0)
 
 
-def teacher_inputs(spec, tokenizer, samples: list[Sample], rollouts: list, keep: list[int]) -> dict:
+def teacher_inputs(spec, tokenizer, samples: list[Sample], rollouts: list, keep: list[int],
+                   masks: list | None = None, tools: list[dict] | None = None) -> dict:
     """Keyword arguments of TeacherSet.request for sequences i = (samples[i], rollouts[i], keep[i]
-    response tokens scored): `contexts` [B] token ids (a context teacher), `candidates` int32
-    [rows, k] (mode student_topk; rows in request order)."""
+    response tokens kept, masks[i] which of them are rows, None: all): `contexts` [B] token ids (a
+    context teacher; rendered with the agent's tool schemas `tools`, as the student's prompt is),
+    `candidates` int32 [rows, k] (mode student_topk; rows in request order)."""
     out: dict = {}
     if spec.context is not None:
-        out["contexts"] = [encode_prompt(tokenizer, render(spec, s)) for s in samples]
+        out["contexts"] = [encode_prompt(tokenizer, render(spec, s), tools=tools) for s in samples]
     if spec.mode == "student_topk":
-        rows = [row[:spec.k] for ro, n in zip(rollouts, keep) for row in (ro.topk_ids or [])[:n]]
-        if len(rows) != sum(keep) or any(len(r) != spec.k for r in rows):
+        masks = masks or [None] * len(rollouts)
+        rows = [row[:spec.k] for ro, n, m in zip(rollouts, keep, masks)
+                for i, row in enumerate((ro.topk_ids or [])[:n]) if m is None or m[i]]
+        if len(rows) != sum(n if m is None else sum(m) for n, m in zip(keep, masks)) \
+                or any(len(r) != spec.k for r in rows):
             raise TrainError(f"teacher {spec.name!r} (mode student_topk, k={spec.k}): the rollouts carry no top-{spec.k} "
                              f"ids for every response token (the engine was asked for {len(rows[0]) if rows else 0})")
         out["candidates"] = torch.tensor(rows, dtype=torch.int32).reshape(-1, spec.k)
@@ -65,20 +70,22 @@ def teacher_inputs(spec, tokenizer, samples: list[Sample], rollouts: list, keep:
 
 
 def check_contexts(specs: dict, tokenizer, samples: list[Sample], routes: list, path: str,
-                   teacher_positions: dict[str, int], max_new_tokens: int) -> None:
+                   teacher_positions: dict[str, int], budget: tuple[str, int], tools: list[dict] | None = None) -> None:
     """Render each context teacher's context for every sample routed to it: a missing field, or
-    a context that leaves no room for max_new_tokens within the teacher's positions, is refused."""
+    a context that leaves no room for the response budget (its key, its tokens: rollout.max_new_tokens,
+    or agent.max_tokens for a trajectory) within the teacher's positions, is refused."""
+    key, max_new_tokens = budget
     for sample, route in zip(samples, routes):
         for name in route.weights:
             spec = specs[name]
             if spec.context is None:
                 continue
             try:
-                n = len(encode_prompt(tokenizer, render(spec, sample)))
+                n = len(encode_prompt(tokenizer, render(spec, sample), tools=tools))
             except TrainError as e:
                 raise TrainError(f"{path}: {e}") from None
             limit = teacher_positions.get(name, 0)
             if limit and n + max_new_tokens > limit:
                 raise TrainError(f"{path}: teacher {name!r}'s context for {sample.prompt[:60]!r} has {n} tokens, and "
-                                 f"with rollout.max_new_tokens ({max_new_tokens}) exceeds the {limit} positions it "
+                                 f"with {key} ({max_new_tokens}) exceeds the {limit} positions it "
                                  f"takes; shorten the context template or the samples' fields")

@@ -4,8 +4,10 @@ The held-out prompts (datasets' eval_path) are answered once by the student at t
 temperature with a fixed seed; each teacher scores the answers routed to it, and the KL is
 the training divergence per response row (without T^2). Where the verifiers of opd.rl.rewards
 check a prompt (an `answer` or `tests` field), the accuracy is the share of fully correct
-answers and the verifier score the mean (a code answer's partial credit included). The random
-generators are left as they were, so training does not depend on when it is evaluated.
+answers and the verifier score the mean (a code answer's partial credit included). A multi-turn
+trajectory's answer is its last turn (Rollout.text), and its divergence is taken on its own
+tokens, not on the tool observations. The random generators are left as they were, so
+training does not depend on when it is evaluated.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 from opd.checkpoint import rng_state, set_rng_state
 from opd.diagnostics import DomainTally, topk_overlap
-from opd.distill.batch import Batch
+from opd.distill import agentic
+from opd.distill.batch import Batch, trimmed
 from opd.distill.context import support_k
 from opd.distill.loss import common_vocabulary
 from opd.kernels import distill_loss
@@ -43,8 +46,8 @@ def _evaluate(tr) -> dict:
                             seed=cfg.run.seed + 12_345, share=(world.rank * len(mine), len(prompts.eval_samples))
                             if world.sharded else None, topk=support_k(cfg.merge.teachers))
     rollouts = tr.engine.generate([tr.encode(s) for s in samples], params)
-    keep = [tr.trim(ro.response_ids) for ro in rollouts]
-    batch = tr._submit(Batch(index=-1, samples=samples, routes=routes, rollouts=rollouts, keep=keep,
+    keep, masks = trimmed(rollouts, tr.trim)
+    batch = tr._submit(Batch(index=-1, samples=samples, routes=routes, rollouts=rollouts, keep=keep, masks=masks,
                              policy_version=tr.version))
     answers = tr.teachers.answers(batch.futures)
     tally = DomainTally()
@@ -52,19 +55,20 @@ def _evaluate(tr) -> dict:
         tally.add_response(route.domain, ro.response_ids, ro.finish_reason)
     scores: dict[str, list[float]] = {}
     if tr.verify is not None and real:
-        texts = [tr.tok.decode(ro.response_ids, skip_special_tokens=True) for ro in rollouts[:real]]
+        texts = [ro.text(tr.tok) for ro in rollouts[:real]]
         for route, v in zip(routes, tr.verify(samples[:real], texts)):
             if v is not None:
                 scores.setdefault(route.domain, []).append(float(v))
-    _divergences(tr, batch, answers, keep, real, tally)
+    _divergences(tr, batch, answers, real, tally)
     tr.teachers.finish(answers)
-    parts = world.gather((tally.plain(), scores, [len(ro.response_ids) for ro in rollouts[:real]]))
-    tally = DomainTally.merged([t for t, _, _ in parts])
+    parts = world.gather((tally.plain(), scores, [len(ro.response_ids) for ro in rollouts[:real]],
+                          agentic.sums(rollouts[:real])))
+    tally = DomainTally.merged([t for t, *_ in parts])
     scores = {}
-    for _, part, _ in parts:
+    for _, part, *_ in parts:
         for d, v in part.items():
             scores.setdefault(d, []).extend(v)
-    lengths = [n for *_, ns in parts for n in ns]
+    lengths = [n for _, _, ns, _ in parts for n in ns]
     diag = tally.metrics(tr.stop_ids, cfg.run.ngram, prefix="eval")
     row = {k: v for k, v in diag.items() if not k.endswith("loss_share")}
     kl = tally.row_mean("kl")
@@ -74,6 +78,10 @@ def _evaluate(tr) -> dict:
         if f"eval/{d}/kl" in diag:
             row[f"eval/kl/{d}"] = diag[f"eval/{d}/kl"]
     row["eval/response_len"] = sum(lengths) / len(lengths)
+    sums = [0.0] * len(agentic.SUMS)
+    for *_, part in parts:
+        sums = agentic.add(sums, part)
+    row.update(agentic.means(sums, prefix="eval/agent/"))
     if scores:
         # Accuracy counts fully correct answers (score 1); the mean verifier score, with a code
         # answer's partial credit for the share of tests it passes, is its own metric.
@@ -88,9 +96,9 @@ def _evaluate(tr) -> dict:
     return row
 
 
-def _divergences(tr, batch: Batch, answers: dict, keep: list[int], real: int, tally: DomainTally) -> None:
+def _divergences(tr, batch: Batch, answers: dict, real: int, tally: DomainTally) -> None:
     """Each teacher's divergence (the training one, no T^2) and top-k overlap on the student's
-    rows of the first `real` sequences, micro-batch by micro-batch (one forward each, rows or
+    rows (a trajectory's own tokens) of the first `real` sequences, micro-batch by micro-batch (one forward each, rows or
     not: the ranks of a sharded student run as many)."""
     rollouts, mb = batch.rollouts, tr.cfg.optim.micro_batch_size
     first_row = {t: {seq: answers[t].row_offsets[j] for j, seq in enumerate(seqs)} for t, seqs in batch.members.items()}
@@ -98,13 +106,14 @@ def _divergences(tr, batch: Batch, answers: dict, keep: list[int], real: int, ta
     tr.model.eval()
     for a in range(0, len(rollouts), mb):
         seqs = list(range(a, min(a + mb, len(rollouts))))
-        packed = pack([rollouts[s].prompt_ids for s in seqs], [rollouts[s].response_ids[:keep[s]] for s in seqs],
-                      tr.tok.pad_token_id)
+        kept = [rollouts[s].response_ids[:batch.keep[s]] for s in seqs]
+        packed = pack([rollouts[s].prompt_ids for s in seqs], kept, tr.tok.pad_token_id,
+                      [batch.row_mask(s) for s in seqs])
         logits = student_rows(tr.model, packed, fused=False).float()
         for t in batch.members:
             spec, ans = tr.teachers.specs[t], answers[t]
             for j, s in enumerate(seqs):
-                n = keep[s]
+                n = batch.rows(s)
                 if n == 0 or s >= real or s not in first_row[t]:
                     continue
                 rows = logits[packed.row_offsets[j]:packed.row_offsets[j] + n]

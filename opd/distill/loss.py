@@ -6,8 +6,9 @@ L^d is the mean loss (per token or per sequence, `loss.length_norm`) of the resp
 routed to domain d, each row's loss the divergence to its teacher (top-k with the tail bucket,
 full vocabulary, or the sampled-token reverse-KL advantage) times that teacher's weight and
 share of the sample (opd.spine.rows.row_weights). Rows come from opd.kernels, on the student's
-response rows only: prompt and padding are never scored, and the rows past the answer's end
-were trimmed before the teachers saw them.
+response rows only: prompt and padding are never scored, the rows past the answer's end
+were trimmed before the teachers saw them, and a multi-turn trajectory's rows are its own
+tokens (its tool observations are context: `Batch.row_mask`, opd.spine.rows.pack).
 
 With `rewards`, every response token also carries alpha times its sequence's group advantage
 as a policy-gradient term (opd.spine.objective, the same maths `opd rl` adds teachers with),
@@ -86,9 +87,9 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
     and backward, rows or not, since a sharded model's passes are collectives. stale: the batch
     was sampled by older weights than those trained (its rows get importance weights)."""
     responses = batch.responses()
-    offsets = [0]
-    for r in responses:
-        offsets.append(offsets[-1] + len(r))
+    offsets = [0]   # each sequence's rows: its kept tokens the model sampled
+    for s in range(len(responses)):
+        offsets.append(offsets[-1] + batch.rows(s))
     domains = [batch.route_of(s).domain for s in range(len(responses))]
     counts = world.sum(group_counts(offsets, domains)) if world.sharded else None
     weights_N = row_weights(offsets, domains, lam, cfg.loss.length_norm, counts) * scale
@@ -98,7 +99,8 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
     mb = cfg.optim.micro_batch_size
     for a in range(0, len(responses), mb):
         seqs = list(range(a, min(a + mb, len(responses))))
-        packed = pack([batch.rollouts[s].prompt_ids for s in seqs], [responses[s] for s in seqs], pad_id)
+        packed = pack([batch.rollouts[s].prompt_ids for s in seqs], [responses[s] for s in seqs], pad_id,
+                      [batch.row_mask(s) for s in seqs])
         if packed.row_offsets[-1] == 0 and not world.sharded:
             continue
         rows = student_rows(model, packed, fused=cfg.loss.fused_linear)
@@ -208,7 +210,7 @@ def sft_mix(model, tokenizer, pairs, lambda_sft: float, scale: float, world: Wor
     """merge.sft's cross-entropy on reference responses (prompt masked, EOS appended), backward
     at weight lambda_sft * scale; returns the unweighted loss (of the whole step's pairs when
     `pairs` is this rank's share of them)."""
-    prompts = [encode_prompt(tokenizer, s.prompt) for s in pairs]
+    prompts = [encode_prompt(tokenizer, s.chat) for s in pairs]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     responses = [tokenizer(s.response, add_special_tokens=False)["input_ids"] + eos for s in pairs]
     tokens = world.sum({"n": float(sum(map(len, responses)))})["n"] if world.sharded else None

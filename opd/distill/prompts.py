@@ -2,8 +2,9 @@
 
 Every prompt file of `merge.datasets` (and its `eval_path`) is read, each prompt is routed
 once at load (a prompt no rule decides is refused here, not when its batch comes hours into a
-run), and a prompt that leaves no room for `rollout.max_new_tokens` within the positions of
-the student and of the teachers it is routed to is refused (`run.on_data_error: stop`) or left
+run), and a prompt that leaves no room for `rollout.max_new_tokens` (with `agent`: for
+`agent.max_tokens`, the whole trajectory) within the positions of the student and of the
+teachers it is routed to is refused (`run.on_data_error: stop`) or left
 out and said in the card (`skip`). The training prompts feed a MixtureSampler in the datasets'
 ratios; the held-out ones are picked round-robin over domains; `merge.sft` is cycled.
 """
@@ -33,9 +34,10 @@ class Prompts:
 
 
 def load_prompts(cfg, tokenizer, base_dir: str | Path, student_positions: int,
-                 teacher_positions: dict[str, int]) -> Prompts:
+                 teacher_positions: dict[str, int], tools: list[dict] | None = None) -> Prompts:
     """`cfg`: the TrainConfig. student_positions / teacher_positions: the positions the student
-    and each teacher take (0 or left out: not said)."""
+    and each teacher take (0 or left out: not said). tools: the agent's tool schemas, which the
+    prompts (and the teachers' contexts) are rendered with."""
     files: list[tuple[str, str, list[Sample], bool]] = []   # (domain, path, samples, held out)
     reports: dict[str, LoadReport] = {}
     for d in cfg.merge.datasets:
@@ -53,9 +55,10 @@ def load_prompts(cfg, tokenizer, base_dir: str | Path, student_positions: int,
             routed = [router.route(s) for s in samples]
         except RoutingError as e:
             raise TrainError(f"{path}: {e}") from None
-        kept = _fit_length(cfg, tokenizer, samples, routed, path, student_positions, teacher_positions, warnings)
+        kept = _fit_length(cfg, tokenizer, samples, routed, path, student_positions, teacher_positions, warnings,
+                           tools)
         check_contexts({t.name: t for t in cfg.merge.teachers}, tokenizer, [s for s, _ in kept], [r for _, r in kept],
-                       path, teacher_positions, cfg.rollout.max_new_tokens)
+                       path, teacher_positions, cfg.response_budget(), tools)
         routes.update((id(s), r) for s, r in kept)   # kept samples live for the run: their ids stay theirs
         (eval_sets if held_out else datasets).setdefault(domain, []).extend(s for s, _ in kept)
     sampler = MixtureSampler(datasets, {d.domain: d.ratio for d in cfg.merge.datasets}, seed=cfg.run.seed)
@@ -87,9 +90,11 @@ def make_router(merge, sample_domains: set[str], base_dir: str | Path) -> Router
 
 
 def _fit_length(cfg, tokenizer, samples: list[Sample], routes: list[Route], path: str, student: int,
-                teachers: dict[str, int], warnings: list[str]) -> list[tuple[Sample, Route]]:
-    """The (sample, route) pairs whose prompt leaves room for rollout.max_new_tokens within the
-    positions of the student and of the teachers the sample is routed to."""
+                teachers: dict[str, int], warnings: list[str], tools: list[dict] | None = None
+                ) -> list[tuple[Sample, Route]]:
+    """The (sample, route) pairs whose prompt (rendered with the agent's `tools`) leaves room for
+    the response budget (rollout.max_new_tokens, or agent.max_tokens) within the positions of
+    the student and of the teachers the sample is routed to."""
     def limit(route: Route) -> tuple[str, int] | None:
         """(who, positions): the smallest limit this sample meets, None when none is said."""
         named = {f"teacher {t!r}": n for t, n in teachers.items() if t in route.weights}
@@ -97,19 +102,19 @@ def _fit_length(cfg, tokenizer, samples: list[Sample], routes: list[Route], path
             named["the student"] = student
         return min(named.items(), key=lambda kv: kv[1]) if named else None
 
-    new = cfg.rollout.max_new_tokens
+    key, new = cfg.response_budget()
     limits = [limit(r) for r in routes]
-    lengths = [len(encode_prompt(tokenizer, s.prompt)) if lim else 0 for s, lim in zip(samples, limits)]
+    lengths = [len(encode_prompt(tokenizer, s.chat, tools=tools)) if lim else 0 for s, lim in zip(samples, limits)]
     long = [i for i, (n, lim) in enumerate(zip(lengths, limits)) if lim and n > lim[1] - new]
     if long:
         who, n = limits[long[0]]
-        msg = (f"{path}: {len(long)} of {len(samples)} prompts leave no room for rollout.max_new_tokens ({new}) "
+        msg = (f"{path}: {len(long)} of {len(samples)} prompts leave no room for {key} ({new}) "
                f"within the positions their teacher or the student takes (first: "
                f"{samples[long[0]].prompt[:60]!r}, {lengths[long[0]]} tokens; {who} takes {n})")
         if len(long) == len(samples):
-            raise TrainError(f"{msg}: no prompt of the file fits; shorten them or lower rollout.max_new_tokens")
+            raise TrainError(f"{msg}: no prompt of the file fits; shorten them or lower {key}")
         if cfg.run.on_data_error == "stop":
-            raise TrainError(f"{msg}; shorten them, lower rollout.max_new_tokens, or set run.on_data_error: "
+            raise TrainError(f"{msg}; shorten them, lower {key}, or set run.on_data_error: "
                              f"skip to leave them out")
         print(f"warning: {msg}; left out (run.on_data_error: skip)", flush=True)
         warnings.append(f"{msg}; left out")

@@ -12,6 +12,9 @@ Metrics of one step (metrics.jsonl; `diag/<domain>/...` from opd.diagnostics):
     with rewards: reward/mean, reward_loss, signal/reward, signal/teacher (mean |advantage| or
     divergence per token of each signal, so that one drowning the other shows)
     rows sampled by older weights: is/ratio_mean, is/ratio_max, is/cut_share (opd.spine.objective)
+    with agent: agent/turns, agent/tool_calls, agent/tool_failure_share, agent/observation_tokens,
+    agent/turn_limit_rate (opd.agent.loop.trajectory_metrics), masked_tokens (the step's tool
+    observation tokens: context, neither trained nor scored); tokens counts the rows trained
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opd.diagnostics import DomainTally
+from opd.distill import agentic
 from opd.routing.normalize import lopsided
 from opd.spine.objective import drowned
 
@@ -41,8 +45,10 @@ def _merge_importance(a: list[float], b: list[float]) -> list[float]:
 class StepStats:
     tally: DomainTally = field(default_factory=DomainTally)
     loss: float = 0.0
-    tokens: int = 0                 # response tokens trained on (after trimming)
-    response_tokens: int = 0        # response tokens sampled
+    tokens: int = 0                 # response tokens trained on (after trimming): the rows
+    response_tokens: int = 0        # response tokens sampled (by the model: no tool observation)
+    masked: int = 0                 # response tokens the model did not sample (tool observations)
+    agent: list[float] = field(default_factory=lambda: [0.0] * len(agentic.SUMS))   # agentic.SUMS
     responses: int = 0
     rollout_s: float = 0.0          # sampling (and sending) the step's batches
     wait_s: float = 0.0             # blocked on teacher answers
@@ -75,9 +81,12 @@ class StepStats:
             self.tally.add_response(route.domain, ro.response_ids, ro.finish_reason)
             for t, w in route.weights.items():
                 self.routed[t] = self.routed.get(t, 0.0) + w
-        self.tokens += sum(batch.keep)
-        self.response_tokens += sum(len(ro.response_ids) for ro in batch.rollouts)
+        self.tokens += sum(batch.rows(s) for s in range(len(batch.rollouts)))
+        sampled = sum(sum(ro.sampled()) for ro in batch.rollouts)
+        self.response_tokens += sampled
+        self.masked += sum(len(ro.response_ids) for ro in batch.rollouts) - sampled
         self.responses += len(batch.rollouts)
+        self.agent = agentic.add(self.agent, agentic.sums(batch.rollouts))
 
     def add_teacher_rows(self, teacher: str, row_domain: list[str], weighted: torch.Tensor, kl: torch.Tensor,
                          overlap: torch.Tensor | None, tail: torch.Tensor | None, lam: dict[str, float]) -> None:
@@ -109,6 +118,8 @@ class StepStats:
             out.loss += p["loss"]
             out.tokens += p["tokens"]
             out.response_tokens += p["response_tokens"]
+            out.masked += p["masked"]
+            out.agent = agentic.add(out.agent, p["agent"])
             out.responses += p["responses"]
             out.latencies += p["latencies"]
             out.sft_losses = p["sft_losses"]   # already the whole step's (opd.distill.loss.sft_mix)
@@ -150,6 +161,9 @@ class StepStats:
         if self.response_tokens:   # dense supervision on the tail after an answer is noise: cut
             row["trimmed_share"] = 1.0 - self.tokens / self.response_tokens
         row.update({f"routed/{t}": n for t, n in self.routed.items()})
+        if self.agent[0]:   # multi-turn trajectories (opd.distill.agentic)
+            row.update(agentic.means(self.agent))
+            row["masked_tokens"] = self.masked
         if self.rewards:
             row["reward/mean"] = sum(self.rewards) / len(self.rewards)
             row["reward_loss"] = self.reward_loss
@@ -182,6 +196,7 @@ class History:
     staleness: list[int] = field(default_factory=list)
     importance: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])  # [sum, max, cut, rows]
     trimmed: list[int] = field(default_factory=lambda: [0, 0])   # [response tokens trimmed, sampled]
+    agent: list[float] = field(default_factory=lambda: [0.0] * len(agentic.SUMS))   # agentic.SUMS, the run's
     evals: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     quiet: bool = False                         # a rank other than 0: keeps the warnings, prints none
@@ -195,6 +210,7 @@ class History:
         self.importance = _merge_importance(self.importance, stats.importance)
         self.trimmed[0] += stats.response_tokens - stats.tokens
         self.trimmed[1] += stats.response_tokens
+        self.agent = agentic.add(self.agent, stats.agent)
         for t, w in stats.routed.items():
             self.teacher_samples[t] = self.teacher_samples.get(t, 0.0) + w
         for t, (total, rows) in stats.tail.items():
@@ -216,7 +232,8 @@ class History:
 
     def state(self) -> dict:
         return {"teacher_samples": self.teacher_samples, "tail_mass": self.tail_mass, "staleness": self.staleness,
-                "importance": self.importance, "trimmed": self.trimmed, "evals": self.evals, "warnings": self.warnings}
+                "importance": self.importance, "trimmed": self.trimmed, "agent": self.agent, "evals": self.evals,
+                "warnings": self.warnings}
 
     def load_state(self, state: dict) -> None:
         """A checkpoint's history; this session's warnings so far (a resume's own) follow it."""
@@ -225,5 +242,6 @@ class History:
         self.staleness = state["staleness"]
         self.importance = list(state.get("importance", [0.0, 0.0, 0.0, 0.0]))
         self.trimmed = list(state.get("trimmed", [0, 0]))
+        self.agent = list(state.get("agent", [0.0] * len(agentic.SUMS)))
         self.evals = state["evals"]
         self.warnings = state["warnings"] + [w for w in self.warnings if w not in state["warnings"]]

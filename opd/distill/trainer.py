@@ -11,6 +11,8 @@ One optimizer step (`Trainer.step`, read top to bottom):
      engine receives the new weights (weight sync).
 With `rewards`, step 2 also scores each response with the verifiers and gives it its group's
 advantage, which joins the teachers' signal in step 4 (opd.spine.objective).
+With `agent`, step 1 samples multi-turn trajectories with tools (opd.distill.agentic), whose
+rows are the model's own tokens alone.
 With `run.max_staleness: K`, step 1 runs in a thread of its own with its own copy of the weights,
 up to K optimizer steps ahead (opd.distill.ahead), and step 5 hands it the new weights.
 Otherwise, with `run.pipeline`, steps 1-2 of the NEXT batch happen before steps 3-4 of the current one
@@ -34,8 +36,9 @@ from tqdm import tqdm
 
 from opd.config import to_dict
 from opd.data import encode_prompt
+from opd.distill import agentic
 from opd.distill.ahead import RunAhead, load_into, own_copy
-from opd.distill.batch import Batch, Prefetcher
+from opd.distill.batch import Batch, Prefetcher, trimmed
 from opd.distill.card import write_train_card
 from opd.distill.context import support_k, teacher_inputs
 from opd.distill.config import TrainConfig
@@ -67,8 +70,10 @@ __all__ = ["Trainer", "TrainError"]
 RESUME_FIXED = ("student.path", "student.dtype", "student.lora", "student.lora.*", "merge.teachers.*",
                 "merge.datasets", "merge.routing.*", "merge.sft", "merge.sft.*", "merge.domain_weights*",
                 "merge.normalize*", "loss.*", "rollout.temperature", "rollout.top_p", "rollout.samples_per_prompt",
-                "rollout.prompts_per_step", "rollout.max_new_tokens", "run.seed", "rewards", "rewards.*")
-RESUME_FREE = ("merge.teachers.*.address", "merge.teachers.*.curve_server_key", "loss.impl", "loss.fused_linear")
+                "rollout.prompts_per_step", "rollout.max_new_tokens", "run.seed", "rewards", "rewards.*", "agent",
+                "agent.*")
+RESUME_FREE = ("merge.teachers.*.address", "merge.teachers.*.curve_server_key", "loss.impl", "loss.fused_linear",
+               "agent.workers")
 NONFINITE_HINT = "Check the domain's teachers (probe them with `opd probe`), optim.lr, and student.dtype"
 PLOTS = {"loss": ["loss", "sft_loss"], "kl": ["kl", "eval/kl"], "response_length": ["response_len", "eval/response_len"],
          "eval_accuracy": ["eval/accuracy"]}
@@ -126,9 +131,10 @@ class Trainer:
             raise TrainError(f"loss.fused_linear: student {cfg.student.path}: {FUSED_REFUSED}")
         self.student_model_fp = model_fingerprint(cfg.student.path)
         teacher_positions = {t: self.teachers.welcome(t).max_positions for t in self.teachers.specs}
+        self.tools = agentic.schemas(cfg, self.tok, self.base_dir)   # None: single-turn rollouts
         self.prompts = load_prompts(cfg, self.tok, self.base_dir,
                                     getattr(self.model.config, "max_position_embeddings", 0) or 0,
-                                    {t: n for t, n in teacher_positions.items() if n > 0})
+                                    {t: n for t, n in teacher_positions.items() if n > 0}, self.tools)
         self.history.warnings += self.prompts.warnings
         self.reward = build_reward(cfg.rewards, base_dir=self.base_dir) if cfg.rewards else None
         if cfg.rewards:
@@ -144,7 +150,8 @@ class Trainer:
                                    enabled=cfg.run.pipeline and cfg.run.max_staleness is None)
         state = self.run_dir.restore(self.model, self.optimizer, self.scheduler)
         self._restore(state)
-        self.engine = make_engine(cfg.rollout, cfg.student, self.model, self.tok, seed=cfg.run.seed, world=world)
+        self.engine = agentic.wrap(cfg, make_engine(cfg.rollout, cfg.student, self.model, self.tok, seed=cfg.run.seed,
+                                                    world=world), self.tok, self.stop_ids, self.base_dir)
         self.ahead = self._run_ahead(state.get("ahead", [])) if cfg.run.max_staleness is not None else None
         self.metrics = self.run_dir.metrics(tensorboard=cfg.run.tensorboard)
 
@@ -224,6 +231,7 @@ class Trainer:
         if cfg.rollout.engine == "hf":
             copy = own_copy(self.model)
             engine, load = make_engine(cfg.rollout, cfg.student, copy, self.tok, seed=cfg.run.seed), load_into(copy)
+            engine = agentic.wrap(cfg, engine, self.tok, self.stop_ids, self.base_dir)
         else:
             engine, load = self.engine, None
         ahead = RunAhead(self._sample_batch, engine, max_staleness=cfg.run.max_staleness,
@@ -244,19 +252,24 @@ class Trainer:
                                 n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches, share=share,
                                 topk=support_k(self.cfg.merge.teachers))
         rollouts = (engine or self.engine).generate([self.encode(s) for s in samples], params)
+        keep, masks = trimmed(rollouts, self.trim)
         batch = Batch(index=self.batches, samples=samples, routes=[self.prompts.routes[id(s)] for s in samples],
-                      rollouts=rollouts, keep=[self.trim(ro.response_ids) for ro in rollouts],
+                      rollouts=rollouts, keep=keep, masks=masks,
                       policy_version=self.version if version is None else version)
         self.batches += 1
         return batch
 
     def _submit(self, batch: Batch) -> Batch:
-        """Send every teacher the sequences routed to it (prompt + trimmed response)."""
-        for t, (sequences, starts) in batch.requests().items():
+        """Send every teacher the sequences routed to it (prompt + trimmed response; multi-turn:
+        with the rows it scores, protocol 2.5)."""
+        for t, (sequences, starts, rows) in batch.requests().items():
             seqs = batch.members[t]   # what the teacher sees besides them, and where it looks (protocol 2.4)
             extra = teacher_inputs(self.teachers.specs[t], self.tok, [batch.samples[batch.rollouts[s].prompt_index]
                                                                       for s in seqs],
-                                   [batch.rollouts[s] for s in seqs], [batch.keep[s] for s in seqs])
+                                   [batch.rollouts[s] for s in seqs], [batch.keep[s] for s in seqs], rows,
+                                   self.tools)
+            if rows is not None:   # a single-turn request stays what a 2.4 server reads
+                extra["rows"] = rows
             batch.futures[t] = self.teachers.request(t, sequences, starts, **extra)
         return batch
 
@@ -322,9 +335,10 @@ class Trainer:
         return bool(every and step % every == 0) or step == self.cfg.run.steps
 
     def encode(self, sample) -> list[int]:
-        return encode_prompt(self.tok, sample.prompt)
+        return encode_prompt(self.tok, sample.chat, tools=self.tools)
 
     def trim(self, response: list[int]) -> int:
+        """Kept tokens of one turn's ids (loss.trim); a trajectory's turns each (trim_turns)."""
         loss = self.cfg.loss
         return trim_length(response, eos_ids=self.stop_ids, trim=loss.trim, marker=loss.answer_end_marker,
                            tokenizer=self.tok)
@@ -390,7 +404,7 @@ class Trainer:
             steps=self.steps_done,
             skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
                            for p, r in self.prompts.reports.items() if r.skipped},
-            trimmed=h.trimmed, ranks=self.world.size, memory=memory, importance=h.importance)
+            trimmed=h.trimmed, ranks=self.world.size, memory=memory, importance=h.importance, agent=h.agent)
         return {"step": self.steps_done, "evals": h.evals, "out_dir": str(self.out)}
 
     def close(self) -> None:
