@@ -28,6 +28,7 @@ from pathlib import Path
 from opd.agent.calls import parse_calls
 from opd.agent.chat import observation_ids
 from opd.agent.config import AgentConfig
+from opd.agent import totals
 from opd.agent.tools import Toolbox, build_toolbox
 from opd.rollout.base import Rollout, RolloutEngine, SamplingParams, prompt_seed
 
@@ -155,11 +156,4 @@ def build_agent(cfg: AgentConfig, engine: RolloutEngine, tokenizer, stop_ids: se
 def trajectory_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """Means over a batch's trajectories: turns, tool calls, the share of calls that failed,
     observation tokens (masked: neither trained nor scored), and how often max_turns cut one."""
-    metas = [r.meta for r in rollouts if "turns" in r.meta]
-    if not metas:
-        return {}
-    n, calls = len(metas), sum(m["tool_calls"] for m in metas)
-    return {"agent/turns": sum(m["turns"] for m in metas) / n, "agent/tool_calls": calls / n,
-            "agent/tool_failure_share": sum(m["tool_failures"] for m in metas) / calls if calls else 0.0,
-            "agent/observation_tokens": sum(m["observation_tokens"] for m in metas) / n,
-            "agent/turn_limit_rate": sum(bool(m["turn_limit"]) for m in metas) / n}
+    return totals.metrics(totals.sums(rollouts))

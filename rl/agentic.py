@@ -15,7 +15,7 @@ trajectory of the policy's turns and the tool observations between them, one Rol
     metrics    opd.agent.loop.trajectory_metrics per step (eval/agent/* on the held-out
                prompts), length/sampled_mean beside length/mean (the trajectory's tokens)
     card       the agent section: tools, limits, and what the run's trajectories did, from
-               SUMS kept in every checkpoint (`facts`)
+               opd.agent.totals' sums kept in every checkpoint (`facts`)
 """
 
 from __future__ import annotations
@@ -23,29 +23,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from opd.agent.config import AgentConfig
+from opd.agent import totals
 from opd.agent.loop import AgentEngine, trajectory_metrics
-from opd.agent.tools import Toolbox, build_toolbox
+from opd.agent.tools import Toolbox
 from opd.config import ConfigError
 from opd.rollout.base import RolloutEngine, eos_ids
 
-# The run's totals over its trajectories, in this order (the card's figures; in every checkpoint).
-SUMS = ("trajectories", "turns", "tool_calls", "tool_failures", "observation_tokens", "turn_limits",
-        "sampled_tokens")
-
 
 def toolbox(agent: AgentConfig | None, tokenizer, model_path, base_dir: str | Path | None) -> Toolbox | None:
-    """The tools of `agent` (None without it), FILE.py paths relative to the config's folder. A
-    tool that cannot be described, or a tokenizer without a chat template to render the tools,
-    the calls and their answers, stops the run here, before the first rollout."""
-    if agent is None:
-        return None
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"agent: the tokenizer of {model_path} has no chat template; multi-turn rollouts "
-                          f"render the tools, the tool calls and their answers with one")
+    """The tools of `agent` (None without it), FILE.py paths relative to the config's folder; a
+    ConfigError before the first rollout when they cannot be built or rendered (opd.agent.totals)."""
     try:
-        return build_toolbox(agent, base_dir or ".")
+        return totals.toolbox(agent, tokenizer, model_path, base_dir or ".")
     except ValueError as e:
-        raise ConfigError(f"agent.tools: {e}") from None
+        raise ConfigError(str(e) if str(e).startswith("agent") else f"agent.tools: {e}") from None
 
 
 def wrap(agent: AgentConfig | None, engine: RolloutEngine, box: Toolbox | None, tokenizer,
@@ -112,35 +103,15 @@ def step_metrics(rollouts, prefix: str = "") -> dict[str, float]:
 
 
 def sums(rollouts, before: list[float] | None = None) -> list[float]:
-    """SUMS over a batch's trajectories, added to `before` (a run's totals so far)."""
-    metas = [(r.meta, r) for r in rollouts if "turns" in r.meta]
-    now = [float(len(metas)), *(float(sum(m[k] for m, _ in metas)) for k in
-                                ("turns", "tool_calls", "tool_failures", "observation_tokens")),
-           float(sum(bool(m["turn_limit"]) for m, _ in metas)), float(sum(sum(r.sampled()) for _, r in metas))]
-    return now if before is None else [a + b for a, b in zip(before, now)]
+    """opd.agent.totals.sums of a batch's trajectories, added to `before` (the run's so far)."""
+    now = totals.sums(rollouts)
+    return now if before is None else totals.add(before, now)
 
 
-def facts(cfg, totals: list[float] | None) -> dict:
-    """The card's `agent` section: the tools and limits, the shaping, and over the run: turns
-    per trajectory, tool calls and their failure share, observation tokens (masked: neither
-    trained nor scored), the turn-limit hit rate."""
-    a = cfg.agent
-    s = dict(zip(SUMS, totals or [0.0] * len(SUMS)))
-    out = {"tools": [t.function if t.name is None else f"{t.function} (called {t.name!r})" for t in a.tools],
-           "max_turns": a.max_turns, "max_tokens (trajectory after its prompt)": a.max_tokens,
-           "max_new_tokens per turn": cfg.rollout.max_new_tokens,
-           "tool limits": f"{a.timeout_s} s, {a.memory_mb} MiB a call; answers cut at {a.max_output_chars} characters",
-           "trained tokens": "the policy's own turns; tool observations and the template between turns are "
-                             "context (mask 0), the episode's advantage on every sampled token",
-           "shaping": ({"valid_call": cfg.agent_shaping.valid_call, "failed_call": cfg.agent_shaping.failed_call,
-                        "turn_limit": cfg.agent_shaping.turn_limit} if cfg.agent_shaping is not None else "none")}
-    n, calls = s["trajectories"], s["tool_calls"]
-    if not n:
-        return {**out, "trajectories": 0}
-    return {**out, "trajectories": int(n), "turns per trajectory": s["turns"] / n,
-            "tool calls per trajectory": calls / n,
-            "tool failure share": s["tool_failures"] / calls if calls else 0.0,
-            "observation tokens masked": f"{int(s['observation_tokens'])} "
-                                         f"({s['observation_tokens'] / n:.4g} per trajectory)",
-            "sampled tokens per trajectory": s["sampled_tokens"] / n,
-            "turn-limit hit rate": s["turn_limits"] / n}
+def facts(cfg, run_totals: list[float] | None) -> dict:
+    """The card's `agent` section (opd.agent.totals.card), with the shaping and the credit."""
+    shape = cfg.agent_shaping
+    return {**totals.card(cfg.agent, cfg.rollout.max_new_tokens, run_totals),
+            "credit": "the episode's group advantage on every sampled token",
+            "shaping": ({"valid_call": shape.valid_call, "failed_call": shape.failed_call,
+                         "turn_limit": shape.turn_limit} if shape is not None else "none")}

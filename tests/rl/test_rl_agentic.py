@@ -276,7 +276,7 @@ def check_trajectories(rows: list[dict], card: dict, steps: int) -> None:
     assert "eval/agent/turns" in rows[-1] and "eval/reward" in rows[-1]
     agent = card["agent"]
     assert agent["tools"] == ["calculator"] and agent["max_turns"] == 2
-    assert agent["max_tokens (trajectory after its prompt)"] == 240
+    assert agent["max_tokens (a trajectory after its prompt)"] == 240
     assert agent["trajectories"] == steps * 8
     assert agent["turns per trajectory"] == pytest.approx(1.5)
     assert agent["tool calls per trajectory"] == pytest.approx(0.5)
