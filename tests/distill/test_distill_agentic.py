@@ -12,6 +12,7 @@ import torch
 from opd.agent.config import AgentConfig, ToolSpec
 from opd.agent.loop import trajectory_metrics
 from opd.agent.tools import build_toolbox
+from opd.checkpoint import CheckpointError
 from opd.config import from_dict
 from opd.data import encode_prompt, write_jsonl
 from opd.distill import agentic
@@ -182,7 +183,11 @@ def _train_and_check(setup, name, monkeypatch, **rollout):
 
 
 def test_agentic_trajectories_train_on_their_own_tokens_end_to_end(setup, monkeypatch):
-    _train_and_check(setup, "hf", monkeypatch)
+    trainer = _train_and_check(setup, "hf", monkeypatch)
+    # agent.* defines the trajectories trained on: a resume under other limits is refused
+    cfg = replace(trainer.cfg, agent=replace(trainer.cfg.agent, max_turns=2))
+    with pytest.raises(CheckpointError, match=r"agent.max_turns: 3 -> 2"):
+        Trainer(cfg, resume=True).run()
 
 
 @pytest.mark.vllm
