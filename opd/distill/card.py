@@ -57,7 +57,7 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
     `trimmed`: [response tokens trimmed after the answer, response tokens sampled] over the run;
     `skipped_lines`: {file: {loaded, skipped, first}} for files with malformed lines skipped;
     `importance`: [sum of the importance ratios, their max, rows cut by the correction, rows];
-    `agent`: the run's trajectory sums (opd.distill.agentic.SUMS), stated with `cfg.agent`."""
+    `agent`: the run's trajectory sums (opd.agent.totals.sums), stated with `cfg.agent`."""
     total = sum(teacher_samples.values()) or 1.0
     st = staleness or [0]
     lora = cfg.student.lora

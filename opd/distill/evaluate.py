@@ -78,10 +78,10 @@ def _evaluate(tr) -> dict:
         if f"eval/{d}/kl" in diag:
             row[f"eval/kl/{d}"] = diag[f"eval/{d}/kl"]
     row["eval/response_len"] = sum(lengths) / len(lengths)
-    sums = [0.0] * len(agentic.SUMS)
+    sums = agentic.zeros()
     for *_, part in parts:
         sums = agentic.add(sums, part)
-    row.update(agentic.means(sums, prefix="eval/agent/"))
+    row.update(agentic.metrics(sums, prefix="eval/agent/"))
     if scores:
         # Accuracy counts fully correct answers (score 1); the mean verifier score, with a code
         # answer's partial credit for the share of tests it passes, is its own metric.

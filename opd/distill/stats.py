@@ -48,7 +48,7 @@ class StepStats:
     tokens: int = 0                 # response tokens trained on (after trimming): the rows
     response_tokens: int = 0        # response tokens sampled (by the model: no tool observation)
     masked: int = 0                 # response tokens the model did not sample (tool observations)
-    agent: list[float] = field(default_factory=lambda: [0.0] * len(agentic.SUMS))   # agentic.SUMS
+    agent: list[float] = field(default_factory=lambda: agentic.zeros())   # opd.agent.totals' sums
     responses: int = 0
     rollout_s: float = 0.0          # sampling (and sending) the step's batches
     wait_s: float = 0.0             # blocked on teacher answers
@@ -162,7 +162,7 @@ class StepStats:
             row["trimmed_share"] = 1.0 - self.tokens / self.response_tokens
         row.update({f"routed/{t}": n for t, n in self.routed.items()})
         if self.agent[0]:   # multi-turn trajectories (opd.distill.agentic)
-            row.update(agentic.means(self.agent))
+            row.update(agentic.metrics(self.agent))
             row["masked_tokens"] = self.masked
         if self.rewards:
             row["reward/mean"] = sum(self.rewards) / len(self.rewards)
@@ -196,7 +196,7 @@ class History:
     staleness: list[int] = field(default_factory=list)
     importance: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])  # [sum, max, cut, rows]
     trimmed: list[int] = field(default_factory=lambda: [0, 0])   # [response tokens trimmed, sampled]
-    agent: list[float] = field(default_factory=lambda: [0.0] * len(agentic.SUMS))   # agentic.SUMS, the run's
+    agent: list[float] = field(default_factory=lambda: agentic.zeros())   # opd.agent.totals' sums, the run's
     evals: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     quiet: bool = False                         # a rank other than 0: keeps the warnings, prints none
@@ -242,6 +242,6 @@ class History:
         self.staleness = state["staleness"]
         self.importance = list(state.get("importance", [0.0, 0.0, 0.0, 0.0]))
         self.trimmed = list(state.get("trimmed", [0, 0]))
-        self.agent = list(state.get("agent", [0.0] * len(agentic.SUMS)))
+        self.agent = list(state.get("agent", agentic.zeros()))
         self.evals = state["evals"]
         self.warnings = state["warnings"] + [w for w in self.warnings if w not in state["warnings"]]

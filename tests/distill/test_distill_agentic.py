@@ -21,6 +21,7 @@ from opd.distill.teachers import TeacherSet
 from opd.distill.trainer import Trainer, TrainError
 from opd.metrics import read_metrics
 from opd.spine.rows import trim_turns
+from opd.tiny import build_tokenizer
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -170,12 +171,17 @@ def _train_and_check(setup, name, monkeypatch, **rollout):
     evals = [r for r in read_metrics(out / "metrics.jsonl") if "eval/kl" in r]
     assert len(evals) == 2 and all("eval/agent/turns" in r for r in evals)
     card = json.loads((out / "card.json").read_text())["agent"]
-    assert card["tools"] == ["calculator"] and card["max_turns"] == 3 and card["max_tokens"] == 128
+    assert card["tools"] == ["calculator"] and card["max_turns"] == 3
+    assert card["max_tokens (a trajectory after its prompt)"] == 128
     trained_ros = [ro for i in (0, 1) for ro in batches[i].rollouts]
+    run = trajectory_metrics(trained_ros)
     assert card["trajectories"] == len(trained_ros) == 8
-    assert card["turns_per_trajectory"] == pytest.approx(trajectory_metrics(trained_ros)["agent/turns"])
-    for key in ("tool_calls_per_trajectory", "tool_failure_share", "observation_tokens_masked", "turn_limit_rate"):
-        assert key in card
+    assert card["turns per trajectory"] == pytest.approx(run["agent/turns"])
+    assert card["tool calls per trajectory"] == pytest.approx(run["agent/tool_calls"])
+    assert card["tool failure share"] == pytest.approx(run["agent/tool_failure_share"])
+    assert card["turn-limit hit rate"] == pytest.approx(run["agent/turn_limit_rate"])
+    masked = sum(ro.mask.count(0) for ro in trained_ros)
+    assert card["observation tokens masked"].startswith(f"{masked} (")
     # the checkpoint keeps the run's trajectory sums (a resumed run's card covers every step)
     state = json.loads(next(out.glob("checkpoints/*/state.json")).read_text())
     assert state["agent"] == agentic.sums(trained_ros)
@@ -211,11 +217,16 @@ def test_what_agent_cannot_run_with_is_refused(setup):
         Trainer(long).run()
 
 
-def test_a_tokenizer_without_a_chat_template_is_refused(tiny_model_dir):
-    cfg = type("Cfg", (), {"agent": AgentConfig(tools=[ToolSpec("calculator")]),
-                           "student": type("S", (), {"path": str(tiny_model_dir)})()})()
+def test_a_tokenizer_without_a_chat_template_or_a_tool_that_cannot_be_built_is_refused(tiny_model_dir, tmp_path):
+    from types import SimpleNamespace
+
     from transformers import AutoTokenizer
 
+    cfg = SimpleNamespace(agent=AgentConfig(tools=[ToolSpec("calculator")]), student=SimpleNamespace(
+        path=str(tiny_model_dir)))
     with pytest.raises(TrainError, match="has no chat template"):
         agentic.schemas(cfg, AutoTokenizer.from_pretrained(tiny_model_dir), ".")
-    assert agentic.schemas(type("Cfg", (), {"agent": None})(), None, ".") is None
+    with pytest.raises(TrainError, match="no_such_tool"):   # a tool that cannot be built: before the first step
+        agentic.schemas(SimpleNamespace(agent=AgentConfig(tools=[ToolSpec("opd.data:no_such_tool")]),
+                                        student=cfg.student), build_tokenizer(tmp_path, chat=True), ".")
+    assert agentic.schemas(SimpleNamespace(agent=None, student=cfg.student), None, ".") is None
