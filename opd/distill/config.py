@@ -168,6 +168,9 @@ class TrainConfig:
         if self.agent is not None and not self.agent.tools:
             raise ValueError("agent.tools is empty: name the tools the model may call (e.g. {function: calculator}),"
                              " or leave `agent` out for single-turn rollouts")
+        if self.agent is not None and r.engine == "vllm" and self.agent.max_tokens >= r.vllm_max_model_len:
+            raise ValueError(f"agent.max_tokens {self.agent.max_tokens} leaves no room for a prompt in "
+                             f"rollout.vllm_max_model_len {r.vllm_max_model_len} (prompt + trajectory)")
         if self.agent is not None and ranks > 1:
             # A sharded model's forward is a collective: every rank would have to sample as many
             # turns as the others, and a rank whose trajectories have all ended does not.

@@ -211,6 +211,8 @@ def test_what_agent_cannot_run_with_is_refused(setup):
     with pytest.raises(ValueError, match="num_workers > 1 is not supported"):
         replace(cfg, cluster=replace(cfg.cluster, student=replace(cfg.cluster.student, num_workers=2)),
                 rollout=replace(cfg.rollout, prompts_per_step=4))
+    with pytest.raises(ValueError, match="agent.max_tokens 128 leaves no room for a prompt in rollout.vllm_max"):
+        replace(cfg, rollout=replace(cfg.rollout, engine="vllm", vllm_max_model_len=128))
     # prompts must leave room for the whole trajectory (agent.max_tokens), not one turn
     long = replace(cfg, agent=replace(cfg.agent, max_tokens=500))
     with pytest.raises(TrainError, match=r"leave no room for agent.max_tokens \(500\)"):
