@@ -30,6 +30,11 @@ class AgentConfig:
                                   min=16)
     workers: int = field(4, help="tool calls executed at once", min=1)
 
+    def max_sampled(self, max_new_tokens: int) -> int:
+        """The most tokens one trajectory samples: its turns' limits, within the budget its
+        observations share (what bounds its rows, as max_new_tokens bounds one response's)."""
+        return min(self.max_tokens, self.max_turns * max_new_tokens)
+
     def __post_init__(self):
         names = [t.name or t.function.rsplit(":", 1)[-1] for t in self.tools]
         dup = sorted({n for n in names if names.count(n) > 1})

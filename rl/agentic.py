@@ -65,7 +65,7 @@ def sampled_budget(cfg) -> int:
     agent = getattr(cfg, "agent", None)   # (a stand-in config of a test may have no agent section)
     if agent is None:
         return cfg.rollout.max_new_tokens
-    return min(agent.max_tokens, agent.max_turns * cfg.rollout.max_new_tokens)
+    return agent.max_sampled(cfg.rollout.max_new_tokens)
 
 
 def shaping(shape, rollouts) -> list[float]:

@@ -252,13 +252,15 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=N
 
 def full_logits_bytes(cfg, vocab_size: int, teachers: int = 1) -> int:
     """About the most bytes of full-mode teacher logits the trainer holds at once (an upper
-    bound): one micro-batch's rows, every response at max_new_tokens, held as received, gathered
+    bound): one micro-batch's rows, every response at max_new_tokens (a trajectory: the most its
+    turns sample, `AgentConfig.max_sampled`), held as received, gathered
     and cast to fp32 for the loss (a copy only for bf16/fp16 rows); plus, per full-mode teacher
     and stream alive (the current batch's, and the next one's with run.pipeline), the chunks in
     flight (FULL_WINDOW + 1)."""
     r, dtype = cfg.rollout, cfg.loss.full_dtype
     item = 4 if dtype == "float32" else 2
-    rows = min(cfg.optim.micro_batch_size, r.prompts_per_step * r.samples_per_prompt) * r.max_new_tokens
+    per_response = r.max_new_tokens if cfg.agent is None else cfg.agent.max_sampled(r.max_new_tokens)
+    rows = min(cfg.optim.micro_batch_size, r.prompts_per_step * r.samples_per_prompt) * per_response
     chunk = default_chunk_rows(vocab_size, dtype) * vocab_size * item
     streams = teachers * (2 if cfg.run.pipeline else 1)
     per_row = 2 * item + (4 if item < 4 else 0)

@@ -196,8 +196,7 @@ def test_agentic_trajectories_train_on_their_own_tokens_end_to_end(setup, monkey
         Trainer(cfg, resume=True).run()
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.vllm   # ~30 s: in make test, since the done-when names this run
 @pytest.mark.timeout(600)
 def test_agentic_trajectories_sampled_by_vllm(setup, monkeypatch):
     pytest.importorskip("vllm")

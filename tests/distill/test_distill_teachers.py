@@ -92,6 +92,10 @@ def test_full_logits_bytes_is_a_micro_batch_and_the_chunks_in_flight():
     assert full_logits_bytes(one, v, teachers=3) == 8 * 1500 * v * (4 + 4) + 3 * (FULL_WINDOW + 1) * chunk32  # no cast
     small = _cfg(rollout={"prompts_per_step": 2, "samples_per_prompt": 1})  # fewer sequences than a micro-batch
     assert full_logits_bytes(small, v) == 2 * 1500 * v * 8 + 2 * (FULL_WINDOW + 1) * chunk
+    # A trajectory's rows: its turns' limits (3 x 1500) within agent.max_tokens (4000), not one turn's.
+    from opd.agent.config import AgentConfig, ToolSpec
+    agentic = replace(cfg, agent=AgentConfig(tools=[ToolSpec("calculator")], max_turns=3, max_tokens=4000))
+    assert full_logits_bytes(agentic, v) == 8 * 4000 * v * (2 + 2 + 4) + 2 * (FULL_WINDOW + 1) * chunk
 
 
 def test_check_full_memory_refuses_what_cannot_fit_and_notes_what_is_close():
