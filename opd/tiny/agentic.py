@@ -1,7 +1,8 @@
 """The agentic demo's task: products too large for a tiny model to compute, easy with a calculator.
 
     prompt   "417*3829="           a 3-digit times a 4-digit number (an N-digit times an M-digit one)
-    answer   "1596693"             checked by the math verifier (the last number == `answer`)
+    answer   "1596693"             checked by the math verifier (the last number == `answer`); every
+                                   product has N + M digits
 
 A byte-level model of a few hundred thousand parameters cannot multiply numbers this large
 (one token per digit, no room for the partial products), but it can learn to copy: the
@@ -37,16 +38,21 @@ def call_text(expression: str) -> str:
 
 
 def problems(n: int, rng: random.Random, digits: tuple[int, int], taken: set) -> list[tuple[int, int]]:
-    """n distinct (a, b) pairs, a with digits[0] digits and b with digits[1], none in `taken`
-    (which they are added to)."""
+    """n distinct (a, b) pairs, a with digits[0] digits and b with digits[1], whose product has
+    digits[0] + digits[1] digits, none in `taken` (which they are added to).
+
+    One length for every product: a tiny model copies the tool's answer by its position (the
+    template between the tool message and its own turn is fixed), and one that learnt 7-digit
+    copies shifts 6-digit ones by a digit (417*3829 has 7, 141*5242 = 739122 only 6; 14 of 100
+    held-out answers failed so, all 6-digit, when both lengths were drawn)."""
     lo_a, lo_b = 10 ** (digits[0] - 1), 10 ** (digits[1] - 1)
-    space = 9 * lo_a * 9 * lo_b
+    space = 9 * lo_a * 9 * lo_b // 2   # about half of the pairs have the full length; a bound, not a count
     if len(taken) + n > space // 2:
-        raise ValueError(f"{n} more problems of {digits} digits: too many for their {space} pairs")
+        raise ValueError(f"{n} more problems of {digits} digits: too many for their pairs")
     out = []
     while len(out) < n:
         pair = (rng.randrange(lo_a, 10 * lo_a), rng.randrange(lo_b, 10 * lo_b))
-        if pair not in taken:
+        if len(str(pair[0] * pair[1])) == sum(digits) and pair not in taken:
             taken.add(pair)
             out.append(pair)
     return out
