@@ -112,3 +112,17 @@ def test_short_sft_run_on_messages_rows_with_tools(tmp_path):
     assert tok.eos_token == "<|im_end|>" and "tool_call" in tok.chat_template   # the chat tokenizer travels
     card = json.loads((tmp_path / "run" / "card.json").read_text())
     assert "calculator" in json.dumps(card)
+
+
+def test_the_example_config_loads_and_reads_the_demos_teacher_rows():
+    from pathlib import Path
+
+    from opd.config import load_yaml
+    from opd.sft.config import resolve
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    path = root / "agentic_sft.yaml"
+    cfg = load_yaml(path, SFTConfig)
+    assert [t.function for t in cfg.tools] == ["calculator"] and cfg.tiny.chat and cfg.model is None
+    data = resolve(path, cfg.train[0].path)
+    assert data == (root.parent / "runs" / "demo" / "agentic" / "data" / "teacher_sft.jsonl").resolve()
