@@ -17,6 +17,7 @@ previous run finished it with the same inputs (its config and everything upstrea
 Ctrl-C, SIGTERM or a failure.
 
     python scripts/demo.py [--out runs/demo] [--fresh] [--quick] [--ports 5601,5602]
+    python scripts/demo.py --agentic [--quick]     # the agentic stage alone (scripts/demo_agentic.py)
 """
 
 from __future__ import annotations
@@ -341,15 +342,26 @@ class Demo:
                     if not self.cached.get(k) and (k in ("2_experts",) or not k.startswith(("2_", "3_"))))
         lines.append(f"| total (this run) | {total:.0f} | |")
         lines += ["", "## Plots and training cards", ""]
-        for run in ("sft_base", *(f"sft_{d}" for d in DOMAINS), *(f"rl_{d}" for d in DOMAINS),
-                    "merge", "validate"):
-            d = self.out / run
-            links = [f"[{p.relative_to(self.out)}]({p.relative_to(self.out)})"
+        runs = ("sft_base", *(f"sft_{d}" for d in DOMAINS), *(f"rl_{d}" for d in DOMAINS), "merge", "validate")
+        lines += self.run_links(self.out, runs)
+        return self.write_report(self.out / "report.md", lines)
+
+    @staticmethod
+    def run_links(root: Path, runs) -> list[str]:
+        """One report line per run directory under root: links to its card, report and plots."""
+        lines = []
+        for run in runs:
+            d = root / run
+            links = [f"[{p.relative_to(root)}]({p.relative_to(root)})"
                      for p in [d / "card.md", d / "report.md", *sorted((d / "plots").glob("*.png"))] if p.exists()]
             if links:
                 lines.append(f"- {run}: " + ", ".join(links))
+        return lines
+
+    @staticmethod
+    def write_report(path: Path, lines: list[str]) -> Path:
+        """Write the report's lines to path and print them."""
         text = "\n".join(lines) + "\n"
-        path = self.out / "report.md"
         path.write_text(text)
         print("\n" + text, flush=True)
         return path
@@ -396,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="training seed of every stage (models' initialization, sampling, data order); the "
                         "data sets and held-out prompts stay the same. Default: the configs' own (0). Give each "
                         "seed its own --out to keep every run's results")
+    p.add_argument("--agentic", action="store_true",
+                   help="run the agentic stage instead of the recipe (scripts/demo_agentic.py: a tool-using teacher, "
+                        "its student distilled with the calculator; OUT/agentic/report.md); the teacher is served "
+                        "on the first of --ports")
     args = p.parse_args(argv)
 
     def on_term(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind, stop servers
@@ -405,7 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = Demo(args.out.resolve(), quick=args.quick, fresh=args.fresh, ports=args.ports, seed=args.seed)
     t0 = time.time()
     try:
-        report = demo.run()
+        if args.agentic:
+            from demo_agentic import run_agentic   # beside this file (sys.path[0] when run as a script)
+
+            report = run_agentic(demo)
+        else:
+            report = demo.run()
     except KeyboardInterrupt:
         print("\n[demo] interrupted; teacher servers stopped", file=sys.stderr)
         return 130

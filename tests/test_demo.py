@@ -132,3 +132,69 @@ def test_report_states_the_rl_stage_gain_and_checks_it_in_full_runs_only(tmp_pat
     text = report(True, **{"teacher-math": (0.30, 0.04)})
     assert "RL stage: math 0.40 -> 0.30 (-0.10)" in text
     assert "- RL stage: not checked with --quick" in text and "RL stage: PASS" not in text
+
+
+def test_agentic_data_needs_the_tool_and_holds_out_its_problems(tmp_path):
+    from opd.agent.builtin_tools import calculator
+    from opd.agent.calls import parse_calls
+    from opd.rl.rewards import verify
+    from opd.tiny.agentic import write_agentic_data
+
+    paths = write_agentic_data(tmp_path, n_sft=50, n_train=30, n_eval=20, seed=3)
+    rows = {name: load_jsonl(p)[0] for name, p in paths.items()}
+    assert [len(rows[n]) for n in ("teacher_sft", "student_sft", "train", "eval")] == [100, 50, 30, 20]
+    held = {s.prompt for s in rows["eval"]}
+    assert len(held) == 20 and not held & {s.prompt for n in ("teacher_sft", "student_sft", "train") for s in rows[n]}
+    for s in rows["eval"] + rows["train"]:
+        a, b = map(int, s.prompt.rstrip("=").split("*"))
+        assert 100 <= a <= 999 and 1000 <= b <= 9999 and s.answer == str(a * b) and len(s.answer) == 7
+        # (+1000: the math verifier accepts numbers within 1e-6 relative, +-3 at 3401188)
+        assert verify(s, s.answer) == 1.0 and verify(s, str(a * b + 1000)) == 0.0
+    # the teacher's two turns: a call the calculator answers with the reference, then that answer
+    for call, answer in zip(rows["teacher_sft"][::2], rows["teacher_sft"][1::2]):
+        [parsed] = parse_calls(call.response)
+        assert parsed.name == "calculator" and parsed.arguments["expression"] + "=" == call.prompt
+        assert calculator(**parsed.arguments) == call.answer == answer.response
+        assert [m["role"] for m in answer.messages] == ["user", "assistant", "tool"]
+        assert answer.messages[1]["content"] == call.response and answer.messages[2]["content"] == answer.response
+    assert all(s.response == s.answer and s.messages is None for s in rows["student_sft"])
+    # a call written as text is what the template renders for a structured call (the HF shape)
+    from opd.tiny import build_tokenizer
+
+    tok = build_tokenizer(tmp_path / "tok", chat=True)
+    first = rows["teacher_sft"][0]
+    call = {"type": "function", "function": {"name": "calculator",
+                                             "arguments": parse_calls(first.response)[0].arguments}}
+    structured = first.messages + [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    texted = first.messages + [{"role": "assistant", "content": first.response}]
+    assert tok.apply_chat_template(structured, tokenize=False) == tok.apply_chat_template(texted, tokenize=False)
+    # seeded
+    again = write_agentic_data(tmp_path / "again", n_sft=50, n_train=30, n_eval=20, seed=3)
+    assert all(Path(again[n]).read_text() == Path(paths[n]).read_text() for n in paths)
+
+
+@pytest.mark.slow   # about 95 s on 2 cores: beyond make test's budget (make test-all runs it)
+@pytest.mark.timeout(900)
+def test_demo_agentic_quick_runs_every_stage_and_caches(tmp_path):
+    out = tmp_path / "demo"
+    cmd = [sys.executable, str(REPO / "scripts" / "demo.py"), "--agentic", "--quick", "--out", str(out),
+           "--ports", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    report = (out / "agentic" / "report.md").read_text()
+    for label in ("student start (SFT, direct answers)", "student after `opd train` with the tool",
+                  "teacher, SFT (before RL)", "teacher after `opd rl`"):
+        assert f"| {label} |" in report
+    for stage in ("a0_data", "a1_teacher_sft", "a2_teacher_rl", "a3_student_sft", "a4_distill", "a5_validate_tools",
+                  "a5_validate_no_tools"):
+        assert f"| {stage} |" in report
+    with_tool = json.loads((out / "agentic" / "validate_tools" / "report.json").read_text())
+    alone = json.loads((out / "agentic" / "validate_no_tools" / "report.json").read_text())
+    assert "agent/tool_calls" in with_tool["results"]["teacher"]["math"]
+    assert "agent/tool_calls" not in alone["results"]["teacher"]["math"]
+    assert not (out / "sft_base").exists()   # the recipe's stages do not run with --agentic
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
+    for stage in ("a0_data", "a1_teacher_sft", "a2_teacher_rl", "a3_student_sft", "a4_distill", "a5_validate_tools"):
+        assert f"[demo] {stage}: cached" in second.stdout
