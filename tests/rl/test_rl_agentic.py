@@ -369,3 +369,15 @@ def test_a_teacher_answers_only_the_sampled_tokens(tmp_path, chat_model_dir, one
     assert (term.lp_B_T[~mask] == 0).all()
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["signal/teacher"] < 1e-3 < row["signal/reward"]   # the start policy agrees with itself
+
+
+def test_the_example_validate_config_loads_as_an_agent():
+    from pathlib import Path
+
+    from opd.config import load_yaml
+    from opd.rl.validate import ValidateConfig
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    cfg = load_yaml(root / "agentic_validate.yaml", ValidateConfig)
+    assert [t.function for t in cfg.agent.tools] == ["calculator"] and cfg.agent.max_turns == 3
+    assert {m.role for m in cfg.models} == {"base", "student", "teacher"}
