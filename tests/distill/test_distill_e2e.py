@@ -68,7 +68,7 @@ def _cfg(s, name, *, mode="topk", lora=False, lr=3e-3, steps=20, **over):
 @pytest.mark.parametrize("lora,mode,lr,steps,prompts", [
     (False, "topk", 3e-3, 28, 8),
     (True, "topk", 3e-2, 16, 4),
-    (False, "full", 5e-3, 40, 8),
+    (False, "full", 5e-3, 80, 8),
     (True, "full", 3e-2, 20, 4),
 ], ids=["full_ft-topk", "lora-topk", "full_ft-full", "lora-full"])
 def test_heldout_kl_halves(setup, lora, mode, lr, steps, prompts):
