@@ -97,13 +97,14 @@ def _set(cfg: dict, dotted: str, value) -> None:
 
 
 def write_config(template: Path, name: str, out: Path, quick: bool, overrides: dict | None = None,
-                 seed: int | None = None) -> Path:
-    """OUT/configs/NAME.yaml: the template with paths under OUT, quick sizes, overrides and the
-    training seed (None: the template's) applied."""
+                 seed: int | None = None, sizes: dict = QUICK, seed_keys: dict = SEED_KEYS) -> Path:
+    """OUT/configs/NAME.yaml: the template with paths under OUT, quick sizes (sizes[name]),
+    overrides and the training seed (None: the template's; at seed_keys[name]) applied. `limit`
+    in a config with `sets` (opd validate's) is each set's."""
     cfg = _relocate(yaml.safe_load(template.read_text()), template.parent, out)
-    seeds = {key: seed for key in SEED_KEYS.get(name, ())} if seed is not None else {}
-    for dotted, value in {**(QUICK.get(name, {}) if quick else {}), **seeds, **(overrides or {})}.items():
-        if name == "validate" and dotted == "limit":
+    seeds = {key: seed for key in seed_keys.get(name, ())} if seed is not None else {}
+    for dotted, value in {**(sizes.get(name, {}) if quick else {}), **seeds, **(overrides or {})}.items():
+        if dotted == "limit" and "sets" in cfg:
             for s in cfg["sets"]:
                 s["limit"] = value
             continue
@@ -130,9 +131,10 @@ class Demo:
         # servers and the trainer) share the cores, and oversubscribed threads spin.
         self.env = {"OMP_NUM_THREADS": "1", **os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
-    def config(self, template: Path, name: str, overrides: dict | None = None) -> Path:
-        """write_config for this run: its output dir, sizes and seed."""
-        return write_config(template, name, self.out, self.quick, overrides, self.seed)
+    def config(self, template: Path, name: str, overrides: dict | None = None, **tables) -> Path:
+        """write_config for this run: its output dir, sizes and seed (tables: write_config's
+        `sizes` and `seed_keys` of another stage set, scripts/demo_agentic.py's)."""
+        return write_config(template, name, self.out, self.quick, overrides, self.seed, **tables)
 
     # -- caching
     def _stamp(self, stage: str) -> Path:
@@ -246,20 +248,26 @@ class Demo:
         cfg.write_text(yaml.safe_dump(merged, sort_keys=False))
         run_dir = self.out / "merge"
         inputs = [cfg, self.keys["1_sft_base"], *(self.keys[f"2_rl_{d}"] for d in DOMAINS)]
-        self.stage("4_merge", inputs, [run_dir / "model" / "config.json"], lambda: self._serve_and_train(cfg, run_dir))
+        teachers = {d: (self.out / f"rl_{d}" / "model", self.ports[d]) for d in DOMAINS}
+        self.stage("4_merge", inputs, [run_dir / "model" / "config.json"],
+                   lambda: self.serve_and_train("merge", cfg, run_dir, teachers, serve_stage="3_serve"))
 
-    def _serve_and_train(self, cfg: Path, run_dir: Path) -> None:
+    def serve_and_train(self, log_name: str, cfg: Path, run_dir: Path, teachers: dict[str, tuple[Path, int]],
+                        serve_stage: str | None = None) -> None:
+        """Serve each teacher (name -> its model directory, port), run `opd train cfg` into a
+        fresh run_dir, stop the servers; serve_stage: record their start-up time under it."""
         t0 = time.time()
-        for dom in DOMAINS:
-            address = f"tcp://127.0.0.1:{self.ports[dom]}"
-            print(f"[demo] serving teacher {dom} on {address}", flush=True)
+        for name, (model, port) in teachers.items():
+            address = f"tcp://127.0.0.1:{port}"
+            print(f"[demo] serving teacher {name} on {address}", flush=True)
             self.servers.append(start_server_process(
-                ["--model", self.out / f"rl_{dom}" / "model", "--bind", address, "--name", dom, "--max-k", "32"],
+                ["--model", model, "--bind", address, "--name", name, "--max-k", "32"],
                 env={"TOKENIZERS_PARALLELISM": "false"}))
-        self.times["3_serve"] = time.time() - t0
+        if serve_stage:
+            self.times[serve_stage] = time.time() - t0
         shutil.rmtree(run_dir, ignore_errors=True)
         try:
-            self.cli("merge", "train", cfg)
+            self.cli(log_name, "train", cfg)
         finally:
             self.stop_servers()
 
@@ -375,9 +383,13 @@ class Demo:
             self.merge()
             return self.report(self.validate())
         finally:
-            for child in list(self.children):
-                _stop(child)
-            self.stop_servers()
+            self.stop_all()
+
+    def stop_all(self) -> None:
+        """Stop the stage processes still running and the teacher servers (Ctrl-C, a failure)."""
+        for child in list(self.children):
+            _stop(child)
+        self.stop_servers()
 
 
 def _stop(child: subprocess.Popen) -> None:

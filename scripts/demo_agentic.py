@@ -30,7 +30,6 @@ from pathlib import Path
 
 import yaml
 
-from opd.teachers.launch import start_server_process
 from opd.tiny.agentic import write_agentic_data
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,21 +64,7 @@ class AgenticDemo:
         self.port = next(iter(demo.ports.values()))
 
     def config(self, name: str, overrides: dict | None = None) -> Path:
-        d = self.demo
-        sizes = dict(QUICK.get(name, {})) if d.quick else {}
-        seeds = {key: d.seed for key in SEED_KEYS.get(name, ())} if d.seed is not None else {}
-        # write_config applies --quick only to the recipe's own names: the agentic sizes go as overrides
-        path = d.config(TEMPLATES / f"{name}.yaml", name, {**sizes, **seeds, **(overrides or {})})
-        if name == "agentic_validate" and "limit" in sizes:
-            cfg = yaml.safe_load(path.read_text())
-            for s in cfg["sets"]:
-                s["limit"] = sizes["limit"]
-            cfg.pop("limit", None)
-            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        return path
-
-    def cached(self, *stages: str) -> bool:
-        return all(self.demo.cached.get(s) for s in stages)
+        return self.demo.config(TEMPLATES / f"{name}.yaml", name, overrides, sizes=QUICK, seed_keys=SEED_KEYS)
 
     # -- a0
     def data(self) -> None:
@@ -120,15 +105,8 @@ class AgenticDemo:
             student = self.root / "student"
             shutil.rmtree(student, ignore_errors=True)
             shutil.copytree(self.root / "student_sft" / "model", student)
-            shutil.rmtree(run_dir, ignore_errors=True)
-            print(f"[demo] serving the agentic teacher on {address}", flush=True)
-            self.demo.servers.append(start_server_process(
-                ["--model", self.root / "teacher_rl" / "model", "--bind", address, "--name", "tutor", "--max-k", "32"],
-                env={"TOKENIZERS_PARALLELISM": "false"}))
-            try:
-                self.demo.cli("agentic_train", "train", cfg)
-            finally:
-                self.demo.stop_servers()
+            self.demo.serve_and_train("agentic_train", cfg, run_dir, {"tutor": (self.root / "teacher_rl" / "model",
+                                                                                self.port)})
 
         self.demo.stage("a4_distill", [cfg, self.demo.keys["a2_teacher_rl"], self.demo.keys["a3_student_sft"]],
                         [run_dir / "model" / "config.json"], serve_and_train)
@@ -194,9 +172,7 @@ class AgenticDemo:
             self.distill()
             path = self.report(self.evaluate())
         finally:
-            for child in list(self.demo.children):
-                child.terminate()
-            self.demo.stop_servers()
+            self.demo.stop_all()
         print(f"[demo] agentic stage: {time.time() - t0:.0f} s", flush=True)
         return path
 

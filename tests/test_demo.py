@@ -144,7 +144,8 @@ def test_agentic_data_needs_the_tool_and_holds_out_its_problems(tmp_path):
     rows = {name: load_jsonl(p)[0] for name, p in paths.items()}
     assert [len(rows[n]) for n in ("teacher_sft", "student_sft", "train", "eval")] == [100, 50, 30, 20]
     held = {s.prompt for s in rows["eval"]}
-    assert len(held) == 20 and not held & {s.prompt for n in ("teacher_sft", "student_sft", "train") for s in rows[n]}
+    seen = {s.prompt for n in ("teacher_sft", "student_sft", "train") for s in rows[n]}
+    assert len(held) == 20 and not held & seen
     for s in rows["eval"] + rows["train"]:
         a, b = map(int, s.prompt.rstrip("=").split("*"))
         assert 100 <= a <= 999 and 1000 <= b <= 9999 and s.answer == str(a * b) and len(s.answer) == 7
@@ -186,8 +187,8 @@ def test_demo_agentic_quick_runs_every_stage_and_caches(tmp_path):
     for label in ("student start (SFT, direct answers)", "student after `opd train` with the tool",
                   "teacher, SFT (before RL)", "teacher after `opd rl`"):
         assert f"| {label} |" in report
-    for stage in ("a0_data", "a1_teacher_sft", "a2_teacher_rl", "a3_student_sft", "a4_distill", "a5_validate_tools",
-                  "a5_validate_no_tools"):
+    for stage in ("a0_data", "a1_teacher_sft", "a2_teacher_rl", "a3_student_sft", "a4_distill",
+                  "a5_validate_tools", "a5_validate_no_tools"):
         assert f"| {stage} |" in report
     with_tool = json.loads((out / "agentic" / "validate_tools" / "report.json").read_text())
     alone = json.loads((out / "agentic" / "validate_no_tools" / "report.json").read_text())

@@ -338,7 +338,8 @@ def test_the_example_config_loads():
     root = Path(__file__).resolve().parents[2] / "configs"
     cfg = load_config(str(root / "agentic_rl.yaml"))
     assert [t.function for t in cfg.agent.tools] == ["calculator"] and cfg.agent_shaping is not None
-    assert Path(cfg.data.train).resolve() == (root.parent / "runs" / "demo" / "agentic" / "data" / "train.jsonl").resolve()
+    data = root.parent / "runs" / "demo" / "agentic" / "data"
+    assert Path(cfg.data.train).resolve() == (data / "train.jsonl").resolve()
 
 
 def test_a_teacher_answers_only_the_sampled_tokens(tmp_path, chat_model_dir, one_thread, monkeypatch):
