@@ -8,6 +8,12 @@ inside it the student's decode forwards and the per-token sampling on the full l
 (`pick_tokens` + the log-prob); the teacher's forward over prompt + response with top-k on the
 response rows (what `opd serve-teacher` computes); the student's forward to its response
 rows' logits; the top-k distillation loss; backward; gradient clipping + AdamW.
+
+    python -m opd.benchmarks.step_profile STUDENT_DIR TEACHER_DIR --overlap
+
+asks whether the rollout leaves a core idle: the rollout at 2 threads and at 1, the teacher's
+prefill of the prompts alone (the part of its forward known before the rollout ends) at 1
+thread in a second process, and the two at once, each on one thread.
 """
 
 from __future__ import annotations
@@ -37,13 +43,17 @@ def _time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def _prompts(tok, data: Path | None, batch: int) -> list[list[int]]:
+    texts = ([json.loads(l)["prompt"] for l in data.read_text().splitlines() if l.strip()] if data else
+             ["Explain in two sentences how a rainbow forms."] * batch)[:batch]
+    return [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]) for t in texts]
+
+
 def profile(student_dir: Path, teacher_dir: Path, data: Path | None, batch: int = 4, new_tokens: int = 32,
             k: int = 64, repeats: int = 3) -> dict:
     tok = AutoTokenizer.from_pretrained(str(student_dir))
-    texts = ([json.loads(l)["prompt"] for l in data.read_text().splitlines() if l.strip()] if data else
-             ["Explain in two sentences how a rainbow forms."] * batch)[:batch]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                            return_dict=True)["input_ids"]) for t in texts]
+    prompts = _prompts(tok, data, batch)
     student = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
     engine = HFRolloutEngine(student, tok)
@@ -96,6 +106,88 @@ def profile(student_dir: Path, teacher_dir: Path, data: Path | None, batch: int 
     return out
 
 
+def prefill_loop(teacher_dir: Path, data: Path | None, seconds: float, batch: int = 4) -> list[float]:
+    """The teacher's body over the prompts (left-padded to the longest), again and again for
+    `seconds`: the seconds of each pass, the first (warm-up) dropped."""
+    tok = AutoTokenizer.from_pretrained(str(teacher_dir))
+    prompts = _prompts(tok, data, batch)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
+    times, end = [], time.monotonic() + seconds
+    with torch.inference_mode():
+        while time.monotonic() < end or len(times) < 2:
+            t = time.perf_counter()
+            teacher.model(input_ids=ids, attention_mask=mask, use_cache=True)
+            times.append(time.perf_counter() - t)
+    return times[1:]
+
+
+def overlap(student_dir: Path, teacher_dir: Path, data: Path | None, batch: int = 4, new_tokens: int = 32,
+            repeats: int = 4) -> dict:
+    """Medians (s): the rollout at 2 and 1 threads; the teacher's prompt prefill at 1 thread in
+    a second process, alone; both at once, one thread each; the teacher's body over prompt +
+    response, and over the response alone given the prompts' KV cache (2 threads)."""
+    import subprocess
+    import sys
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    prompts = _prompts(tok, data, batch)
+    engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32), tok)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)
+    out: dict[str, float] = {}
+    for threads, name in ((2, "rollout_2_threads"), (1, "rollout_1_thread")):
+        torch.set_num_threads(threads)
+        out[name], _ = _time(lambda: engine.generate(prompts, params), repeats)
+
+    def prefill(seconds: float) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "opd.benchmarks.step_profile", str(student_dir), str(teacher_dir),
+               "--prefill-loop", str(seconds), "--threads", "1"] + (["--data", str(data)] if data else [])
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    alone = prefill(10.0)
+    out["prefill_1_thread_alone"] = statistics.median(json.loads(alone.communicate()[0].splitlines()[-1]))
+    engine.generate(prompts, params)   # warm at 1 thread before the other process starts
+    rollout_s = out["rollout_1_thread"] * (repeats + 1)
+    both = prefill(rollout_s + 8.0)   # its model loads first (~5 s), then it runs through every rollout
+    time.sleep(6.0)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        engine.generate(prompts, params)
+        times.append(time.perf_counter() - t)
+    out["rollout_1_thread_beside_prefill"] = statistics.median(times)
+    out["prefill_1_thread_beside_rollout"] = statistics.median(json.loads(both.communicate()[0].splitlines()[-1]))
+    # What would be left of the teacher's forward after the rollout, the prompts prefilled
+    # during it: the responses' positions over the prompts' KV cache (2 threads, the top-k
+    # head left out of both figures).
+    torch.set_num_threads(2)
+    responses = [r.response_ids for r in engine.generate(prompts, params)]
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    pad = [width - len(p) for p in prompts]
+    ids = torch.tensor([[tok.pad_token_id] * n + p for n, p in zip(pad, prompts)])
+    mask = (torch.arange(width)[None] >= torch.tensor(pad)[:, None]).long()
+    suffix = torch.tensor(responses)
+    full_mask = torch.cat([mask, torch.ones_like(suffix)], dim=1)
+    pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        out["teacher_body_prompt_and_response"], _ = _time(
+            lambda: teacher.model(input_ids=torch.cat([ids, suffix], 1), attention_mask=full_mask, position_ids=pos),
+            repeats)
+        times = []
+        for _ in range(repeats + 1):
+            cache = teacher.model(input_ids=ids, attention_mask=mask, position_ids=pos[:, :width],
+                                  use_cache=True).past_key_values
+            t = time.perf_counter()
+            teacher.model(input_ids=suffix, attention_mask=full_mask, position_ids=pos[:, width:],
+                          past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t)
+        out["teacher_body_response_over_prompt_cache"] = statistics.median(times[1:])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("student", type=Path)
@@ -103,9 +195,16 @@ def main() -> None:
     p.add_argument("--data", type=Path, default=None, help="prompts.jsonl (default: one prompt repeated)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--overlap", action="store_true", help="whether the rollout leaves a core idle (see above)")
+    p.add_argument("--prefill-loop", type=float, default=None, metavar="SECONDS",
+                   help="(what --overlap runs in its second process) the teacher's prompt prefill for SECONDS")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    res = profile(a.student, a.teacher, a.data, repeats=a.repeats)
+    if a.prefill_loop is not None:
+        print(json.dumps(prefill_loop(a.teacher, a.data, a.prefill_loop)))
+        return
+    res = overlap(a.student, a.teacher, a.data, repeats=a.repeats) if a.overlap else \
+        profile(a.student, a.teacher, a.data, repeats=a.repeats)
     for k_, v in res.items():
         print(f"{k_:<18} {v:.3f}" if isinstance(v, float) else f"{k_:<18} {v}")
 
