@@ -12,7 +12,7 @@ from opd.checkpoint import CheckpointError
 from opd.config import ConfigError, from_dict, to_dict
 from opd.spine.config import ModelConfig, OptimConfig, RunConfig
 from opd.spine.model import load_policy
-from opd.spine.optim import NonfiniteSteps, TrainError, build_optimizer, lr_lambda, optimizer_step
+from opd.spine.optim import NonfiniteSteps, TrainError, build_optimizer, fusable, lr_lambda, optimizer_step
 from opd.spine.run import RunDir
 
 
@@ -52,6 +52,29 @@ def test_a_step_with_a_nonfinite_gradient_leaves_the_weights_and_three_stop_the_
     guard.check(5, False), guard.check(6, False)
     with pytest.raises(TrainError, match="3 steps in a row had a gradient that is not finite.*check the data"):
         guard.check(7, False)
+
+
+def test_adamw_is_fused_on_plain_parameters_and_steps_as_foreach_does():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    twin = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    twin.load_state_dict(model.state_dict())
+    cfg = OptimConfig(lr=0.01, weight_decay=0.1, grad_clip=1.0)
+    opt, _ = build_optimizer(model, cfg, steps=10)
+    assert opt.defaults["fused"] is True
+    ref = torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.1, foreach=True)
+    start = model[0].weight.detach().clone()
+    for _ in range(5):
+        x = torch.randn(8, 16)
+        for m, o in ((model, opt), (twin, ref)):
+            m(x).square().mean().backward()
+            optimizer_step(o, list(m.parameters()), 1.0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert (model[0].weight - start).abs().max() > 0.01   # five steps of lr 0.01 moved it
+    # what the fused kernel does not take: integer tensors, a meta device, nothing at all
+    assert not fusable([torch.zeros(2, dtype=torch.long)])
+    assert not fusable([torch.zeros(2, device="meta")]) and not fusable([])
 
 
 def test_the_one_loader_trains_lora_with_dropout_off_or_loads_a_frozen_copy(tiny_model_dir, tmp_path):
