@@ -1,7 +1,7 @@
 """AdamW, its learning-rate schedule, and an optimizer step that never writes NaN into weights.
 
-    build_optimizer(model, cfg, steps)   AdamW over the trainable parameters + LambdaLR (the
-                                         fused kernel where it applies: fusable)
+    build_optimizer(model, cfg, steps)   AdamW over the trainable parameters + LambdaLR (with
+                                         cfg.fused, the fused kernel where it applies: fusable)
     lr_lambda(cfg, steps)                linear warm-up, then constant / cosine / linear decay
                                          to min_lr_ratio (a multiplier of cfg.lr)
     optimizer_step(opt, params, clip)    clip the global norm, step unless it is not finite
@@ -41,11 +41,11 @@ def lr_lambda(cfg: OptimConfig, steps: int) -> Callable[[int], float]:
 
 
 def fusable(params: list[torch.Tensor]) -> bool:
-    """Whether AdamW's fused kernel takes these parameters: plain (not sharded: FSDP2's DTensor
-    parameters keep the foreach path) floating-point tensors on the CPU or a CUDA device. One
-    pass per tensor instead of foreach's dozen over weights, gradients and both moments: for a
-    57M-parameter student (SmolLM2-135M's first 8 layers, fp32, 2 CPU threads) clipping + step
-    took 0.32 s with foreach and 0.09 s fused."""
+    """Whether AdamW's fused kernel (optim.fused) takes these parameters: plain (not sharded:
+    FSDP2's DTensor parameters keep the foreach path) floating-point tensors on the CPU or a
+    CUDA device. One pass per tensor instead of foreach's dozen over weights, gradients and
+    both moments: for a 57M-parameter student (SmolLM2-135M's first 8 layers, fp32, 2 CPU
+    threads) clipping + step took 0.32 s with foreach and 0.09 s fused."""
     from torch.distributed.tensor import DTensor
 
     return bool(params) and all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda")
@@ -57,8 +57,16 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, steps: int):
     """(AdamW over the parameters that require grad, its LambdaLR): step the scheduler once per
     training step, after the optimizer."""
     params = [p for p in model.parameters() if p.requires_grad]
+    kernel = {"fused": True if cfg.fused and fusable(params) else None, "foreach": None}
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay, **({"fused": True} if fusable(params) else {}))
+                                  weight_decay=cfg.weight_decay, **kernel)
+
+    def keep_kernel(opt: torch.optim.Optimizer) -> None:
+        # A checkpoint's param groups carry the kernel it was saved with; the config decides.
+        for group in opt.param_groups:
+            group.update(kernel)
+
+    optimizer.register_load_state_dict_post_hook(keep_kernel)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, steps))
 
 

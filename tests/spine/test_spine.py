@@ -54,14 +54,15 @@ def test_a_step_with_a_nonfinite_gradient_leaves_the_weights_and_three_stop_the_
         guard.check(7, False)
 
 
-def test_adamw_is_fused_on_plain_parameters_and_steps_as_foreach_does():
+def test_optim_fused_takes_adamws_fused_kernel_which_steps_as_foreach_does():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     twin = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     twin.load_state_dict(model.state_dict())
-    cfg = OptimConfig(lr=0.01, weight_decay=0.1, grad_clip=1.0)
+    cfg = OptimConfig(lr=0.01, weight_decay=0.1, grad_clip=1.0, fused=True)
     opt, _ = build_optimizer(model, cfg, steps=10)
     assert opt.defaults["fused"] is True
+    assert build_optimizer(twin, OptimConfig(), steps=1)[0].defaults["fused"] is None   # off by default
     ref = torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.1, foreach=True)
     start = model[0].weight.detach().clone()
     for _ in range(5):
@@ -72,6 +73,12 @@ def test_adamw_is_fused_on_plain_parameters_and_steps_as_foreach_does():
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert (model[0].weight - start).abs().max() > 0.01   # five steps of lr 0.01 moved it
+    # a resume follows the config, not the kernel the checkpoint was saved with
+    ref.load_state_dict(opt.state_dict())
+    assert ref.param_groups[0]["fused"] is True   # a plain AdamW takes the saved kernel ...
+    again, _ = build_optimizer(twin, OptimConfig(), steps=1)
+    again.load_state_dict(opt.state_dict())
+    assert again.param_groups[0]["fused"] is None and len(again.state) == 4   # ... build_optimizer's keeps its own
     # what the fused kernel does not take: integer tensors, a meta device, nothing at all
     assert not fusable([torch.zeros(2, dtype=torch.long)])
     assert not fusable([torch.zeros(2, device="meta")]) and not fusable([])
