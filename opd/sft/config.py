@@ -59,6 +59,8 @@ class SFTConfig:
     warmup_steps: int = field(10, help="linear warmup steps", min=0)
     schedule: Literal["cosine", "constant"] = field("cosine", help="learning-rate decay after warmup")
     grad_clip: float = field(1.0, help="clip the global gradient norm (0: off)", min=0.0)
+    fused: bool = field(False, help="AdamW's fused kernel where torch has it for the parameters (optim.fused of "
+                                    "opd train / opd rl): faster, the same update with other rounding")
     max_length: int = field(128, help="truncate prompt+response to this many tokens", min=2)
     seed: int = field(0, help="data order and dropout seed")
     # logging
@@ -101,7 +103,7 @@ class SFTConfig:
     def optim_config(self) -> OptimConfig:
         """The spine's optimizer section of this run: AdamW, warm-up, then cosine to 0 or constant."""
         return OptimConfig(lr=self.lr, schedule=self.schedule, warmup_steps=self.warmup_steps,
-                           weight_decay=self.weight_decay, grad_clip=self.grad_clip)
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip, fused=self.fused)
 
 
 def resolve(cfg_path: Path, p: str | None) -> Path | None:
