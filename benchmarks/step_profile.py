@@ -106,20 +106,26 @@ def profile(student_dir: Path, teacher_dir: Path, data: Path | None, batch: int 
     return out
 
 
+def _left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, attention mask and positions [B, P] of the prompts left-padded to the longest, as
+    the hf rollout engine lays them out (positions count real tokens only)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def prefill_loop(teacher_dir: Path, data: Path | None, seconds: float, batch: int = 4) -> list[float]:
     """The teacher's body over the prompts (left-padded to the longest), again and again for
     `seconds`: the seconds of each pass, the first (warm-up) dropped."""
     tok = AutoTokenizer.from_pretrained(str(teacher_dir))
-    prompts = _prompts(tok, data, batch)
-    width = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    ids, mask, pos = _left_padded(_prompts(tok, data, batch), tok.pad_token_id)
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
     times, end = [], time.monotonic() + seconds
     with torch.inference_mode():
         while time.monotonic() < end or len(times) < 2:
             t = time.perf_counter()
-            teacher.model(input_ids=ids, attention_mask=mask, use_cache=True)
+            teacher.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
             times.append(time.perf_counter() - t)
     return times[1:]
 
@@ -165,11 +171,9 @@ def overlap(student_dir: Path, teacher_dir: Path, data: Path | None, batch: int 
     torch.set_num_threads(2)
     responses = [r.response_ids for r in engine.generate(prompts, params)]
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
-    width = max(map(len, prompts))
-    pad = [width - len(p) for p in prompts]
-    ids = torch.tensor([[tok.pad_token_id] * n + p for n, p in zip(pad, prompts)])
-    mask = (torch.arange(width)[None] >= torch.tensor(pad)[:, None]).long()
-    suffix = torch.tensor(responses)
+    ids, mask, _ = _left_padded(prompts, tok.pad_token_id)
+    width = ids.shape[1]
+    suffix = torch.tensor(responses)   # [B, new_tokens]: random weights never sample EOS, all full length
     full_mask = torch.cat([mask, torch.ones_like(suffix)], dim=1)
     pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():

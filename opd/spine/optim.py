@@ -49,8 +49,7 @@ def fusable(params: list[torch.Tensor]) -> bool:
     from torch.distributed.tensor import DTensor
 
     return bool(params) and all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda")
-                                and p.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-                                for p in params)
+                                and p.is_floating_point() for p in params)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, steps: int):
