@@ -35,7 +35,7 @@ class ScoreRequest:
     response), so a backend never sees the context as such, and the rows are the student's.
     A row mask (2.5) arrives as `kept_rows`: the rows to answer, per sequence (`kept`)."""
     request_id: int
-    mode: str                   # "topk" | "full"
+    mode: str                   # "topk" | "full" | "prefill"
     ids: torch.Tensor           # int64 [T], all sequences concatenated
     offsets: tuple[int, ...]    # [B + 1] into ids
     response_starts: tuple[int, ...]  # [B], 1 <= s_b <= len_b
@@ -105,6 +105,7 @@ class TeacherBackend(abc.ABC):
     dtypes: tuple[str, ...]      # full-mode logit dtypes
     supports_temperature: bool = True
     exact_lse: bool = True       # False: answers carry NaN in `lse`
+    prompt_cache_tokens: int = 0  # > 0: prompts announced by a "prefill" SCORE are kept (2.6), this many tokens
 
     def unsupported(self, req: ScoreRequest) -> str | None:
         """None when this backend answers `req` exactly; else why not and which backend can."""
@@ -113,6 +114,12 @@ class TeacherBackend(abc.ABC):
     @abc.abstractmethod
     def score_topk(self, reqs: list[ScoreRequest]) -> list[TopKAnswer]:
         """Answer several top-k requests, ideally in one batched forward pass."""
+
+    def prefill(self, reqs: list[ScoreRequest]) -> list[int]:
+        """Keep the prompts ids[:s_b] of these requests' sequences for the SCOREs that will
+        follow (mode "prefill", protocol 2.6); per request, the prompt tokens held. A backend
+        without a prompt cache holds none: the later SCOREs compute them as any other."""
+        return [0] * len(reqs)
 
     @abc.abstractmethod
     def score_full(self, req: ScoreRequest) -> Iterator[FullChunkAnswer]:

@@ -5,6 +5,7 @@
     scored_lengths(...)              the length of each sequence the teacher scores (contexts included)
     row_masks(sequences, starts, rows)  the rows to answer per sequence (protocol 2.5), checked
     split_by_tokens(lengths, limit)  consecutive parts within the teacher's max_tokens_per_request
+    prefill_parts(welcome, prompts)  the prefill SCOREs (protocol 2.6) announcing prompts, if the teacher keeps any
     SplitBatch(submit, parts, budget)  sends a top-k batch's parts within max_inflight_tokens
     join_topk(results)               the parts' TopKResults as one
 """
@@ -17,7 +18,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from opd.teachers.protocol import ErrorCode
+from opd.teachers.protocol import ErrorCode, Score
 from opd.teachers.results import TeacherError, TopKResult
 
 
@@ -98,6 +99,18 @@ def split_by_tokens(lengths: list[int], limit: int) -> list[tuple[int, int]]:
         total += n
     parts.append((a, len(lengths)))
     return parts
+
+
+def prefill_parts(welcome, prompts) -> list[tuple[Score, tuple]]:
+    """(SCORE, tensors) of mode "prefill" (protocol 2.6) announcing `prompts` (token ids), each part
+    within max_tokens_per_request; none where the WELCOME offers no prompt cache."""
+    if tuple(welcome.version) < (2, 6) or welcome.prompt_cache_tokens <= 0 or not prompts:
+        return []
+    lengths = [len(p) for p in prompts]
+    if min(lengths) < 1:
+        raise ValueError("a prompt to prefill needs at least one token")
+    return [(Score(request_id=0, mode="prefill", response_starts=lengths[a:b]), pack(prompts[a:b]))
+            for a, b in split_by_tokens(lengths, welcome.max_tokens_per_request)]
 
 
 class SplitBatch:

@@ -44,7 +44,8 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from opd.teachers.batching import SplitBatch, answered_rows, check_batch, pack, pack_masks, part_of, split_by_tokens
+from opd.teachers.batching import (SplitBatch, answered_rows, check_batch, pack, pack_masks, part_of, prefill_parts,
+                                   split_by_tokens)
 from opd.teachers.keys import client_curve_keys
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
                                    Ping, ProtocolError, Score, TopK, Welcome, decode, default_chunk_rows, encode,
@@ -61,7 +62,7 @@ _END = object()
 
 @dataclass(eq=False)
 class _Call:
-    kind: str                          # "hello" | "topk" | "full"
+    kind: str                          # "hello" | "topk" | "full" | "prefill"
     score: Score | None = None
     arrays: tuple = ()
     future: Future = field(default_factory=Future)
@@ -163,6 +164,10 @@ class TeacherClient:
                       temperature=float(temperature), vocab_limit=int(vocab_limit), context=contexts is not None,
                       support="given" if candidates is not None else "teacher", rows=masks is not None)
         return self._command("submit", _Call("topk", score, arrays))
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> list[Future]:
+        """Protocol 2.6: announce prompts that SCOREs will soon carry (a hint; batching.prefill_parts)."""
+        return [self._command("submit", _Call("prefill", *part)) for part in prefill_parts(self.info(), prompts)]
 
     def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
                    vocab_limit: int = 0, contexts=None, candidates=None, rows=None) -> TopKResult:
@@ -432,9 +437,10 @@ class TeacherClient:
                 return
             call.delivered_rows = msg.row_start + rows
             call.chunks.put(FullChunk(msg.row_start, *(to_torch(a, s.dtype) for a, s in zip(arrays, msg.tensors))))
-        elif isinstance(msg, Done):
+        elif isinstance(msg, Done):   # the end of a full-mode stream, or a prefill's answer
             del self._calls[call.rid]
-            call.chunks.put(_END)
+            if call.chunks is not None:
+                call.chunks.put(_END)
             call.future.set_result(msg)
         elif isinstance(msg, Error):
             busy = msg.code == ErrorCode.BUSY and now - (call.busy_since or now) < self.busy_timeout_s

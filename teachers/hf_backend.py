@@ -14,10 +14,16 @@ candidates the request gave, support "given"):
     logprobs      = z[S] - lse
     tail_logmass  = logsumexp(z without S) - lse               (exact; -inf when k == V)
     token_logprob = z[target] - lse
+
+Prompt cache (protocol 2.6, `prompt_cache_tokens` > 0; teachers/prompt_cache.py): a SCORE in
+mode "prefill" stores its prompts' keys and values; a later sequence whose prompt ids[:s_b] is
+stored is computed from s_b on, over them. The answers are the same up to float rounding
+(tests/teachers/test_prompt_cache.py compares both ways).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +33,9 @@ from opd.fingerprint import model_fingerprint, tokenizer_fingerprint_of_dir
 from opd.lm_head import head_form
 from opd.rope import rope_groups
 from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
+from opd.teachers.prompt_cache import Entry, PromptCache, batched_cache, key_of, why_not
+
+log = logging.getLogger("opd.teachers.server")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,10 +47,12 @@ class HFBackend(TeacherBackend):
 
     def __init__(self, model_dir: str | Path, *, name: str = "teacher", max_k: int = 64,
                  max_positions: int | None = None, dtype: str = "float32", device: str = "cpu",
-                 row_chunk: int = 1024, batch_tokens: int = 8192, device_map: str | None = None):
+                 row_chunk: int = 1024, batch_tokens: int = 8192, device_map: str | None = None,
+                 prompt_cache_tokens: int = 0):
         """`device_map` (with device="cuda"): transformers' placement of the layers over the visible
         GPUs ("auto", "balanced", "balanced_low_0", "sequential"), for a teacher larger than one
-        GPU; None: the whole model on `device`."""
+        GPU; None: the whole model on `device`. `prompt_cache_tokens` > 0: keep announced prompts'
+        keys and values, up to that many prompt tokens (0 where this model does not qualify)."""
         from transformers import AutoModelForCausalLM   # lazy: seconds to import; only a model load needs it
 
         if device_map is not None and device != "cuda":
@@ -75,38 +86,133 @@ class HFBackend(TeacherBackend):
         self.row_chunk = row_chunk
         self.batch_tokens = batch_tokens
         self.model_fingerprint = model_fingerprint(model_dir)
+        self.prompt_cache = None
+        if prompt_cache_tokens > 0:
+            why = why_not(self.model) or self._continuation_differs()
+            if why:
+                log.warning("%s: no prompt cache: %s", model_dir, why)
+            else:
+                self.prompt_cache = PromptCache(prompt_cache_tokens)
+        self.prompt_cache_tokens = self.prompt_cache.max_tokens if self.prompt_cache is not None else 0
 
     # ---- prefill -------------------------------------------------------------------------
+
+    def _micro_batches(self, lengths: list[int], indices: list[int]) -> list[list[int]]:
+        """`indices` longest-first in micro-batches whose padded size (the longest's length x their
+        number) stays within batch_tokens; a longrope model's never mix the two sides of its
+        switch length (opd.rope)."""
+        batches = []
+        for group in rope_groups(self.model, [lengths[i] for i in indices]):
+            order = sorted((indices[g] for g in group), key=lambda i: lengths[i])
+            while order:
+                batches.append([order.pop()])
+                while order and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= self.batch_tokens:
+                    batches[-1].append(order.pop())
+        return batches
+
+    def _body(self, seqs: list[torch.Tensor], cache=None):
+        """The body over `seqs` right-padded: hidden states [n, L, H] (and `cache` filled, if given).
+        Without a cache, use_cache=False: one would keep every layer's keys and values of the
+        micro-batch alive until the pass ends (GBs at 8192 tokens of a 7B model)."""
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for j, seq in enumerate(seqs):
+            ids[j, :len(seq)] = seq
+            mask[j, :len(seq)] = 1
+        return self.body(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         past_key_values=cache, use_cache=cache is not None).last_hidden_state
 
     @torch.no_grad()
     def _scored_hidden(self, seqs: list[torch.Tensor], starts: list[int], kept: list) -> list[torch.Tensor]:
         """For each sequence, hidden states [R_b, H] of the positions that score its rows: all
         len - start of them, or those of a row mask (kept[b], ScoreRequest.kept)."""
         out: list[torch.Tensor | None] = [None] * len(seqs)
-        # Longest-first micro-batches whose padded size stays within batch_tokens; a longrope
-        # model's never mix the two sides of its switch length (opd.rope).
-        batches = []
-        for group in rope_groups(self.model, [len(s) for s in seqs]):
-            order = sorted(group, key=lambda i: len(seqs[i]))
-            while order:
-                batches.append([order.pop()])
-                while order and len(seqs[batches[-1][0]]) * (len(batches[-1]) + 1) <= self.batch_tokens:
-                    batches[-1].append(order.pop())
-        for batch in batches:
-            width = len(seqs[batch[0]])
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for j, i in enumerate(batch):
-                ids[j, :len(seqs[i])] = seqs[i]
-                mask[j, :len(seqs[i])] = 1
-            # use_cache=False: a KV cache would keep every layer's keys and values of the
-            # micro-batch alive until the pass ends (GBs at 8192 tokens of a 7B model).
-            hidden = self.body(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                               use_cache=False).last_hidden_state
+        entries = {}   # sequence -> the cache entry of its prompt
+        if self.prompt_cache is not None:
+            for i, (seq, s) in enumerate(zip(seqs, starts)):
+                entry = self.prompt_cache.get(key_of(seq[:s]))
+                if entry is not None:
+                    entries[i] = entry
+        whole = [i for i in range(len(seqs)) if i not in entries]
+        for batch in self._micro_batches([len(s) for s in seqs], whole):
+            hidden = self._body([seqs[i] for i in batch])
             for j, i in enumerate(batch):
                 n, s = len(seqs[i]), starts[i]
                 out[i] = hidden[j, s - 1:n - 1][kept[i]]   # a view, or a gather of the masked rows
+        # Over a cached prompt: the tokens s .. len - 2 (the last one scores no row) after it.
+        rest = {i: seqs[i][starts[i]:-1] for i in entries}
+        padded = {i: entries[i].tokens + len(rest[i]) for i in entries}   # cache + suffix columns
+        for batch in self._micro_batches([padded.get(i, 0) for i in range(len(seqs))], list(entries)):
+            hidden = self._continue([entries[i] for i in batch], [rest[i] for i in batch])
+            for j, i in enumerate(batch):
+                rows = torch.cat([entries[i].last_hidden[None], hidden[j, :len(rest[i])]])
+                out[i] = rows[kept[i]]
         return out  # type: ignore[return-value]
+
+    def _continue(self, entries: list[Entry], suffixes: list[torch.Tensor]) -> torch.Tensor:
+        """The body over `suffixes` (right-padded to S) after the entries' prompts (left-padded
+        to P in the cache): hidden states [n, S, H]; positions count each prompt's own tokens."""
+        width = max(len(x) for x in suffixes)
+        if width == 0:
+            return entries[0].last_hidden.new_zeros(len(entries), 0, entries[0].last_hidden.shape[0])
+        cache, prompt_mask = batched_cache(entries, self.model.config)
+        ids = torch.zeros(len(entries), width, dtype=torch.long)
+        mask = torch.zeros(len(entries), width, dtype=torch.long)
+        pos = torch.zeros(len(entries), width, dtype=torch.long)
+        for j, (e, x) in enumerate(zip(entries, suffixes)):
+            ids[j, :len(x)] = x
+            mask[j, :len(x)] = 1
+            pos[j] = e.tokens + torch.arange(width)
+        return self.body(input_ids=ids.to(self.device), attention_mask=torch.cat([prompt_mask, mask], 1).to(self.device),
+                         position_ids=pos.to(self.device), past_key_values=cache, use_cache=True).last_hidden_state
+
+    @torch.no_grad()
+    def prefill(self, reqs: list[ScoreRequest]) -> list[int]:
+        """Store the prompts ids[:s_b] of the requests' sequences (SCORE mode "prefill", 2.6) that
+        are not stored yet; per request, the prompt tokens now held."""
+        if self.prompt_cache is None:
+            return [0] * len(reqs)
+        from transformers import DynamicCache
+
+        todo: dict[bytes, torch.Tensor] = {}
+        for req in reqs:
+            for b in range(req.num_sequences):
+                prompt = req.sequence(b)[:req.response_starts[b]].long()
+                key = key_of(prompt)
+                if key not in self.prompt_cache:
+                    todo[key] = prompt
+        prompts, keys = list(todo.values()), list(todo)
+        for batch in self._micro_batches([len(p) for p in prompts], list(range(len(prompts)))):
+            cache = DynamicCache(config=self.model.config)
+            hidden = self._body([prompts[i] for i in batch], cache)
+            for j, i in enumerate(batch):
+                n = len(prompts[i])   # right padding: a prompt's own keys are its first n columns
+                self.prompt_cache.put(keys[i], Entry([layer.keys[j, :, :n].clone() for layer in cache.layers],
+                                                     [layer.values[j, :, :n].clone() for layer in cache.layers],
+                                                     hidden[j, n - 1].clone()))
+        held = []
+        for req in reqs:
+            held.append(sum(req.response_starts[b] for b in range(req.num_sequences)
+                            if key_of(req.sequence(b)[:req.response_starts[b]]) in self.prompt_cache))
+        return held
+
+    @torch.no_grad()
+    def _continuation_differs(self) -> str | None:
+        """Whether a forward over cached keys and values gives what a whole one does, on 8 tokens
+        of this model (an architecture whose cache carries more than keys and values fails)."""
+        from transformers import DynamicCache
+
+        ids = torch.arange(8) % self.vocab_size
+        whole = self._body([ids[:7]])[0, 3:7]                     # [4, H]: positions 3..6
+        cache = DynamicCache(config=self.model.config)
+        head = self._body([ids[:4]], cache)[0, 3]                 # the prompt ids[:4], cached
+        entry = Entry([layer.keys[0].clone() for layer in cache.layers],
+                      [layer.values[0].clone() for layer in cache.layers], head)
+        cont = torch.cat([head[None], self._continue([entry], [ids[4:7]])[0]])
+        err, scale = float((cont - whole).abs().max()), float(whole.abs().max()) or 1.0
+        tol = 1e-4 if self.lm_head.weight.dtype == torch.float32 else 3e-2   # half precision: ulps of it
+        return None if err <= tol * scale else f"a forward continued over cached keys and values differs by {err:.3g}"
 
     def _request_rows(self, reqs: list[ScoreRequest]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per request: (hidden [R, H], target ids [R]) of all its rows, one prefill for all."""

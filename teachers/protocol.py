@@ -12,6 +12,7 @@ Conversation (DEALER -> ROUTER, ROUTER -> DEALER):
     HELLO(version)            -> WELCOME(teacher, fingerprints, limits) | ERROR(BAD_VERSION)
     SCORE(request)            -> TOPK(answer, stats)          (mode "topk")
                               -> CHUNK ... CHUNK DONE          (mode "full", streamed)
+                              -> DONE(cached)                  (mode "prefill", 2.6)
                               -> ERROR(code, retryable)        (anything wrong, or BUSY)
     CREDIT(request, n)           the client may receive n more CHUNKs of that request
     CANCEL(request)           -> ERROR(CANCELLED)
@@ -49,6 +50,13 @@ candidates). The answer then holds only the rows whose mask is 1, in order: row_
 count those, candidates are [their number, k]. The teacher still reads every token (a
 multi-turn trajectory's tool observations are context), but answers only the rows trained on.
 
+Prefill (2.6, mode "prefill"): the sequences are prompts the client will send to be scored
+soon (response_starts: their lengths; no context, mask or candidates). A server whose WELCOME
+says prompt_cache_tokens > 0 computes and keeps their keys and values, and a later SCORE whose
+sequence starts with one of them (ids[:s_b], the prompt the teacher sees) is computed from
+s_b on; the answer is the same up to float rounding. DONE says how many of the prompts'
+tokens are held (`cached`). It is a hint: a server may evict a prompt before it is scored.
+
 Full-vocabulary answer: CHUNKs of consecutive rows, `logits` [rows, V] in the requested
 dtype (temperature NOT applied to these raw logits; `lse` is of logits / T) and fp32
 `lse` [rows] and `token_logprob` [rows], so neither side holds [all rows x V] at once.
@@ -65,7 +73,7 @@ import msgspec
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = (2, 5)  # major mismatch is refused at HELLO; minor is informational
+PROTOCOL_VERSION = (2, 6)  # major mismatch is refused at HELLO; minor is informational
 # 2.0: TOPK carries the DONE statistics itself (one message less per top-k request, +20 %
 # positions/s at top-64 in `opd bench transport`); a 1.x client would wait for a DONE.
 # 2.1: WELCOME says max_positions (a 2.0 server's decodes as 0: not said).
@@ -76,6 +84,8 @@ PROTOCOL_VERSION = (2, 5)  # major mismatch is refused at HELLO; minor is inform
 # the 2.4 client refuses to send either to a server before 2.4, with a clear error.
 # 2.5: SCORE.rows, a row mask (the rows a multi-turn trajectory trains on). A 2.4 server ignores
 # the field but not its tensor (MALFORMED); the 2.5 client does not send it to one.
+# 2.6: SCORE mode "prefill" (prompts to keep for the SCOREs that follow) and WELCOME.prompt_cache_tokens.
+# A 2.5 server refuses the mode (MALFORMED); the 2.6 client sends it only where the WELCOME offers a cache.
 
 # Bounds checked before any allocation.
 MAX_HEADER_BYTES = 1 << 20        # 1 MiB of msgpack header
@@ -153,6 +163,7 @@ class Welcome(_Msg, tag="welcome"):
     supports_temperature: bool = True   # temperature != 1 answered exactly
     exact_lse: bool = True              # False: `lse` in answers is NaN (vLLM does not expose it)
     max_positions: int = 0              # longest sequence (prompt + response) it scores; 0: not said
+    prompt_cache_tokens: int = 0        # > 0: SCORE mode "prefill" keeps up to this many prompt tokens (2.6)
 
 
 class Score(_Msg, tag="score"):
@@ -160,8 +171,8 @@ class Score(_Msg, tag="score"):
     asked: context_ids int32 [C] and context_offsets int32 [B + 1] (context), row_mask uint8
     [response rows] (rows), candidates int32 [R, k] (support "given"; R: the mask's ones)."""
     request_id: int
-    mode: Literal["topk", "full"]
-    response_starts: list[int]          # [B], each >= 1
+    mode: Literal["topk", "full", "prefill"]
+    response_starts: list[int]          # [B], each >= 1 (prefill: the lengths)
     k: int = 0                          # topk mode
     temperature: float = 1.0
     dtype: str = "float32"              # full mode: logits dtype on the wire
@@ -197,6 +208,7 @@ class Done(_Msg, tag="done"):
     compute_ms: float
     total_ms: float
     chunks: int = 0
+    cached: int = 0                     # prefill (2.6): tokens of its prompts the server holds
 
 
 class Error(_Msg, tag="error"):

@@ -77,6 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight-tokens", type=positive_int, default=131072,
                    help="accepted, unfinished tokens; past this a request gets BUSY (retryable)")
     p.add_argument("--batch-tokens", type=positive_int, default=16384, help="top-k requests grouped into one forward pass")
+    p.add_argument("--prompt-cache-tokens", type=number_arg(int, 0), default=8192,
+                   help="hf backend: keep the keys and values of prompts a student announces before its rollout "
+                        "(protocol 2.6), up to this many prompt tokens, so that their scoring later computes only "
+                        "the responses; 0: off. Each token costs 2 x layers x kv_heads x head_dim values")
     # 0 or less turned heartbeats off, or dropped every client at once as silent
     seconds = number_arg(float, 0, strict=True)
     p.add_argument("--heartbeat-s", type=seconds, default=1.0, help="heartbeat interval clients are told to use")
@@ -155,7 +159,8 @@ def load_backend(args):
     if args.backend == "vllm":
         return VLLMBackend(args.model, **kwargs, tensor_parallel_size=args.tensor_parallel_size or 1,
                            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
-    return HFBackend(args.model, **kwargs, batch_tokens=args.batch_tokens, device_map=args.device_map)
+    return HFBackend(args.model, **kwargs, batch_tokens=args.batch_tokens, device_map=args.device_map,
+                     prompt_cache_tokens=args.prompt_cache_tokens)
 
 
 def run(args, on_ready=None) -> int:

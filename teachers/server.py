@@ -136,7 +136,7 @@ class TeacherServer(ServerWorker):
                        max_inflight_tokens=self.limits.max_inflight_tokens,
                        heartbeat_s=self.limits.heartbeat_s, backend=b.name,
                        supports_temperature=b.supports_temperature, exact_lse=b.exact_lse,
-                       max_positions=b.max_positions)
+                       max_positions=b.max_positions, prompt_cache_tokens=b.prompt_cache_tokens)
 
     def stop(self) -> None:
         """Stop accepting work (SHUTTING_DOWN), drain what is in flight, then return from serve_forever."""

@@ -49,6 +49,10 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     for b, (s, n) in enumerate(zip(starts, lengths)):
         if not 1 <= s <= n:
             fail(ErrorCode.BAD_REQUEST, f"response_starts[{b}] = {s} must lie in [1, {n}] (sequence length)")
+    if msg.mode == "prefill" and (msg.context or msg.rows or msg.support != "teacher"
+                                  or list(starts) != lengths):
+        fail(ErrorCode.BAD_REQUEST, "a prefill SCORE carries prompts only: response_starts equal to their "
+                                    "lengths, no context, row mask or candidates")
     if msg.context:   # the teacher's input: c_b + the response (c_b empty: the sequence's own prompt)
         ctx, ctx_offs_arr = arrays[2], arrays[3]
         ctx_offs, ctx_lengths = _ragged(ctx, ctx_offs_arr, B, "context_ids", fail)
@@ -115,7 +119,7 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     why = backend.unsupported(req)
     if why:
         fail(ErrorCode.UNSUPPORTED, why)
-    if msg.mode not in backend.modes:
+    if msg.mode not in backend.modes and msg.mode != "prefill":   # any backend may hold none
         fail(ErrorCode.UNSUPPORTED, f"mode {msg.mode!r} not served by this {backend.name} backend ({backend.modes})")
     if msg.mode == "topk" and not 1 <= msg.k <= min(backend.max_k, msg.vocab_limit or backend.max_k):
         fail(ErrorCode.BAD_K, f"k = {msg.k} must lie in [1, {backend.max_k}] (max_k)"

@@ -1,7 +1,8 @@
 """The teacher server's worker thread, the half of `TeacherServer` (teachers/server.py) that
 owns the backend.
 
-It groups pending top-k requests into one backend call up to `batch_tokens`, and steps
+It groups pending top-k requests (or prompts to prefill, 2.6) into one backend call up to
+`batch_tokens`, and steps
 full-vocabulary streams one CHUNK per credit, alternating the two. It never touches the
 ROUTER (zmq sockets are not thread-safe): answers go to the socket thread over an outbox
 deque, with a one-byte wake on an inproc PAIR (skipped while one is pending). A `Job` is
@@ -98,14 +99,14 @@ class ServerWorker:
             job = self._pending.popleft()
             self._streams.append(job)
             return "start", job
-        group, tokens = [], 0
-        while self._pending and self._pending[0].req.mode == "topk":
+        mode, group, tokens = self._pending[0].req.mode, [], 0   # "topk" or "prefill": alike ones together
+        while self._pending and self._pending[0].req.mode == mode:
             n = self._pending[0].req.num_tokens
             if group and tokens + n > self.limits.batch_tokens:
                 break
             group.append(self._pending.popleft())
             tokens += n
-        return "topk", group
+        return mode, group
 
     def _worker_loop(self, pipe_address: str) -> None:
         out = self.ctx.socket(zmq.PAIR)
@@ -121,12 +122,12 @@ class ServerWorker:
                         return
                 kind, what = work
                 try:
-                    if kind == "topk":
-                        self._compute_topk(out, what)
+                    if kind in ("topk", "prefill"):
+                        self._compute_group(out, what, kind)
                     else:
                         self._step_stream(out, what, start=kind == "start")
                 except Exception as e:  # never let one request kill the worker
-                    for job in what if kind == "topk" else [what]:
+                    for job in what if kind in ("topk", "prefill") else [what]:
                         if job.key in self._jobs:
                             job.stream = None
                             self._internal(out, job, e)
@@ -166,7 +167,8 @@ class ServerWorker:
         why = "server shut down before finishing" if job.cancel_code == ErrorCode.SHUTTING_DOWN else "cancelled"
         return error(job.req.request_id, job.cancel_code, why)
 
-    def _compute_topk(self, out, group: list[Job]) -> None:
+    def _compute_group(self, out, group: list[Job], mode: str) -> None:
+        """One backend call for a group of top-k requests (TOPK answers) or of prefills (DONE)."""
         started = time.monotonic()
         for job in group:
             job.started = started
@@ -175,7 +177,8 @@ class ServerWorker:
             if job.cancelled:    # cancelled before the call
                 self._done(out, job, self._cancelled(job))
         try:
-            answers = self.backend.score_topk([j.req for j in live]) if live else []
+            call = self.backend.score_topk if mode == "topk" else self.backend.prefill
+            answers = call([j.req for j in live]) if live else []
         except Exception as e:
             for job in live:
                 self._internal(out, job, e)
@@ -184,8 +187,13 @@ class ServerWorker:
             if job.cancelled:    # cancelled during the call: one answer, CANCELLED
                 self._done(out, job, self._cancelled(job))
                 continue
-            self._done(out, job, TopK(request_id=job.req.request_id, row_offsets=job.row_offsets,
-                                      stats=self._stats(job)), tuple(ans))
+            if mode == "prefill":   # ans: the prompt tokens the backend holds
+                stats = self._stats(job)
+                stats.cached = ans
+                self._done(out, job, stats)
+            else:
+                self._done(out, job, TopK(request_id=job.req.request_id, row_offsets=job.row_offsets,
+                                          stats=self._stats(job)), tuple(ans))
 
     def _step_stream(self, out, job: Job, start: bool) -> None:
         rid = job.req.request_id

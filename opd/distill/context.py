@@ -48,6 +48,15 @@ def support_k(specs) -> int:
     return max([t.k for t in specs if t.mode == "student_topk"], default=0)
 
 
+def teacher_prompts(spec, tokenizer, samples: list[Sample], prompts: list[list[int]],
+                    tools: list[dict] | None = None) -> list[list[int]]:
+    """What teacher `spec` sees before each sample's response: its context (a context teacher),
+    else the student's prompt (`prompts`, token ids)."""
+    if spec.context is None:
+        return prompts
+    return [encode_prompt(tokenizer, render(spec, s), tools=tools) for s in samples]
+
+
 def teacher_inputs(spec, tokenizer, samples: list[Sample], rollouts: list, keep: list[int],
                    masks: list | None = None, tools: list[dict] | None = None) -> dict:
     """Keyword arguments of TeacherSet.request for sequences i = (samples[i], rollouts[i], keep[i]
@@ -56,7 +65,7 @@ def teacher_inputs(spec, tokenizer, samples: list[Sample], rollouts: list, keep:
     `candidates` int32 [rows, k] (mode student_topk; rows in request order)."""
     out: dict = {}
     if spec.context is not None:
-        out["contexts"] = [encode_prompt(tokenizer, render(spec, s), tools=tools) for s in samples]
+        out["contexts"] = teacher_prompts(spec, tokenizer, samples, [], tools)
     if spec.mode == "student_topk":
         masks = masks or [None] * len(rollouts)
         rows = [row[:spec.k] for ro, n, m in zip(rollouts, keep, masks)

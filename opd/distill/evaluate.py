@@ -45,7 +45,7 @@ def _evaluate(tr) -> dict:
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, n=1,
                             seed=cfg.run.seed + 12_345, share=(world.rank * len(mine), len(prompts.eval_samples))
                             if world.sharded else None, topk=support_k(cfg.merge.teachers))
-    rollouts = tr.engine.generate([tr.encode(s) for s in samples], params)
+    rollouts = tr.rollout(tr.engine, samples, routes, params)
     keep, masks = trimmed(rollouts, tr.trim)
     batch = tr._submit(Batch(index=-1, samples=samples, routes=routes, rollouts=rollouts, keep=keep, masks=masks,
                              policy_version=tr.version))

@@ -11,6 +11,7 @@ trainer never holds a batch's [rows, V] logits.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from opd.spine.rows import take_rows
 from opd.teachers.batching import answered_rows, row_masks, scored_lengths
 from opd.teachers.client import TeacherClient, TeacherError, _as_curve
 from opd.teachers.protocol import default_chunk_rows
+
+log = logging.getLogger("opd.distill")
 
 
 FULL_WINDOW = 4   # full mode: chunks a teacher may send ahead of the loss reading them (per request)
@@ -352,6 +355,23 @@ class TeacherSet:
     def has_full(self) -> bool:
         """A teacher answers in full mode (its streams hold the server's budget until read)."""
         return any(spec.mode == "full" for spec in self.specs.values())
+
+    def prefill(self, teacher: str, prompts: list[list[int]]) -> None:
+        """Announce the prompts `teacher` will score next (protocol 2.6; as it sees them: its context
+        or the student's prompt), so that a teacher with a prompt cache computes them while the
+        student samples. A hint: a failed one is logged, and the SCOREs are answered alike. Not
+        sent to a Ray replica pool, where the replica that scores them is not known yet."""
+        client = self.clients[teacher][0]
+        if not isinstance(client, TeacherClient):
+            return
+        try:
+            futures = client.prefill(prompts)
+        except TeacherError as e:
+            log.warning("teacher %r: prompts not announced (%s)", teacher, e)
+            return
+        for f in futures:
+            f.add_done_callback(lambda f: f.exception() is None or
+                                log.warning("teacher %r: prompts not announced (%s)", teacher, f.exception()))
 
     def request(self, teacher: str, sequences: list[list[int]], starts: list[int], contexts=None,
                 candidates=None, rows=None) -> Future:

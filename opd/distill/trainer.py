@@ -2,7 +2,8 @@
 
 One optimizer step (`Trainer.step`, read top to bottom):
   1. sample: draw prompts from the domains' mixture (each routed to its teachers when the
-     data loaded, opd.distill.prompts) and let the student roll them out (rollout engine);
+     data loaded, opd.distill.prompts), announce them to their teachers, which prefill them
+     meanwhile (protocol 2.6, a teacher's prompt cache), and let the student roll them out;
   2. submit: send each teacher the sequences routed to it, trimmed after the answer's end;
   3. forward: the student's response rows of the first micro-batch, while the teachers score;
   4. loss / backward: each teacher's divergence on its rows, per-domain weights, the SFT mix,
@@ -40,7 +41,7 @@ from opd.distill import agentic
 from opd.distill.ahead import RunAhead, load_into, own_copy
 from opd.distill.batch import Batch, Prefetcher, trimmed
 from opd.distill.card import write_train_card
-from opd.distill.context import support_k, teacher_inputs
+from opd.distill.context import support_k, teacher_inputs, teacher_prompts
 from opd.distill.config import TrainConfig
 from opd.distill.evaluate import evaluate
 from opd.distill.launch import RunTeachers
@@ -251,13 +252,25 @@ class Trainer:
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                 n=r.samples_per_prompt, seed=self.cfg.run.seed * 1_000_003 + self.batches, share=share,
                                 topk=support_k(self.cfg.merge.teachers))
-        rollouts = (engine or self.engine).generate([self.encode(s) for s in samples], params)
+        routes = [self.prompts.routes[id(s)] for s in samples]
+        rollouts = self.rollout(engine or self.engine, samples, routes, params)
         keep, masks = trimmed(rollouts, self.trim)
-        batch = Batch(index=self.batches, samples=samples, routes=[self.prompts.routes[id(s)] for s in samples],
+        batch = Batch(index=self.batches, samples=samples, routes=routes,
                       rollouts=rollouts, keep=keep, masks=masks,
                       policy_version=self.version if version is None else version)
         self.batches += 1
         return batch
+
+    def rollout(self, engine, samples: list, routes: list, params: SamplingParams) -> list:
+        """The student's responses to `samples` from `engine`; their prompts are announced to
+        the teachers they are routed to first, which prefill them meanwhile (protocol 2.6)."""
+        prompts = [self.encode(s) for s in samples]
+        for t, spec in self.teachers.specs.items():
+            mine = [i for i, route in enumerate(routes) if t in route.weights]
+            if mine:
+                self.teachers.prefill(t, teacher_prompts(spec, self.tok, [samples[i] for i in mine],
+                                                         [prompts[i] for i in mine], self.tools))
+        return engine.generate(prompts, params)
 
     def _submit(self, batch: Batch) -> Batch:
         """Send every teacher the sequences routed to it (prompt + trimmed response; multi-turn:

@@ -268,6 +268,28 @@ def test_a_teacher_with_a_larger_padded_head_scores_over_the_students_rows(setup
            "padding)" in warnings
 
 
+def test_the_teacher_prefills_each_prompt_while_the_student_samples(setup):
+    # Protocol 2.6: the trainer announces a batch's prompts before its rollout; the teacher's
+    # SCORE then reads every prompt from its cache, and answers as a teacher without one.
+    from opd.teachers.hf_backend import HFBackend
+    from opd.teachers.server import serving_in_thread
+
+    teacher_dir = setup["root"] / "teacher"
+    losses = {}
+    for tokens in (0, 4096):
+        backend = HFBackend(teacher_dir, name="t", max_k=16, prompt_cache_tokens=tokens)
+        with serving_in_thread(backend) as server:
+            teacher = {"name": "t", "address": server.address, "mode": "topk", "k": 8}
+            out = setup["root"] / f"prefill_{tokens}"
+            Trainer(_cfg(setup, f"prefill_{tokens}", steps=2, **{"merge.teachers": [teacher],
+                                                                 "rollout.samples_per_prompt": 2,
+                                                                 "run.pipeline": False})).run()
+        losses[tokens] = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+        if tokens:   # 2 steps x 4 prompts x 2 samples, and 2 evaluations of 8: each prompt before its SCORE
+            assert (backend.prompt_cache.hits, backend.prompt_cache.misses) == (2 * 4 * 2 + 2 * 8, 0)
+    assert losses[4096][0] == pytest.approx(losses[0][0], rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.vllm
 def test_a_vllm_teacher_with_a_larger_padded_head_scores_over_the_students_rows(setup, tmp_path):
     # The same with a vLLM teacher, which refused vocab_limit before protocol 2.3 (the run then

@@ -1,0 +1,126 @@
+"""The hf teacher's prompt cache (protocol 2.6): prompts announced with a "prefill" SCORE are
+computed once, and sequences that start with them are scored from their response on, with the
+answers a teacher without the cache gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opd.teachers.backend import ScoreRequest
+from opd.teachers.batching import pack
+from opd.teachers.client import TeacherClient, TeacherError, _Call
+from opd.teachers.hf_backend import HFBackend
+from opd.teachers.prompt_cache import Entry, PromptCache
+from opd.teachers.protocol import Score
+from opd.teachers.server import serving_in_thread
+
+
+def request(seqs, starts, mode="topk", k=6, T=1.0, kept_rows=None, chunk_rows=1024):
+    offsets = [0]
+    for s in seqs:
+        offsets.append(offsets[-1] + len(s))
+    return ScoreRequest(1, mode, torch.tensor([t for s in seqs for t in s]), tuple(offsets), tuple(starts), k, T,
+                        "float32", chunk_rows, kept_rows=kept_rows)
+
+
+def prefill(prompts):
+    return request(prompts, [len(p) for p in prompts], mode="prefill")
+
+
+@pytest.fixture(scope="module")
+def backends(tiny_teacher_dir):
+    return HFBackend(tiny_teacher_dir, max_k=8), HFBackend(tiny_teacher_dir, max_k=8, prompt_cache_tokens=64,
+                                                           batch_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Three prompts; the first answered twice (two samples), one response a single token."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 260, (n,), generator=g).tolist() for n in (9, 4, 13)]
+    responses = [torch.randint(3, 260, (n,), generator=g).tolist() for n in (7, 1, 12, 5)]
+    owners = [0, 1, 2, 0]
+    return prompts, [prompts[o] + r for o, r in zip(owners, responses)], [len(prompts[o]) for o in owners]
+
+
+def test_scores_over_cached_prompts_are_the_uncached_ones(backends, batch):
+    plain, cached = backends
+    prompts, seqs, starts = batch
+    assert cached.prompt_cache_tokens == 64 and plain.prompt_cache_tokens == 0
+    assert cached.prefill([prefill(prompts[:2]), prefill(prompts[2:])]) == [13, 13]
+    assert cached.prompt_cache.tokens == 26 and len(cached.prompt_cache) == 3
+    hits = cached.prompt_cache.hits
+    for T in (1.0, 0.7):
+        want, got = plain.score_topk([request(seqs, starts, T=T)])[0], cached.score_topk([request(seqs, starts, T=T)])[0]
+        assert torch.equal(want.ids, got.ids)
+        for a, b in zip(want[1:], got[1:]):
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    assert cached.prompt_cache.hits - hits == 8   # 4 sequences, twice; prompt 0 serves two of them
+    # A row mask, and full-vocabulary chunks, over the cache alike.
+    kept = tuple(torch.tensor(ix, dtype=torch.long) for ix in ([0, 3, 6], [], [1, 11], [4]))
+    want = plain.score_topk([request(seqs, starts, kept_rows=kept)])[0]
+    got = cached.score_topk([request(seqs, starts, kept_rows=kept)])[0]
+    assert got.ids.shape[0] == 6 and torch.equal(want.ids, got.ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
+    full = []
+    for backend in backends:
+        chunks = list(backend.score_full(request(seqs, starts, mode="full", chunk_rows=5)))
+        full.append((torch.cat([c.logits for c in chunks]), torch.cat([c.token_logprob for c in chunks])))
+    torch.testing.assert_close(full[1][0], full[0][0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(full[1][1], full[0][1], atol=2e-5, rtol=0)
+
+
+def test_a_sequence_whose_prompt_was_not_announced_is_scored_whole(backends, batch):
+    plain, cached = backends
+    prompts, seqs, starts = batch
+    other = [5, 6, 7] + seqs[0][9:]            # a prompt never prefilled, next to one that was
+    misses = cached.prompt_cache.misses
+    cached.prefill([prefill(prompts[:1])])
+    want = plain.score_topk([request([other, seqs[0]], [3, 9])])[0]
+    got = cached.score_topk([request([other, seqs[0]], [3, 9])])[0]
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
+    assert cached.prompt_cache.misses - misses == 1
+
+
+def test_least_recently_used_prompts_go_first():
+    def entry(n):
+        return Entry([torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)], torch.zeros(4))
+
+    cache = PromptCache(10)
+    for key, n in ((b"a", 4), (b"b", 4)):
+        assert cache.put(key, entry(n))
+    assert cache.get(b"a") is not None          # b is now the oldest
+    assert cache.put(b"c", entry(4))
+    assert b"b" not in cache and b"a" in cache and cache.tokens == 8
+    assert not cache.put(b"d", entry(11)) and cache.tokens == 8   # alone over the budget: not kept
+    assert cache.get(b"b") is None and (cache.hits, cache.misses) == (1, 1)
+
+
+def test_a_longrope_teacher_keeps_no_prompts(tiny_longrope_dir):
+    backend = HFBackend(tiny_longrope_dir, max_k=4, prompt_cache_tokens=64)
+    assert backend.prompt_cache is None and backend.prompt_cache_tokens == 0
+    assert backend.prefill([prefill([[3, 4, 5]])]) == [0]
+
+
+def test_prefill_over_the_wire(backends, batch):
+    plain, cached = backends
+    prompts, seqs, starts = batch
+    with serving_in_thread(cached) as server, TeacherClient(server.address, timeout_s=30) as client:
+        assert client.info().prompt_cache_tokens == 64
+        cached.prompt_cache = PromptCache(64)     # empty again
+        done = [f.result(timeout=30) for f in client.prefill(prompts)]
+        assert [d.cached for d in done] == [26] and done[0].rows == 0
+        got = client.score_topk(seqs, starts, k=6)
+        want = plain.score_topk([request(seqs, starts)])[0]
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
+        assert cached.prompt_cache.hits == 4
+        with pytest.raises(ValueError, match="at least one token"):
+            client.prefill([[3, 4], []])
+        # A prefill is prompts only: a SCORE that says "prefill" over responses is refused.
+        score = Score(request_id=0, mode="prefill", response_starts=[9])
+        bad = client._command("submit", _Call("prefill", score, pack([prompts[0] + [9]])))
+        with pytest.raises(TeacherError, match="prompts only"):
+            bad.result(timeout=30)
+    with serving_in_thread(plain) as server, TeacherClient(server.address, timeout_s=30) as client:
+        assert client.info().prompt_cache_tokens == 0 and client.prefill(prompts) == []   # nothing to announce
