@@ -12,7 +12,12 @@ small models, where Python per step, not arithmetic, is the cost (8 prompts x 32
   - the draw inverts the cumulative distribution with one uniform per row, exact like
     `torch.multinomial` and far cheaper at real vocabulary sizes (1.3 ms vs 25 ms per step
     at V = 152,064); the random stream therefore differs from generate's, the
-    distribution does not.
+    distribution does not;
+  - the LM head of a decode step is computed as (W @ h.T).T rather than F.linear(h, W): the
+    same product, for which MKL picks a far better kernel when h has a few rows (W [49152,
+    576], h [4, 576], fp32, 2 cores: 6.4 ms against 20-27 ms, about half of SmolLM2-135M's
+    decode step; `python -m opd.benchmarks.step_profile`). Where logits are not a plain
+    head's output (a LoRA adapter on it, a soft-cap, a sharded model) the model's own forward runs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
+from opd.lm_head import head_form, parts
 from opd.rollout.base import Rollout, RolloutEngine, SamplingParams, eos_ids
 
 
@@ -62,6 +68,29 @@ def pick_tokens(logits_B_V: torch.Tensor, temperature: float, top_p: float,
         u_B_1 = torch.cat([u_B_1, u_B_1.new_full((B - len(u_B_1), 1), 0.5)])
     u_B_1 = u_B_1 * cdf_B_V[:, -1:]
     return torch.searchsorted(cdf_B_V, u_B_1, right=True).squeeze(1)
+
+
+def last_logits(model, sharded: bool) -> Callable[..., torch.Tensor]:
+    """forward(**inputs) -> fp32 logits [B, V] of the last position, as `model(**inputs)` gives
+    them; for a plain nn.Linear head, as (W @ h.T).T of the body's last hidden state h [B, H]
+    (the module docstring says why)."""
+    def whole(**inputs) -> torch.Tensor:
+        return model(**inputs, logits_to_keep=1).logits[:, -1].float()
+
+    if sharded:   # FSDP2: the root's forward gathers the body's and the head's shards
+        return whole
+    body, head = parts(model)
+    post = head_form(model).post
+    if post is None or type(head) is not torch.nn.Linear:
+        return whole
+
+    def transposed(**inputs) -> torch.Tensor:
+        h_B_H = body(**inputs).last_hidden_state[:, -1]
+        z_V_B = head.weight @ h_B_H.T
+        if head.bias is not None:
+            z_V_B = z_V_B + head.bias[:, None]
+        return post(z_V_B.T.contiguous()).float()
+    return transposed
 
 
 def _builds_own_mask(config) -> bool:
@@ -146,8 +175,9 @@ class HFRolloutEngine(RolloutEngine):
         else:
             attn = mask
         # Prefill; the LM head runs on the last position only.
-        logits_B_V = model(input_ids=ids_B_P, attention_mask=attn, position_ids=pos_B_P, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        forward = last_logits(model, self.sharded)
+        logits_B_V = forward(input_ids=ids_B_P, attention_mask=attn, position_ids=pos_B_P, past_key_values=cache,
+                             use_cache=True)
         next_pos_B = pos_B_P[:, -1] + 1
         done_B = torch.zeros(B, dtype=torch.bool, device=device)
         toks, lps, tops = [], [], []  # per step: [B] token ids, [B] raw log-probs, [B, k] top ids
@@ -164,8 +194,8 @@ class HFRolloutEngine(RolloutEngine):
             # Stopped rows keep decoding (their tokens are cut below): one static batch.
             keys_B_K = torch.cat([keys_B_K, keys_B_K.new_ones(B, 1)], dim=1)
             attn = keys_B_K[:, None, None, :] if own_mask else keys_B_K.long()  # [B, 1, 1, K] or [B, K]
-            logits_B_V = model(input_ids=tok_B[:, None], attention_mask=attn, position_ids=next_pos_B[:, None],
-                               past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits_B_V = forward(input_ids=tok_B[:, None], attention_mask=attn, position_ids=next_pos_B[:, None],
+                                 past_key_values=cache, use_cache=True)
             next_pos_B = next_pos_B + 1
 
         new_B_T = torch.stack(toks, dim=1).cpu()

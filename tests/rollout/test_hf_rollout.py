@@ -187,3 +187,35 @@ def test_training_after_a_rollout_that_replaced_rope_buffers(tmp_path):
         m(seq, labels=seq).loss.backward()
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_last_logits_are_the_models_own_with_or_without_its_plain_head(tiny_model_dir, tmp_path):
+    # The decode step's head as (W @ h.T).T: the model's logits; a LoRA adapter on the head,
+    # or a soft-cap after it, must not be skipped (their forward runs instead).
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    from opd.rollout.hf import last_logits
+    from opd.tiny import build_tokenizer
+
+    ids = torch.tensor([[5, 9, 33, 7, 101, 3]])
+    model = tf.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
+    cfg = tf.Gemma2Config(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=2.0,
+                          attn_logit_softcapping=None)
+    torch.manual_seed(0)
+    capped = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        capped.get_output_embeddings().weight.mul_(20)
+    lora = get_peft_model(tf.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)),
+                          LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False)).eval()
+    with torch.no_grad():
+        for m in (model, capped, lora):
+            want = m(input_ids=ids).logits[:, -1].float()
+            for sharded in (False, True):
+                got = last_logits(m, sharded)(input_ids=ids)
+                assert got.shape == (1, 260) and got.is_contiguous()
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        with lora.disable_adapter():   # the adapter moves the logits: the check above saw it
+            base = lora(input_ids=ids).logits[:, -1]
+        assert (lora(input_ids=ids).logits[:, -1] - base).abs().max() > 1e-3
