@@ -5,7 +5,7 @@
     scored_lengths(...)              the length of each sequence the teacher scores (contexts included)
     row_masks(sequences, starts, rows)  the rows to answer per sequence (protocol 2.5), checked
     split_by_tokens(lengths, limit)  consecutive parts within the teacher's max_tokens_per_request
-    prefill_parts(welcome, prompts)  the prefill SCOREs (protocol 2.6) announcing prompts, if the teacher keeps any
+    prefill_parts(welcome, seqs)     the prefill SCOREs (protocol 2.6) announcing sequences, if the teacher keeps any
     SplitBatch(submit, parts, budget)  sends a top-k batch's parts within max_inflight_tokens
     join_topk(results)               the parts' TopKResults as one
 """
@@ -101,15 +101,17 @@ def split_by_tokens(lengths: list[int], limit: int) -> list[tuple[int, int]]:
     return parts
 
 
-def prefill_parts(welcome, prompts) -> list[tuple[Score, tuple]]:
-    """(SCORE, tensors) of mode "prefill" (protocol 2.6) announcing `prompts` (token ids), each part
-    within max_tokens_per_request; none where the WELCOME offers no prompt cache."""
-    if tuple(welcome.version) < (2, 6) or welcome.prompt_cache_tokens <= 0 or not prompts:
+def prefill_parts(welcome, sequences, starts=None) -> list[tuple[Score, tuple]]:
+    """(SCORE, tensors) of mode "prefill" (protocol 2.6) announcing `sequences` (token ids: prompts,
+    or prompt + the response so far with `starts` [B] where each response starts; None: prompts),
+    each part within max_tokens_per_request; none where the WELCOME offers no prompt cache."""
+    if tuple(welcome.version) < (2, 6) or welcome.prompt_cache_tokens <= 0 or not sequences:
         return []
-    lengths = [len(p) for p in prompts]
-    if min(lengths) < 1:
-        raise ValueError("a prompt to prefill needs at least one token")
-    return [(Score(request_id=0, mode="prefill", response_starts=lengths[a:b]), pack(prompts[a:b]))
+    lengths = [len(p) for p in sequences]
+    starts = lengths if starts is None else [int(s) for s in starts]
+    if len(starts) != len(lengths) or not all(1 <= s <= n for s, n in zip(starts, lengths)):
+        raise ValueError("each sequence to prefill needs a token, and its start within it (1 <= start <= length)")
+    return [(Score(request_id=0, mode="prefill", response_starts=starts[a:b]), pack(sequences[a:b]))
             for a, b in split_by_tokens(lengths, welcome.max_tokens_per_request)]
 
 

@@ -165,9 +165,9 @@ class TeacherClient:
                       support="given" if candidates is not None else "teacher", rows=masks is not None)
         return self._command("submit", _Call("topk", score, arrays))
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> list[Future]:
-        """Protocol 2.6: announce prompts that SCOREs will soon carry (a hint; batching.prefill_parts)."""
-        return [self._command("submit", _Call("prefill", *part)) for part in prefill_parts(self.info(), prompts)]
+    def prefill(self, sequences: Sequence[Sequence[int]], starts: Sequence[int] | None = None) -> list[Future]:
+        """Protocol 2.6: announce what SCOREs will soon carry (a hint; batching.prefill_parts)."""
+        return [self._command("submit", _Call("prefill", *p)) for p in prefill_parts(self.info(), sequences, starts)]
 
     def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
                    vocab_limit: int = 0, contexts=None, candidates=None, rows=None) -> TopKResult:

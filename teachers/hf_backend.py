@@ -16,8 +16,8 @@ candidates the request gave, support "given"):
     token_logprob = z[target] - lse
 
 Prompt cache (protocol 2.6, `prompt_cache_tokens` > 0; teachers/prompt_cache.py): a SCORE in
-mode "prefill" stores its prompts' keys and values; a later sequence whose prompt ids[:s_b] is
-stored is computed from s_b on, over them. The answers are the same up to float rounding
+mode "prefill" stores its sequences' keys and values (prompts, or prompt + the response so
+far); a later sequence is computed from the end of its longest stored first tokens on. The answers are the same up to float rounding
 (tests/teachers/test_prompt_cache.py compares both ways).
 """
 
@@ -128,35 +128,37 @@ class HFBackend(TeacherBackend):
         """For each sequence, hidden states [R_b, H] of the positions that score its rows: all
         len - start of them, or those of a row mask (kept[b], ScoreRequest.kept)."""
         out: list[torch.Tensor | None] = [None] * len(seqs)
-        entries = {}   # sequence -> the cache entry of its prompt
+        found = {}   # sequence -> the longest held entry of its first tokens
         if self.prompt_cache is not None:
             for i, (seq, s) in enumerate(zip(seqs, starts)):
-                entry = self.prompt_cache.get(key_of(seq[:s]))
+                entry = self.prompt_cache.lookup(seq, s, len(seq))
                 if entry is not None:
-                    entries[i] = entry
-        whole = [i for i in range(len(seqs)) if i not in entries]
+                    found[i] = entry
+        whole = [i for i in range(len(seqs)) if i not in found]
         for batch in self._micro_batches([len(s) for s in seqs], whole):
             hidden = self._body([seqs[i] for i in batch])
             for j, i in enumerate(batch):
                 n, s = len(seqs[i]), starts[i]
                 out[i] = hidden[j, s - 1:n - 1][kept[i]]   # a view, or a gather of the masked rows
-        # Over a cached prompt: the tokens s .. len - 2 (the last one scores no row) after it.
-        rest = {i: seqs[i][starts[i]:-1] for i in entries}
-        padded = {i: entries[i].tokens + len(rest[i]) for i in entries}   # cache + suffix columns
-        for batch in self._micro_batches([padded.get(i, 0) for i in range(len(seqs))], list(entries)):
-            hidden = self._continue([entries[i] for i in batch], [rest[i] for i in batch])
+        # After a held entry of P tokens: the tokens P .. len - 2 (the last one scores no row).
+        rest = {i: seqs[i][found[i].tokens:-1] for i in found}
+        padded = {i: found[i].tokens + len(rest[i]) for i in found}   # cache + suffix columns
+        for batch in self._micro_batches([padded.get(i, 0) for i in range(len(seqs))], list(found)):
+            hidden, _ = self._continue([found[i] for i in batch], [rest[i] for i in batch])
             for j, i in enumerate(batch):
-                rows = torch.cat([entries[i].last_hidden[None], hidden[j, :len(rest[i])]])
+                rows = torch.cat([found[i].hidden, hidden[j, :len(rest[i])]])[:len(seqs[i]) - starts[i]]
                 out[i] = rows[kept[i]]
         return out  # type: ignore[return-value]
 
-    def _continue(self, entries: list[Entry], suffixes: list[torch.Tensor]) -> torch.Tensor:
-        """The body over `suffixes` (right-padded to S) after the entries' prompts (left-padded
-        to P in the cache): hidden states [n, S, H]; positions count each prompt's own tokens."""
+    def _continue(self, entries: list[Entry], suffixes: list[torch.Tensor]):
+        """The body over `suffixes` (right-padded to S) after the entries' tokens (left-padded to
+        P in the cache): (hidden states [n, S, H], the DynamicCache, [n, kv, P + S, d] a layer);
+        positions count each entry's own tokens."""
+        cache, prompt_mask = batched_cache(entries, self.model.config)
         width = max(len(x) for x in suffixes)
         if width == 0:
-            return entries[0].last_hidden.new_zeros(len(entries), 0, entries[0].last_hidden.shape[0])
-        cache, prompt_mask = batched_cache(entries, self.model.config)
+            hidden = entries[0].hidden
+            return hidden.new_zeros(len(entries), 0, hidden.shape[-1]), cache
         ids = torch.zeros(len(entries), width, dtype=torch.long)
         mask = torch.zeros(len(entries), width, dtype=torch.long)
         pos = torch.zeros(len(entries), width, dtype=torch.long)
@@ -164,38 +166,54 @@ class HFBackend(TeacherBackend):
             ids[j, :len(x)] = x
             mask[j, :len(x)] = 1
             pos[j] = e.tokens + torch.arange(width)
-        return self.body(input_ids=ids.to(self.device), attention_mask=torch.cat([prompt_mask, mask], 1).to(self.device),
-                         position_ids=pos.to(self.device), past_key_values=cache, use_cache=True).last_hidden_state
+        hidden = self.body(input_ids=ids.to(self.device), attention_mask=torch.cat([prompt_mask, mask], 1).to(self.device),
+                           position_ids=pos.to(self.device), past_key_values=cache, use_cache=True).last_hidden_state
+        return hidden, cache
 
     @torch.no_grad()
     def prefill(self, reqs: list[ScoreRequest]) -> list[int]:
-        """Store the prompts ids[:s_b] of the requests' sequences (SCORE mode "prefill", 2.6) that
-        are not stored yet; per request, the prompt tokens now held."""
+        """Hold the requests' sequences (SCORE mode "prefill", 2.6: a prompt, s_b = len_b, or a
+        prompt + the response so far) not held yet, each continuing the longest held entry of
+        its first tokens; per request, the tokens now held."""
         if self.prompt_cache is None:
             return [0] * len(reqs)
         from transformers import DynamicCache
 
-        todo: dict[bytes, torch.Tensor] = {}
+        todo: dict[bytes, tuple[torch.Tensor, int]] = {}
         for req in reqs:
             for b in range(req.num_sequences):
-                prompt = req.sequence(b)[:req.response_starts[b]].long()
-                key = key_of(prompt)
-                if key not in self.prompt_cache:
-                    todo[key] = prompt
-        prompts, keys = list(todo.values()), list(todo)
-        for batch in self._micro_batches([len(p) for p in prompts], list(range(len(prompts)))):
+                seq, s = req.sequence(b).long(), req.response_starts[b]
+                if key_of(seq, s) not in self.prompt_cache:
+                    todo[key_of(seq, s)] = (seq, s)
+        items = list(todo.values())
+        base = [self.prompt_cache.lookup(seq, s, len(seq) - 1, count=False) for seq, s in items]
+        lengths = [len(seq) for seq, _ in items]
+        for batch in self._micro_batches(lengths, [i for i, e in enumerate(base) if e is None]):
             cache = DynamicCache(config=self.model.config)
-            hidden = self._body([prompts[i] for i in batch], cache)
+            hidden = self._body([items[i][0] for i in batch], cache)
             for j, i in enumerate(batch):
-                n = len(prompts[i])   # right padding: a prompt's own keys are its first n columns
-                self.prompt_cache.put(keys[i], Entry([layer.keys[j, :, :n].clone() for layer in cache.layers],
-                                                     [layer.values[j, :, :n].clone() for layer in cache.layers],
-                                                     hidden[j, n - 1].clone()))
-        held = []
-        for req in reqs:
-            held.append(sum(req.response_starts[b] for b in range(req.num_sequences)
-                            if key_of(req.sequence(b)[:req.response_starts[b]]) in self.prompt_cache))
-        return held
+                (seq, s), n = items[i], lengths[i]   # right padding: a sequence's keys are its first n columns
+                self._keep(seq, s, [(layer.keys[j, :, :n], layer.values[j, :, :n]) for layer in cache.layers],
+                           hidden[j, s - 1:n])
+        grown = [i for i, e in enumerate(base) if e is not None]
+        for batch in self._micro_batches(lengths, grown):
+            entries = [base[i] for i in batch]
+            hidden, cache = self._continue(entries, [items[i][0][e.tokens:] for i, e in zip(batch, entries)])
+            width = max(e.tokens for e in entries)   # the entries are left-padded to it, the rest right-padded
+            for j, (i, e) in enumerate(zip(batch, entries)):
+                (seq, s), grow = items[i], lengths[i] - e.tokens
+                cols = slice(width - e.tokens, width + grow)
+                self._keep(seq, s, [(layer.keys[j, :, cols], layer.values[j, :, cols]) for layer in cache.layers],
+                           torch.cat([e.hidden, hidden[j, :grow]]))
+                if e.tokens > e.start:   # a response's earlier part: the longer entry holds all it did
+                    self.prompt_cache.drop(key_of(seq[:e.tokens], s))
+        return [sum(len(req.sequence(b)) for b in range(req.num_sequences)
+                    if key_of(req.sequence(b).long(), req.response_starts[b]) in self.prompt_cache) for req in reqs]
+
+    def _keep(self, seq: torch.Tensor, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]], hidden) -> None:
+        """Hold seq (rows from `start`): its keys and values per layer, the hidden states [len - start + 1, H]."""
+        entry = Entry([k.clone() for k, _ in kv], [v.clone() for _, v in kv], hidden.clone(), start)
+        self.prompt_cache.put(key_of(seq, start), entry, key_of(seq[:start], start))
 
     @torch.no_grad()
     def _continuation_differs(self) -> str | None:
@@ -208,8 +226,8 @@ class HFBackend(TeacherBackend):
         cache = DynamicCache(config=self.model.config)
         head = self._body([ids[:4]], cache)[0, 3]                 # the prompt ids[:4], cached
         entry = Entry([layer.keys[0].clone() for layer in cache.layers],
-                      [layer.values[0].clone() for layer in cache.layers], head)
-        cont = torch.cat([head[None], self._continue([entry], [ids[4:7]])[0]])
+                      [layer.values[0].clone() for layer in cache.layers], head[None], 4)
+        cont = torch.cat([head[None], self._continue([entry], [ids[4:7]])[0][0]])
         err, scale = float((cont - whole).abs().max()), float(whole.abs().max()) or 1.0
         tol = 1e-4 if self.lm_head.weight.dtype == torch.float32 else 3e-2   # half precision: ulps of it
         return None if err <= tol * scale else f"a forward continued over cached keys and values differs by {err:.3g}"

@@ -8,11 +8,15 @@ the response tokens over their cached keys and values (on the 2-core bench, the 
 over the responses took 0.42 s against 1.06 s over prompt + response; docs/benchmarks.md).
 With several samples per prompt, the prompt is computed once for all of them.
 
-An entry is keyed by the exact token ids of a prompt: what the teacher sees before the
-response (ids[:s_b] of a SCORE, after a teacher context replaced the prompt). It holds, per
-layer, keys and values [kv_heads, P, head_dim] and the body's last hidden state [H] at
-position P - 1, which scores the response's first row. Entries are evicted least recently
-used first, past `max_tokens` prompt tokens in all; a missed prompt is scored as before.
+An entry is keyed by the exact token ids of a sequence's first P tokens and where its rows
+start (s, the prompt's length: what the teacher sees before the response, after a teacher
+context replaced the prompt). It holds, per layer, keys and values [kv_heads, P, head_dim] and
+the body's hidden states at positions s - 1 .. P - 1, which score rows 0 .. P - s. A prompt
+alone is P = s; the trainer also announces each response as it grows (at a quarter, half and
+three quarters of rollout.max_new_tokens), each entry continuing the last, so the SCORE after
+the rollout computes only the last quarter. A SCORE's sequence reads its longest held prefix.
+Entries are evicted least recently used first, past `max_tokens` tokens in all (an entry a
+longer one of the same sequence continued is dropped then); a miss is scored as before.
 
 Only models whose cache is one full-attention DynamicCache per layer qualify (`why_not`): a
 sliding window or a longrope switch would make a continued forward differ from a whole one.
@@ -30,28 +34,32 @@ from opd.rope import longrope_switch
 
 @dataclass
 class Entry:
+    """A sequence's first P tokens, whose rows start at `start` (its prompt's length)."""
     keys: list[torch.Tensor]      # [layers] of [kv_heads, P, head_dim], the model's dtype
     values: list[torch.Tensor]    # as keys
-    last_hidden: torch.Tensor     # [H]: the body's output at position P - 1
+    hidden: torch.Tensor          # [P - start + 1, H]: the body's output at positions start - 1 .. P - 1
+    start: int
 
     @property
     def tokens(self) -> int:
         return int(self.keys[0].shape[1])
 
 
-def key_of(ids: torch.Tensor) -> bytes:
-    """The cache key of a prompt: its token ids (int64 [P]) as bytes."""
-    return ids.to(torch.int64).contiguous().numpy().tobytes()
+def key_of(ids: torch.Tensor, start: int) -> bytes:
+    """The cache key of a sequence's first tokens `ids` (int64 [P]) whose rows start at `start`."""
+    return start.to_bytes(4, "little") + ids.to(torch.int64).contiguous().numpy().tobytes()
 
 
 class PromptCache:
-    """Entries by prompt, least recently used evicted first past `max_tokens` prompt tokens."""
+    """Entries by (start, token ids), least recently used evicted first past `max_tokens` tokens.
+    `lookup` finds a sequence's longest held prefix among those announced with its prompt."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self.tokens = 0
         self._entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
-        self.hits = self.misses = 0   # prompts scored over an entry, or without one
+        self._lengths: dict[bytes, set[int]] = {}   # prompt's key -> the lengths held of sequences with it
+        self.hits = self.misses = 0   # sequences scored over an entry, or without one
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -59,27 +67,38 @@ class PromptCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
-    def get(self, key: bytes) -> Entry | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(key)
-        return entry
+    def lookup(self, seq: torch.Tensor, start: int, limit: int, count: bool = True) -> Entry | None:
+        """The longest entry of `seq`'s first P <= limit tokens with rows from `start`, else None."""
+        for n in sorted(self._lengths.get(key_of(seq[:start], start), ()), reverse=True):
+            if n <= limit and (entry := self._entries.get(key_of(seq[:n], start))) is not None:
+                self._entries.move_to_end(key_of(seq[:n], start))
+                self.hits += count
+                return entry
+        self.misses += count
+        return None
 
-    def put(self, key: bytes, entry: Entry) -> bool:
+    def put(self, key: bytes, entry: Entry, prompt_key: bytes) -> bool:
         """Keep `entry` (False: it alone exceeds max_tokens, and is not kept)."""
         if entry.tokens > self.max_tokens:
             return False
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.tokens -= old.tokens
+        self.drop(key)
         while self._entries and self.tokens + entry.tokens > self.max_tokens:
-            self.tokens -= self._entries.popitem(last=False)[1].tokens
+            self.drop(next(iter(self._entries)))
         self._entries[key] = entry
+        self._lengths.setdefault(prompt_key, set()).add(entry.tokens)
         self.tokens += entry.tokens
         return True
+
+    def drop(self, key: bytes) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self.tokens -= entry.tokens
+        prompt_key = key[:4] + key[4:4 + 8 * entry.start]
+        lengths = self._lengths.get(prompt_key, set())
+        lengths.discard(entry.tokens)
+        if not lengths:
+            self._lengths.pop(prompt_key, None)
 
 
 def why_not(model) -> str | None:

@@ -49,10 +49,9 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     for b, (s, n) in enumerate(zip(starts, lengths)):
         if not 1 <= s <= n:
             fail(ErrorCode.BAD_REQUEST, f"response_starts[{b}] = {s} must lie in [1, {n}] (sequence length)")
-    if msg.mode == "prefill" and (msg.context or msg.rows or msg.support != "teacher"
-                                  or list(starts) != lengths):
-        fail(ErrorCode.BAD_REQUEST, "a prefill SCORE carries prompts only: response_starts equal to their "
-                                    "lengths, no context, row mask or candidates")
+    if msg.mode == "prefill" and (msg.context or msg.rows or msg.support != "teacher"):
+        fail(ErrorCode.BAD_REQUEST, "a prefill SCORE carries the teacher's own sequences only (a context "
+                                    "teacher's context + the response so far): no context, row mask or candidates")
     if msg.context:   # the teacher's input: c_b + the response (c_b empty: the sequence's own prompt)
         ctx, ctx_offs_arr = arrays[2], arrays[3]
         ctx_offs, ctx_lengths = _ragged(ctx, ctx_offs_arr, B, "context_ids", fail)

@@ -356,16 +356,17 @@ class TeacherSet:
         """A teacher answers in full mode (its streams hold the server's budget until read)."""
         return any(spec.mode == "full" for spec in self.specs.values())
 
-    def prefill(self, teacher: str, prompts: list[list[int]]) -> None:
-        """Announce the prompts `teacher` will score next (protocol 2.6; as it sees them: its context
-        or the student's prompt), so that a teacher with a prompt cache computes them while the
-        student samples. A hint: a failed one is logged, and the SCOREs are answered alike. Not
-        sent to a Ray replica pool, where the replica that scores them is not known yet."""
+    def prefill(self, teacher: str, sequences: list[list[int]], starts: list[int] | None = None) -> None:
+        """Announce what `teacher` will score next (protocol 2.6; as it sees them: its context or the
+        student's prompt, + the response so far from `starts`; None: prompts alone), so that a
+        teacher with a prompt cache computes them while the student samples. A hint: a failed one
+        is logged, and the SCOREs are answered alike. Not sent to a Ray replica pool, where the
+        replica that scores them is not known yet."""
         client = self.clients[teacher][0]
         if not isinstance(client, TeacherClient):
             return
         try:
-            futures = client.prefill(prompts)
+            futures = client.prefill(sequences, starts)
         except TeacherError as e:
             log.warning("teacher %r: prompts not announced (%s)", teacher, e)
             return

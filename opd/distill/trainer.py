@@ -2,8 +2,9 @@
 
 One optimizer step (`Trainer.step`, read top to bottom):
   1. sample: draw prompts from the domains' mixture (each routed to its teachers when the
-     data loaded, opd.distill.prompts), announce them to their teachers, which prefill them
-     meanwhile (protocol 2.6, a teacher's prompt cache), and let the student roll them out;
+     data loaded, opd.distill.prompts), announce them to their teachers, and let the student
+     roll them out; the teachers prefill the prompts meanwhile, and each response at a
+     quarter, half and three quarters of its length (protocol 2.6, a teacher's prompt cache);
   2. submit: send each teacher the sequences routed to it, trimmed after the answer's end;
   3. forward: the student's response rows of the first micro-batch, while the teachers score;
   4. loss / backward: each teacher's divergence on its rows, per-domain weights, the SFT mix,
@@ -54,6 +55,7 @@ from opd.lm_head import FUSED_REFUSED, head_form
 from opd.rl.rewards import build_reward, verify_batch
 from opd.rl.rewards.combine import check_reward_fields
 from opd.rollout.base import SamplingParams, eos_ids
+from opd.rollout.hf import HFRolloutEngine
 from opd.routing.normalize import DomainLossNormalizer
 from opd.spine import objective
 from opd.spine.dist import World, memory_per_rank
@@ -262,15 +264,34 @@ class Trainer:
         return batch
 
     def rollout(self, engine, samples: list, routes: list, params: SamplingParams) -> list:
-        """The student's responses to `samples` from `engine`; their prompts are announced to
-        the teachers they are routed to first, which prefill them meanwhile (protocol 2.6)."""
+        """The student's responses to `samples` from `engine`. The prompts are announced first
+        to the teachers they are routed to, which prefill them while the student samples, and
+        (hf engine, single turns) each response, trimmed, as it grows (protocol 2.6)."""
         prompts = [self.encode(s) for s in samples]
+        seen = {}   # teacher -> {prompt index: what the teacher sees before the response}
         for t, spec in self.teachers.specs.items():
             mine = [i for i, route in enumerate(routes) if t in route.weights]
             if mine:
-                self.teachers.prefill(t, teacher_prompts(spec, self.tok, [samples[i] for i in mine],
-                                                         [prompts[i] for i in mine], self.tools))
-        return engine.generate(prompts, params)
+                ahead = teacher_prompts(spec, self.tok, [samples[i] for i in mine], [prompts[i] for i in mine],
+                                        self.tools)
+                self.teachers.prefill(t, ahead)
+                seen[t] = dict(zip(mine, ahead))
+
+        def partial(rows: list[tuple[int, list[int]]]) -> None:
+            rows = [(i, r[:self.trim(r)]) for i, r in rows]
+            for t, before in seen.items():
+                mine = [(before[i], r) for i, r in rows if i in before and r]
+                if mine:
+                    self.teachers.prefill(t, [p + r for p, r in mine], [len(p) for p, _ in mine])
+
+        hooked = isinstance(engine, HFRolloutEngine) and self.cfg.agent is None
+        if hooked:
+            engine.partial = partial
+        try:
+            return engine.generate(prompts, params)
+        finally:
+            if hooked:
+                engine.partial = None
 
     def _submit(self, batch: Batch) -> Batch:
         """Send every teacher the sequences routed to it (prompt + trimmed response; multi-turn:

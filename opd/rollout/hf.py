@@ -117,6 +117,9 @@ class HFRolloutEngine(RolloutEngine):
         self.batch_size = batch_size
         self.agree = agree
         self.sharded = sharded
+        # partial(rows): called at a quarter, half and three quarters of max_new_tokens with each
+        # row's (prompt index, tokens so far), for a teacher to prefill them (opd.distill.trainer).
+        self.partial: Callable[[list[tuple[int, list[int]]]], None] | None = None
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def sync_weights(self, model) -> None:
@@ -191,6 +194,10 @@ class HFRolloutEngine(RolloutEngine):
             done_B |= torch.isin(tok_B, stops)
             if step + 1 == params.max_new_tokens or self.agree(bool(done_B.all())):
                 break
+            quarter = params.max_new_tokens // 4
+            if self.partial is not None and quarter >= 2 and (step + 1) % quarter == 0:
+                so_far = torch.stack(toks, dim=1).tolist()
+                self.partial([(pi, row) for (pi, _), row in zip(items, so_far)])
             # Stopped rows keep decoding (their tokens are cut below): one static batch.
             keys_B_K = torch.cat([keys_B_K, keys_B_K.new_ones(B, 1)], dim=1)
             attn = keys_B_K[:, None, None, :] if own_mask else keys_B_K.long()  # [B, 1, 1, K] or [B, K]

@@ -287,6 +287,8 @@ def test_the_teacher_prefills_each_prompt_while_the_student_samples(setup):
         losses[tokens] = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
         if tokens:   # 2 steps x 4 prompts x 2 samples, and 2 evaluations of 8: each prompt before its SCORE
             assert (backend.prompt_cache.hits, backend.prompt_cache.misses) == (2 * 4 * 2 + 2 * 8, 0)
+            # ... and each response as it grew (12 new tokens: announced at 3, 6 and 9)
+            assert any(e.tokens > e.start for e in backend.prompt_cache._entries.values())
     assert losses[4096][0] == pytest.approx(losses[0][0], rel=1e-5, abs=1e-6)
 
 

@@ -4,14 +4,15 @@ answers a teacher without the cache gives."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from opd.teachers.backend import ScoreRequest
-from opd.teachers.batching import pack
+from opd.teachers.batching import pack, pack_masks
 from opd.teachers.client import TeacherClient, TeacherError, _Call
 from opd.teachers.hf_backend import HFBackend
-from opd.teachers.prompt_cache import Entry, PromptCache
+from opd.teachers.prompt_cache import Entry, PromptCache, key_of
 from opd.teachers.protocol import Score
 from opd.teachers.server import serving_in_thread
 
@@ -24,8 +25,8 @@ def request(seqs, starts, mode="topk", k=6, T=1.0, kept_rows=None, chunk_rows=10
                         "float32", chunk_rows, kept_rows=kept_rows)
 
 
-def prefill(prompts):
-    return request(prompts, [len(p) for p in prompts], mode="prefill")
+def prefill(prompts, starts=None):
+    return request(prompts, starts or [len(p) for p in prompts], mode="prefill")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,29 @@ def test_scores_over_cached_prompts_are_the_uncached_ones(backends, batch):
     torch.testing.assert_close(full[1][1], full[0][1], atol=2e-5, rtol=0)
 
 
+def test_responses_announced_as_they_grow_continue_each_other(backends, batch, tiny_teacher_dir):
+    plain, _ = backends
+    cached = HFBackend(tiny_teacher_dir, max_k=8, prompt_cache_tokens=256)
+    prompts, seqs, starts = batch
+    assert cached.prefill([prefill(prompts)]) == [26]
+    # A quarter and a half of each response so far (the trainer's announcements mid-rollout).
+    for part in (0.25, 0.5):
+        grown = [seq[:s + int(part * (len(seq) - s))] for seq, s in zip(seqs, starts)]
+        assert cached.prefill([prefill(grown, starts)]) == [sum(map(len, grown))]
+    sizes = sorted(e.tokens for e in cached.prompt_cache._entries.values())
+    # prompts 9, 4, 13; responses at half: 9 + 3, 13 + 6, 9 + 2 (a quarter's entries dropped; 4 + 0 is the prompt)
+    assert sizes == [4, 9, 11, 12, 13, 19] and cached.prompt_cache.tokens == 68
+    hits = cached.prompt_cache.hits
+    want, got = plain.score_topk([request(seqs, starts)])[0], cached.score_topk([request(seqs, starts)])[0]
+    assert torch.equal(want.ids, got.ids) and cached.prompt_cache.hits - hits == 4
+    for a, b in zip(want[1:], got[1:]):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    # A sequence trimmed shorter than its held part reads its prompt's entry instead.
+    short = [seqs[2][:15]]
+    want, got = plain.score_topk([request(short, [13])])[0], cached.score_topk([request(short, [13])])[0]
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
+
+
 def test_a_sequence_whose_prompt_was_not_announced_is_scored_whole(backends, batch):
     plain, cached = backends
     prompts, seqs, starts = batch
@@ -83,18 +107,24 @@ def test_a_sequence_whose_prompt_was_not_announced_is_scored_whole(backends, bat
     assert cached.prompt_cache.misses - misses == 1
 
 
-def test_least_recently_used_prompts_go_first():
-    def entry(n):
-        return Entry([torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)], torch.zeros(4))
+def test_least_recently_used_entries_go_first_and_the_longest_prefix_is_found():
+    def put(cache, ids, start):
+        n = len(ids)
+        entry = Entry([torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)], torch.zeros(n - start + 1, 4), start)
+        return cache.put(key_of(torch.tensor(ids), start), entry, key_of(torch.tensor(ids[:start]), start))
 
     cache = PromptCache(10)
-    for key, n in ((b"a", 4), (b"b", 4)):
-        assert cache.put(key, entry(n))
-    assert cache.get(b"a") is not None          # b is now the oldest
-    assert cache.put(b"c", entry(4))
-    assert b"b" not in cache and b"a" in cache and cache.tokens == 8
-    assert not cache.put(b"d", entry(11)) and cache.tokens == 8   # alone over the budget: not kept
-    assert cache.get(b"b") is None and (cache.hits, cache.misses) == (1, 1)
+    assert put(cache, [1, 2, 3, 4], 4) and put(cache, [5, 6, 7, 8], 4)
+    seq = torch.tensor([1, 2, 3, 4, 9, 9])
+    assert cache.lookup(seq, 4, 6).tokens == 4                  # [5..8] is now the oldest
+    assert cache.lookup(seq, 3, 6) is None                      # the same ids, rows from elsewhere: another key
+    assert put(cache, [1, 2, 3, 4, 9], 4)                       # a response's first token
+    assert key_of(torch.tensor([5, 6, 7, 8]), 4) not in cache and cache.tokens == 9
+    assert cache.lookup(seq, 4, 6).tokens == 5 and cache.lookup(seq, 4, 4).tokens == 4   # longest within the limit
+    assert not put(cache, list(range(11)), 11) and cache.tokens == 9   # alone over the budget: not kept
+    cache.drop(key_of(torch.tensor([1, 2, 3, 4, 9]), 4))
+    assert cache.lookup(seq, 4, 6).tokens == 4 and cache.tokens == 4
+    assert (cache.hits, cache.misses) == (4, 1)
 
 
 def test_a_longrope_teacher_keeps_no_prompts(tiny_longrope_dir):
@@ -115,12 +145,13 @@ def test_prefill_over_the_wire(backends, batch):
         want = plain.score_topk([request(seqs, starts)])[0]
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
         assert cached.prompt_cache.hits == 4
-        with pytest.raises(ValueError, match="at least one token"):
+        with pytest.raises(ValueError, match="needs a token"):
             client.prefill([[3, 4], []])
-        # A prefill is prompts only: a SCORE that says "prefill" over responses is refused.
-        score = Score(request_id=0, mode="prefill", response_starts=[9])
-        bad = client._command("submit", _Call("prefill", score, pack([prompts[0] + [9]])))
-        with pytest.raises(TeacherError, match="prompts only"):
+        # A prefill carries the teacher's own sequences: one with a row mask is refused.
+        score = Score(request_id=0, mode="prefill", response_starts=[9], rows=True)
+        bad = client._command("submit", _Call("prefill", score, pack([prompts[0] + [9]]) +
+                                               pack_masks([np.ones(1, dtype=np.uint8)])))
+        with pytest.raises(TeacherError, match="own sequences only"):
             bad.result(timeout=30)
     with serving_in_thread(plain) as server, TeacherClient(server.address, timeout_s=30) as client:
         assert client.info().prompt_cache_tokens == 0 and client.prefill(prompts) == []   # nothing to announce
