@@ -50,12 +50,14 @@ candidates). The answer then holds only the rows whose mask is 1, in order: row_
 count those, candidates are [their number, k]. The teacher still reads every token (a
 multi-turn trajectory's tool observations are context), but answers only the rows trained on.
 
-Prefill (2.6, mode "prefill"): the sequences are prompts the client will send to be scored
-soon (response_starts: their lengths; no context, mask or candidates). A server whose WELCOME
-says prompt_cache_tokens > 0 computes and keeps their keys and values, and a later SCORE whose
-sequence starts with one of them (ids[:s_b], the prompt the teacher sees) is computed from
-s_b on; the answer is the same up to float rounding. DONE says how many of the prompts'
-tokens are held (`cached`). It is a hint: a server may evict a prompt before it is scored.
+Prefill (2.6, mode "prefill"): sequences the client will send to be scored soon, as the
+teacher sees them: prompts (response_starts: their lengths), or prompt + the response so far
+(response_starts: where it starts); no context, mask or candidates. A server whose WELCOME says
+prompt_cache_tokens > 0 computes and keeps their keys and values (each continuing the longest
+it holds of the same sequence), and a later SCORE is computed from the end of the longest held
+first tokens of its sequence (with the same s_b) on; the answer is the same up to float
+rounding. DONE says how many of their tokens are held (`cached`). A hint: a server may evict
+an entry before it is read.
 
 Full-vocabulary answer: CHUNKs of consecutive rows, `logits` [rows, V] in the requested
 dtype (temperature NOT applied to these raw logits; `lse` is of logits / T) and fp32
