@@ -105,7 +105,7 @@ class TeacherBackend(abc.ABC):
     dtypes: tuple[str, ...]      # full-mode logit dtypes
     supports_temperature: bool = True
     exact_lse: bool = True       # False: answers carry NaN in `lse`
-    prompt_cache_tokens: int = 0  # > 0: prompts announced by a "prefill" SCORE are kept (2.6), this many tokens
+    prompt_cache_tokens: int = 0  # > 0: sequences announced by a "prefill" SCORE are kept (2.6), this many tokens
 
     def unsupported(self, req: ScoreRequest) -> str | None:
         """None when this backend answers `req` exactly; else why not and which backend can."""
@@ -116,9 +116,9 @@ class TeacherBackend(abc.ABC):
         """Answer several top-k requests, ideally in one batched forward pass."""
 
     def prefill(self, reqs: list[ScoreRequest]) -> list[int]:
-        """Keep the prompts ids[:s_b] of these requests' sequences for the SCOREs that will
-        follow (mode "prefill", protocol 2.6); per request, the prompt tokens held. A backend
-        without a prompt cache holds none: the later SCOREs compute them as any other."""
+        """Keep these requests' sequences (prompts, or prompt + the response so far from s_b) for
+        the SCOREs that will follow (mode "prefill", protocol 2.6); per request, the tokens held.
+        A backend without a prompt cache holds none: the later SCOREs compute them as any other."""
         return [0] * len(reqs)
 
     @abc.abstractmethod

@@ -17,8 +17,8 @@ candidates the request gave, support "given"):
 
 Prompt cache (protocol 2.6, `prompt_cache_tokens` > 0; teachers/prompt_cache.py): a SCORE in
 mode "prefill" stores its sequences' keys and values (prompts, or prompt + the response so
-far); a later sequence is computed from the end of its longest stored first tokens on. The answers are the same up to float rounding
-(tests/teachers/test_prompt_cache.py compares both ways).
+far); a later sequence is computed from the end of its longest stored first tokens on. The
+answers are the same up to float rounding (tests/teachers/test_prompt_cache.py compares both).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class HFBackend(TeacherBackend):
                  prompt_cache_tokens: int = 0):
         """`device_map` (with device="cuda"): transformers' placement of the layers over the visible
         GPUs ("auto", "balanced", "balanced_low_0", "sequential"), for a teacher larger than one
-        GPU; None: the whole model on `device`. `prompt_cache_tokens` > 0: keep announced prompts'
-        keys and values, up to that many prompt tokens (0 where this model does not qualify)."""
+        GPU; None: the whole model on `device`. `prompt_cache_tokens` > 0: keep announced sequences'
+        keys and values, up to that many tokens (0 where this model does not qualify)."""
         from transformers import AutoModelForCausalLM   # lazy: seconds to import; only a model load needs it
 
         if device_map is not None and device != "cuda":
@@ -154,11 +154,11 @@ class HFBackend(TeacherBackend):
         """The body over `suffixes` (right-padded to S) after the entries' tokens (left-padded to
         P in the cache): (hidden states [n, S, H], the DynamicCache, [n, kv, P + S, d] a layer);
         positions count each entry's own tokens."""
-        cache, prompt_mask = batched_cache(entries, self.model.config)
         width = max(len(x) for x in suffixes)
-        if width == 0:
+        if width == 0:   # the entries hold every row's position already: nothing to compute
             hidden = entries[0].hidden
-            return hidden.new_zeros(len(entries), 0, hidden.shape[-1]), cache
+            return hidden.new_zeros(len(entries), 0, hidden.shape[-1]), None
+        cache, prompt_mask = batched_cache(entries, self.model.config)
         ids = torch.zeros(len(entries), width, dtype=torch.long)
         mask = torch.zeros(len(entries), width, dtype=torch.long)
         pos = torch.zeros(len(entries), width, dtype=torch.long)
@@ -180,11 +180,15 @@ class HFBackend(TeacherBackend):
         from transformers import DynamicCache
 
         todo: dict[bytes, tuple[torch.Tensor, int]] = {}
+        asked = []   # per request, (key, tokens) of its sequences
         for req in reqs:
+            asked.append([])
             for b in range(req.num_sequences):
                 seq, s = req.sequence(b).long(), req.response_starts[b]
-                if key_of(seq, s) not in self.prompt_cache:
-                    todo[key_of(seq, s)] = (seq, s)
+                key = key_of(seq, s)
+                asked[-1].append((key, len(seq)))
+                if key not in self.prompt_cache:
+                    todo[key] = (seq, s)
         items = list(todo.values())
         base = [self.prompt_cache.lookup(seq, s, len(seq) - 1, count=False) for seq, s in items]
         lengths = [len(seq) for seq, _ in items]
@@ -207,8 +211,7 @@ class HFBackend(TeacherBackend):
                            torch.cat([e.hidden, hidden[j, :grow]]))
                 if e.tokens > e.start:   # a response's earlier part: the longer entry holds all it did
                     self.prompt_cache.drop(key_of(seq[:e.tokens], s))
-        return [sum(len(req.sequence(b)) for b in range(req.num_sequences)
-                    if key_of(req.sequence(b).long(), req.response_starts[b]) in self.prompt_cache) for req in reqs]
+        return [sum(n for key, n in mine if key in self.prompt_cache) for mine in asked]
 
     def _keep(self, seq: torch.Tensor, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]], hidden) -> None:
         """Hold seq (rows from `start`): its keys and values per layer, the hidden states [len - start + 1, H]."""

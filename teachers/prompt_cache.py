@@ -58,7 +58,8 @@ class PromptCache:
         self.max_tokens = max_tokens
         self.tokens = 0
         self._entries: collections.OrderedDict[bytes, Entry] = collections.OrderedDict()
-        self._lengths: dict[bytes, set[int]] = {}   # prompt's key -> the lengths held of sequences with it
+        # prompt's key -> how many entries of each length it starts (n samples of one prompt share it)
+        self._lengths: dict[bytes, collections.Counter] = {}
         self.hits = self.misses = 0   # sequences scored over an entry, or without one
 
     def __len__(self) -> int:
@@ -70,8 +71,9 @@ class PromptCache:
     def lookup(self, seq: torch.Tensor, start: int, limit: int, count: bool = True) -> Entry | None:
         """The longest entry of `seq`'s first P <= limit tokens with rows from `start`, else None."""
         for n in sorted(self._lengths.get(key_of(seq[:start], start), ()), reverse=True):
-            if n <= limit and (entry := self._entries.get(key_of(seq[:n], start))) is not None:
-                self._entries.move_to_end(key_of(seq[:n], start))
+            key = key_of(seq[:n], start)
+            if n <= limit and (entry := self._entries.get(key)) is not None:
+                self._entries.move_to_end(key)
                 self.hits += count
                 return entry
         self.misses += count
@@ -85,7 +87,7 @@ class PromptCache:
         while self._entries and self.tokens + entry.tokens > self.max_tokens:
             self.drop(next(iter(self._entries)))
         self._entries[key] = entry
-        self._lengths.setdefault(prompt_key, set()).add(entry.tokens)
+        self._lengths.setdefault(prompt_key, collections.Counter())[entry.tokens] += 1
         self.tokens += entry.tokens
         return True
 
@@ -95,10 +97,12 @@ class PromptCache:
             return
         self.tokens -= entry.tokens
         prompt_key = key[:4] + key[4:4 + 8 * entry.start]
-        lengths = self._lengths.get(prompt_key, set())
-        lengths.discard(entry.tokens)
+        lengths = self._lengths[prompt_key]
+        lengths[entry.tokens] -= 1
+        if lengths[entry.tokens] == 0:
+            del lengths[entry.tokens]
         if not lengths:
-            self._lengths.pop(prompt_key, None)
+            del self._lengths[prompt_key]
 
 
 def why_not(model) -> str | None:

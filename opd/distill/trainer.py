@@ -284,7 +284,7 @@ class Trainer:
                 if mine:
                     self.teachers.prefill(t, [p + r for p, r in mine], [len(p) for p, _ in mine])
 
-        hooked = isinstance(engine, HFRolloutEngine) and self.cfg.agent is None
+        hooked = isinstance(engine, HFRolloutEngine)   # not an agent's multi-turn wrapper around one
         if hooked:
             engine.partial = partial
         try:

@@ -125,6 +125,10 @@ def test_least_recently_used_entries_go_first_and_the_longest_prefix_is_found():
     cache.drop(key_of(torch.tensor([1, 2, 3, 4, 9]), 4))
     assert cache.lookup(seq, 4, 6).tokens == 4 and cache.tokens == 4
     assert (cache.hits, cache.misses) == (4, 1)
+    # Two samples of one prompt, grown to the same length: dropping one leaves the other found.
+    assert put(cache, [1, 2, 3, 4, 7], 4) and put(cache, [1, 2, 3, 4, 8], 4)
+    cache.drop(key_of(torch.tensor([1, 2, 3, 4, 7]), 4))
+    assert cache.lookup(torch.tensor([1, 2, 3, 4, 8, 9]), 4, 6).tokens == 5
 
 
 def test_a_longrope_teacher_keeps_no_prompts(tiny_longrope_dir):
