@@ -14,6 +14,12 @@ rows' logits; the top-k distillation loss; backward; gradient clipping + AdamW.
 asks whether the rollout leaves a core idle: the rollout at 2 threads and at 1, the teacher's
 prefill of the prompts alone (the part of its forward known before the rollout ends) at 1
 thread in a second process, and the two at once, each on one thread.
+
+    python -m opd.benchmarks.step_profile STUDENT_DIR TEACHER_DIR --linears
+
+times one decode step's worth of the student body's nn.Linear layers (each weight once, in
+model order, so the weights as a whole are out of cache as in a rollout) at 1 to 64 rows, as
+F.linear and as the transposed product `opd.rollout.hf.few_row_linears` uses below 8 rows.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opd.kernels import TopKTeacher, distill_loss
 from opd.rollout.base import SamplingParams
-from opd.rollout.hf import HFRolloutEngine, pick_tokens
+from opd.rollout.hf import HFRolloutEngine, pick_tokens, transposed_linear
 from opd.spine.rows import pack, student_rows
 
 
@@ -192,6 +198,26 @@ def overlap(student_dir: Path, teacher_dir: Path, data: Path | None, batch: int 
     return out
 
 
+def linears(student_dir: Path, rows: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64),
+            repeats: int = 30) -> dict:
+    """Per rows M: ms per pass over every body nn.Linear of the student (one decode step's
+    weights), as F.linear and as transposed_linear, the mean of `repeats` passes after one."""
+    model = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32)
+    weights = [(m.weight, m.bias) for m in model.get_decoder().modules() if type(m) is torch.nn.Linear]
+    out = {}
+    with torch.inference_mode():
+        for M in rows:
+            xs = {w.shape[1]: torch.randn(M, w.shape[1]) for w, _ in weights}
+            for name, form in (("linear", torch.nn.functional.linear), ("transposed", transposed_linear)):
+                for i in range(repeats + 1):
+                    if i == 1:
+                        t = time.perf_counter()
+                    for w, b in weights:
+                        form(xs[w.shape[1]], w, b)
+                out[f"rows_{M}_{name}_ms"] = (time.perf_counter() - t) / repeats * 1e3
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("student", type=Path)
@@ -200,6 +226,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--overlap", action="store_true", help="whether the rollout leaves a core idle (see above)")
+    p.add_argument("--linears", action="store_true", help="the body's linears at 1-64 rows, two forms (see above)")
     p.add_argument("--prefill-loop", type=float, default=None, metavar="SECONDS",
                    help="(what --overlap runs in its second process) the teacher's prompt prefill for SECONDS")
     a = p.parse_args()
@@ -207,8 +234,11 @@ def main() -> None:
     if a.prefill_loop is not None:
         print(json.dumps(prefill_loop(a.teacher, a.data, a.prefill_loop)))
         return
-    res = overlap(a.student, a.teacher, a.data, repeats=a.repeats) if a.overlap else \
-        profile(a.student, a.teacher, a.data, repeats=a.repeats)
+    if a.linears:
+        res = linears(a.student)
+    else:
+        res = overlap(a.student, a.teacher, a.data, repeats=a.repeats) if a.overlap else \
+            profile(a.student, a.teacher, a.data, repeats=a.repeats)
     for k_, v in res.items():
         print(f"{k_:<18} {v:.3f}" if isinstance(v, float) else f"{k_:<18} {v}")
 

@@ -17,14 +17,21 @@ small models, where Python per step, not arithmetic, is the cost (8 prompts x 32
     same product, for which MKL picks a far better kernel when h has a few rows (W [49152,
     576], h [4, 576], fp32, 2 cores: 6.4 ms against 20-27 ms, about half of SmolLM2-135M's
     decode step; `python -m opd.benchmarks.step_profile`). Where logits are not a plain
-    head's output (a LoRA adapter on it, a soft-cap, a sharded model) the model's own forward runs.
+    head's output (a LoRA adapter on it, a soft-cap, a sharded model) the model's own forward runs;
+  - on the CPU, so are the body's nn.Linear layers while fewer than 8 rows go through them
+    (`few_row_linears`): one pass over the 56 body linears of the small-real student (SmolLM2-135M's
+    first 8 layers) at 4 rows, 2 cores, took 5.8 ms that way against 12.5 ms; at 2-4 rows it is
+    2-4x faster, at 8 and more within the noise (`step_profile --linears`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import types
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from opd.lm_head import head_form, parts
@@ -85,12 +92,43 @@ def last_logits(model, sharded: bool) -> Callable[..., torch.Tensor]:
         return whole
 
     def transposed(**inputs) -> torch.Tensor:
-        h_B_H = body(**inputs).last_hidden_state[:, -1]
-        z_V_B = head.weight @ h_B_H.T
-        if head.bias is not None:
-            z_V_B = z_V_B + head.bias[:, None]
-        return post(z_V_B.T.contiguous()).float()
+        return post(transposed_linear(body(**inputs).last_hidden_state[:, -1], head.weight, head.bias)).float()
     return transposed
+
+
+def transposed_linear(x_M_K: torch.Tensor, w_N_K: torch.Tensor, b_N: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w, b) for x [M, K] as (w @ x.T).T: the same product, [M, N] contiguous."""
+    z_N_M = w_N_K @ x_M_K.T
+    if b_N is not None:
+        z_N_M = z_N_M + b_N[:, None]
+    return z_N_M.T.contiguous()
+
+
+FEW_ROWS = 8   # fewer rows than this through a linear: the transposed product (measured, module docstring)
+
+
+def _few_row_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    if rows >= FEW_ROWS:
+        return F.linear(x, self.weight, self.bias)
+    return transposed_linear(x.reshape(rows, x.shape[-1]), self.weight, self.bias).reshape(*x.shape[:-1], -1)
+
+
+@contextmanager
+def few_row_linears(model, sharded: bool) -> Iterator[None]:
+    """While inside: every plain nn.Linear of `model` on the CPU computes inputs of fewer than
+    FEW_ROWS rows as `transposed_linear` (a decode step's rows), others as F.linear. Its
+    instances' forward is replaced and restored on exit; subclasses (peft's LoRA layers wrap a
+    plain base layer, which is covered) and FSDP2's sharded modules keep their own."""
+    linears = [] if sharded else [m for m in model.modules()
+                                  if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
+    for m in linears:
+        m.forward = types.MethodType(_few_row_forward, m)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
 
 
 def _builds_own_mask(config) -> bool:
@@ -144,8 +182,9 @@ class HFRolloutEngine(RolloutEngine):
         was_training = model.training
         model.eval()  # no dropout while sampling
         try:
-            for start in range(0, len(expanded), self.batch_size):
-                out.extend(self._generate_batch(expanded[start:start + self.batch_size], params, share))
+            with few_row_linears(model, self.sharded):
+                for start in range(0, len(expanded), self.batch_size):
+                    out.extend(self._generate_batch(expanded[start:start + self.batch_size], params, share))
         finally:
             model.train(was_training)
         return out

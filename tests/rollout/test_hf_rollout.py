@@ -132,6 +132,8 @@ def test_own_4d_mask_equals_the_models_own_masking(tiny_model_dir, monkeypatch):
     """The ready 4-D mask (SDPA, full attention) gives what transformers' 2-D path gives."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers import AutoModelForCausalLM
+
     import opd.rollout.hf as hf
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
@@ -219,3 +221,37 @@ def test_last_logits_are_the_models_own_with_or_without_its_plain_head(tiny_mode
         with lora.disable_adapter():   # the adapter moves the logits: the check above saw it
             base = lora(input_ids=ids).logits[:, -1]
         assert (lora(input_ids=ids).logits[:, -1] - base).abs().max() > 1e-3
+
+
+def test_few_row_linears_give_the_models_logits_and_restore_its_modules(tiny_model_dir, monkeypatch):
+    # Inside, each plain nn.Linear computes fewer than 8 rows as the transposed product and 8 or
+    # more as F.linear; on exit (an exception included) every module has its own forward again.
+    from transformers import AutoModelForCausalLM
+
+    import opd.rollout.hf as hf
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    calls = []
+    real = hf.transposed_linear
+    monkeypatch.setattr(hf, "transposed_linear", lambda x, w, b: calls.append(x.shape) or real(x, w, b))
+    few, many = torch.tensor([[5], [9], [33]]), torch.tensor([[5, 9, 33, 7], [101, 3, 8, 2]])
+    with torch.no_grad():
+        want_few, want_many = model(few).logits, model(many).logits
+        with hf.few_row_linears(model, sharded=False):
+            got_few = model(few).logits
+            assert len(calls) == len(linears) and all(s[0] == 3 for s in calls)
+            got_many = model(many).logits
+            assert len(calls) == len(linears)          # 8 rows: F.linear, no new call
+        torch.testing.assert_close(got_few, want_few, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_many, want_many, atol=0, rtol=0)
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        try:
+            with hf.few_row_linears(model, sharded=False):
+                raise RuntimeError("inside")
+        except RuntimeError:
+            pass
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        with hf.few_row_linears(model, sharded=True):   # FSDP2: its modules keep their forward
+            model(few)
+        assert len(calls) == len(linears)
