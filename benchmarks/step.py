@@ -193,12 +193,15 @@ def run_trl(python: str, work: Path, student: Path, teacher: Path, steps: int, w
 
 SYSTEMS = ["opd-full", "opd-topk", "opd-topk-pipelined", "trl-gkd", "trl-distill"]
 # --preset small-real: SmolLM2-135M's shapes (step_real.py); one step is ~3 s on 2 cores, so
-# fewer steps than the tiny models' 60, and torch's default threads (both cores) per process.
+# fewer steps than the tiny models' 60, and torch's default threads (both cores) per process but
+# opd's teacher server, which takes one core fewer: it prefills while the student samples, and
+# on 2 cores at 2 threads each the two processes' threads outnumber the cores (top-64: 33.5
+# tokens/s at 2 teacher threads, 38.8 at 1, 2026-12-03 10:16-10:26 UTC; teacher wait 0 at both).
 PRESETS = {
-    "tiny": dict(steps=60, warmup=5, rounds=3, batch=8, new_tokens=32, k=32, threads=1,
+    "tiny": dict(steps=60, warmup=5, rounds=3, batch=8, new_tokens=32, k=32, threads=1, teacher_threads=None,
                  systems=["opd-full", "opd-topk", "trl-gkd"], memory_interval=0.05),
     "small-real": dict(steps=6, warmup=1, rounds=2, batch=4, new_tokens=32, k=64, threads=os.cpu_count() or 1,
-                       systems=SYSTEMS, memory_interval=0.25),
+                       teacher_threads=max(1, (os.cpu_count() or 1) - 1), systems=SYSTEMS, memory_interval=0.25),
 }
 QUICK = dict(steps=2, warmup=1, rounds=1)
 
@@ -239,7 +242,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of every process (TRL's, opd's trainer, opd's teacher server)")
     p.add_argument("--teacher-threads", type=int, default=None,
-                   help="torch threads of opd's teacher server; None: --threads")
+                   help="torch threads of opd's teacher server (unset: tiny --threads, small-real one fewer than the "
+                        "cores, at least 1)")
     p.add_argument("--omp-wait-policy", choices=["passive", "active"], default=None,
                    help="OMP_WAIT_POLICY of every process of every system; None: unset (libgomp spins)")
     # Reading smaps_rollup of 2.5 GB processes every 50 ms took ~0.3 of a core from the systems

@@ -98,12 +98,17 @@ def test_presets_fill_what_is_not_given():
     a = p.parse_args(["--preset", "small-real", "--k", "16"])
     step._settle(a)
     assert (a.batch, a.new_tokens, a.k, a.steps) == (4, 32, 16, 6) and "trl-distill" in a.systems
+    # the teacher server a core fewer than the trainer (it works beside the student's rollout)
+    assert a.teacher_threads == max(1, a.threads - 1)
+    a = p.parse_args(["--preset", "small-real", "--teacher-threads", "3"])
+    step._settle(a)
+    assert a.teacher_threads == 3
     a = p.parse_args(["--preset", "small-real", "--quick", "--steps", "9"])
     step._settle(a)
     assert (a.steps, a.warmup, a.rounds) == (2, 1, 1)
     a = p.parse_args([])
     step._settle(a)
-    assert (a.batch, a.k, a.threads, a.steps) == (8, 32, 1, 60)
+    assert (a.batch, a.k, a.threads, a.steps, a.teacher_threads) == (8, 32, 1, 60, None)
 
 
 @pytest.mark.slow
