@@ -196,7 +196,7 @@ SYSTEMS = ["opd-full", "opd-topk", "opd-topk-pipelined", "trl-gkd", "trl-distill
 # fewer steps than the tiny models' 60, and torch's default threads (both cores) per process but
 # opd's teacher server, which takes one core fewer: it prefills while the student samples, and
 # on 2 cores at 2 threads each the two processes' threads outnumber the cores (top-64: 33.5
-# tokens/s at 2 teacher threads, 38.8 at 1, 2026-12-03 10:16-10:26 UTC; teacher wait 0 at both).
+# tokens/s at 2 teacher threads, 38.8 at 1, 2026-12-03 10:10-10:21 UTC; teacher wait 0 at both).
 PRESETS = {
     "tiny": dict(steps=60, warmup=5, rounds=3, batch=8, new_tokens=32, k=32, threads=1, teacher_threads=None,
                  systems=["opd-full", "opd-topk", "trl-gkd"], memory_interval=0.05),
