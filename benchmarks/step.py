@@ -194,11 +194,11 @@ def run_trl(python: str, work: Path, student: Path, teacher: Path, steps: int, w
 SYSTEMS = ["opd-full", "opd-topk", "opd-topk-pipelined", "trl-gkd", "trl-distill"]
 # --preset small-real: SmolLM2-135M's shapes (step_real.py); one step is ~3 s on 2 cores, so
 # fewer steps than the tiny models' 60, and torch's default threads (both cores) per process but
-# opd's teacher server, which takes one core fewer: it prefills while the student samples, and
-# on 2 cores at 2 threads each the two processes' threads outnumber the cores (top-64: 33.5
-# tokens/s at 2 teacher threads, 38.8 at 1, 2026-12-03 10:10-10:21 UTC; teacher wait 0 at both).
+# opd's teacher server, which takes one core fewer: it prefills while the student samples on
+# all the cores (top-64 on 2 cores: 33.5 tokens/s at 2 teacher threads, 38.8 at 1, two runs of
+# 2026-12-03 10:10-10:22 UTC; the trainer never waited for the teacher at either).
 PRESETS = {
-    "tiny": dict(steps=60, warmup=5, rounds=3, batch=8, new_tokens=32, k=32, threads=1, teacher_threads=None,
+    "tiny": dict(steps=60, warmup=5, rounds=3, batch=8, new_tokens=32, k=32, threads=1,
                  systems=["opd-full", "opd-topk", "trl-gkd"], memory_interval=0.05),
     "small-real": dict(steps=6, warmup=1, rounds=2, batch=4, new_tokens=32, k=64, threads=os.cpu_count() or 1,
                        teacher_threads=max(1, (os.cpu_count() or 1) - 1), systems=SYSTEMS, memory_interval=0.25),
