@@ -293,6 +293,7 @@ def test_the_teacher_prefills_each_prompt_while_the_student_samples(setup):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow   # ~37 s: in make test-all (the suite's 20-min budget); the hf case above stays in make test
 def test_a_vllm_teacher_with_a_larger_padded_head_scores_over_the_students_rows(setup, tmp_path):
     # The same with a vLLM teacher, which refused vocab_limit before protocol 2.3 (the run then
     # stopped at the first answer naming a padding row). Its own engine: ~20 s.

@@ -141,6 +141,7 @@ def test_config_refuses_k_above_samples():
                                                                   {"domain": "m", "path": "z"}]}, V.ValidateConfig)
 
 
+@pytest.mark.slow   # ~23 s: in make test-all (the suite's 20-min budget); the tests above cover the scoring
 def test_cli_on_tiny_models_with_grpo_check(tmp_path, tiny_model_dir, tiny_teacher_dir):
     (tmp_path / "math.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                                                  for i in range(3)))
