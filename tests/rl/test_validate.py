@@ -141,7 +141,7 @@ def test_config_refuses_k_above_samples():
                                                                   {"domain": "m", "path": "z"}]}, V.ValidateConfig)
 
 
-@pytest.mark.slow   # ~23 s: in make test-all (the suite's 20-min budget); the tests above cover the scoring
+@pytest.mark.slow   # ~23 s: in make test-all (the suite's 20-min budget); the refusal below stays in make test
 def test_cli_on_tiny_models_with_grpo_check(tmp_path, tiny_model_dir, tiny_teacher_dir):
     (tmp_path / "math.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                                                  for i in range(3)))
@@ -174,8 +174,16 @@ def test_cli_on_tiny_models_with_grpo_check(tmp_path, tiny_model_dir, tiny_teach
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0, again.stderr[-2000:]
-    (tmp_path / "validate.yaml").write_text((tmp_path / "validate.yaml").read_text().replace(
-        f"path: {tiny_teacher_dir}", f"path: {tmp_path / 'ghost'}"))
-    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_cli_refuses_a_path_that_is_not_a_model_before_the_first_evaluation(tmp_path, tiny_model_dir):
+    (tmp_path / "math.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    (tmp_path / "validate.yaml").write_text(
+        f"models:\n  - {{name: base, path: {tiny_model_dir}, role: student}}\n"
+        f"  - {{name: teacher, path: {tmp_path / 'ghost'}, role: teacher, domains: [math]}}\n"
+        f"sets: [{{domain: math, path: {tmp_path / 'math.jsonl'}}}]\n"
+        f"samples: 2\nk: [1]\nmax_new_tokens: 3\nout_dir: {tmp_path / 'report'}\n")
+    bad = subprocess.run([sys.executable, "-m", "opd.cli", "validate", str(tmp_path / "validate.yaml")],
+                         capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "[opd validate] base" not in bad.stderr
     assert f"error: models['teacher'].path {tmp_path / 'ghost'}: no such directory" in bad.stderr

@@ -68,8 +68,13 @@ def card_run(out: Path) -> dict:
     return next(v for k, v in card.items() if isinstance(v, dict) and "memory_per_rank_bytes" in v)
 
 
-# lora: ~26 s each, in make test-all; opd train keeps both in make test (the suite's 20-min budget)
-@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
+# LoRA runs of sft and rl: ~26 s each, in make test-all (the suite's 20-min budget); opd train
+# keeps both in make test.
+LORA_IN_TEST_ALL = pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)],
+                                           ids=["full", "lora"])
+
+
+@LORA_IN_TEST_ALL
 def test_opd_sft_on_two_ranks_is_one_process_with_half_the_memory_per_rank(tmp_path, lora):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)])
     runs = both("sft", tmp_path, "out_dir: {out}\ntiny: {{layers: 2, hidden: 32, heads: 2, kv_heads: 1, "
@@ -85,8 +90,7 @@ def test_opd_sft_on_two_ranks_is_one_process_with_half_the_memory_per_rank(tmp_p
         assert 0.45 < two[k] / one[k] < 0.56, (k, one[k], two[k])
 
 
-# lora: ~26 s each, in make test-all; opd train keeps both in make test (the suite's 20-min budget)
-@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
+@LORA_IN_TEST_ALL
 def test_opd_rl_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, lora):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"Number {i}:", "answer": str(i)} for i in range(10, 26)])
     (tmp_path / "digits.py").write_text("def digits(sample, text):\n    return sum(c.isdigit() for c in text) / "
