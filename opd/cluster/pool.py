@@ -16,7 +16,9 @@ the caller has not seen.
 
 Recovery: a monitor thread re-resolves the addresses every `recheck_s` (a callable, e.g.
 the supervisor's `TeacherGroup.addresses`, may return new ones after a restart) and
-probes dead replicas with HELLO; one that answers is used again.
+probes dead replicas with HELLO (waiting at most ten heartbeats, so a replica that is down
+does not hold the pool's start); one that answers is used again. `replica_stats()` says
+why each replica was last marked dead or failed its probe.
 
 Identity: every replica must report the same model and tokenizer fingerprints as the
 first one; a replica that differs makes the pool refuse to work (FingerprintMismatch),
@@ -56,6 +58,7 @@ class _Replica:
     inflight_tokens: int = 0
     requests: int = 0          # requests answered by this replica
     failures: int = 0          # times it was marked dead
+    last_error: str = ""       # why it was last marked dead or last failed a probe
 
 
 class ReplicaPool:
@@ -81,7 +84,8 @@ class ReplicaPool:
             raise self._fatal
         if not any(r.alive for r in self._replicas.values()):
             self.close()
-            raise TeacherError("NO_REPLICA", f"none of the replicas {list(self._replicas)} answered HELLO")
+            why = "; ".join(f"{r.address}: {r.last_error}" for r in self._replicas.values())
+            raise TeacherError("NO_REPLICA", f"none of the replicas {list(self._replicas)} answered HELLO ({why})")
         self._monitor = threading.Thread(target=self._monitor_loop, name="replica-pool-monitor", daemon=True)
         self._monitor.start()
 
@@ -178,10 +182,12 @@ class ReplicaPool:
     # ---- observability ---------------------------------------------------------------------
 
     def replica_stats(self) -> list[dict]:
-        """Per replica: address, alive, inflight_tokens, requests answered, failures seen."""
+        """Per replica: address, alive, inflight_tokens, requests answered, failures seen, and
+        last_error: why it was last marked dead or failed a HELLO probe ("" if never)."""
         with self._lock:
             return [dict(address=r.address, alive=r.alive, inflight_tokens=r.inflight_tokens,
-                         requests=r.requests, failures=r.failures) for r in self._replicas.values()]
+                         requests=r.requests, failures=r.failures, last_error=r.last_error)
+                    for r in self._replicas.values()]
 
     def live_addresses(self) -> list[str]:
         with self._lock:
@@ -256,6 +262,7 @@ class ReplicaPool:
             elif isinstance(error, TeacherError) and error.code in DEAD_CODES and rep.alive:
                 rep.alive = False
                 rep.failures += 1
+                rep.last_error = str(error)
                 log.warning("replica %s marked dead (%s); failing over", rep.address, error)
 
     def _check_fatal(self) -> None:
@@ -298,13 +305,20 @@ class ReplicaPool:
             old, rep.client = rep.client, None
         if old is not None:
             old.close()
-        client = TeacherClient(rep.address, **{**self._client_kwargs, "retries": 0})
+        # A HELLO is answered by the server's socket thread, never queued behind compute: ten
+        # heartbeats is long enough, and a replica that is down does not hold the pool's start
+        # (or the monitor) for timeout_s. One still starting is probed again in recheck_s.
+        hello_s = min(self._client_kwargs["timeout_s"], 10 * self._client_kwargs["heartbeat_s"])
+        client = TeacherClient(rep.address, **{**self._client_kwargs, "retries": 0, "timeout_s": hello_s})
         try:
             welcome = client.info()
-        except TeacherError:
+        except TeacherError as e:   # not up yet, or down: the monitor probes it again in recheck_s
             client.close()
+            with self._lock:
+                rep.last_error = f"HELLO probe: {e}"
             return
-        client.retries = self._client_kwargs["retries"]  # probed fast (no retries); requests get the pool's
+        # probed fast (no retries, a short deadline); requests get the pool's
+        client.retries, client.timeout_s = self._client_kwargs["retries"], self._client_kwargs["timeout_s"]
         with self._lock:
             if self._welcome is None:
                 self._welcome = welcome

@@ -51,8 +51,26 @@ def test_a_full_stream_is_sent_at_once_and_one_dropped_unread_is_released(teache
 
 
 def test_a_pool_with_no_live_replica_refuses_to_start():
-    with pytest.raises(TeacherError, match="NO_REPLICA: none of the replicas"):
+    # The refusal says why each replica failed its probe.
+    with pytest.raises(TeacherError, match=r"NO_REPLICA: none of the replicas .* answered HELLO "
+                                           r"\(tcp://127.0.0.1:1: HELLO probe: TIMEOUT"):
         ReplicaPool(["tcp://127.0.0.1:1"], timeout_s=0.3, heartbeat_s=0.1, retries=0)
+
+
+def test_a_replica_that_is_down_does_not_hold_the_pool_for_timeout_s(teacher):
+    # Its HELLO probe waits ten heartbeats (1 s here), not timeout_s (60 s): the pool starts
+    # with the live replica, says why the other is not used, and sends the work to the live one.
+    seq = [(7 * j) % 200 + 3 for j in range(20)]
+    with serving_in_thread(teacher) as server:
+        t0 = time.monotonic()
+        with ReplicaPool([server.address, "tcp://127.0.0.1:1"], timeout_s=60, heartbeat_s=0.1,
+                         recheck_s=30) as pool:
+            started_s = time.monotonic() - t0
+            assert pool.score_topk([seq], [1], k=4).ids.shape == (19, 4)
+            live, down = pool.replica_stats()
+    assert started_s < 5, started_s
+    assert live["alive"] and live["requests"] == 1 and not live["last_error"]
+    assert not down["alive"] and down["requests"] == 0 and down["last_error"].startswith("HELLO probe: TIMEOUT")
 
 
 @pytest.mark.timeout(60)
@@ -68,12 +86,24 @@ def test_a_full_stream_that_fails_everywhere_gives_up_after_max_attempts(teacher
 
     monkeypatch.setattr(teacher, "score_full", broken)
     with serving_in_thread(teacher) as a, serving_in_thread(teacher) as b, \
-            ReplicaPool([a.address, b.address], timeout_s=20, heartbeat_s=0.2, retries=0, backoff_s=0.01,
+            ReplicaPool([a.address, b.address], timeout_s=20, retries=0, backoff_s=0.01, recheck_s=0.2,
                         max_attempts=3) as pool:
+        # The pool starts once one replica answers HELLO; on a loaded CI box the other one's
+        # probe once had not (and the monitor had not probed again) when the request went out.
+        _wait_until_all_alive(pool, 15)
         with pytest.raises(TeacherError, match="INTERNAL"):
             list(pool.score_full([[5] * 20], [1], chunk_rows=8))
         assert len(calls) == 4                      # the first send and 3 more
-        assert all(s["alive"] and s["inflight_tokens"] == 0 for s in pool.replica_stats())
+        stats = pool.replica_stats()
+        assert all(s["alive"] and s["inflight_tokens"] == 0 for s in stats), stats   # INTERNAL kills none
+        assert sorted(s["requests"] for s in stats) == [0, 0] and all(not s["last_error"] for s in stats)
+
+
+def _wait_until_all_alive(pool: ReplicaPool, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(s["alive"] for s in pool.replica_stats()):
+        assert time.monotonic() < deadline, f"replicas not all alive after {seconds} s: {pool.replica_stats()}"
+        time.sleep(0.05)
 
 
 def test_a_request_uses_the_client_it_acquired_when_a_probe_takes_it_away(teacher, monkeypatch):
