@@ -14,8 +14,6 @@ from pathlib import Path
 
 from opd.config import ConfigError, describe, load_yaml, near, positive_int
 from opd.rl.config import RLConfig
-from opd.rl.trainer import GRPOTrainer
-from opd.spine.dist import close_world, ranks_for
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -61,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"opd rl: {e}", file=sys.stderr)
         return 2
+    # Here, not at the top: `--help` and a refused config need neither torch nor the trainer
+    # (7 s of imports on 2 cores), so they answer at once.
+    from opd.rl.trainer import GRPOTrainer
+    from opd.spine.dist import close_world, ranks_for
     shards = cfg.cluster.student
     world = ranks_for(shards.num_workers, args._argv, cfg.model.device, shards.backend, shards.collective_timeout_s)
     if world is None:   # the ranks this process started have run

@@ -46,6 +46,10 @@ LAZY = {
     **{("opd.benchmarks.recipes_worker", m): "a worker subprocess imports the library snapshot the run copied"
        for m in ("opd.rollout", "opd.rollout.hf", "opd.spine.config", "opd.spine.model", "opd.data", "opd.rl.rewards")},
     ("opd.benchmarks.recipes", "opd.teachers.launch"): "the teacher servers, started only by the arms that use them",
+    **{(cli, m): "`--help` and a refused config answer without torch (7 s of imports)"
+       for cli, trainer in (("opd.rl.train", "opd.rl.trainer"), ("opd.distill.cli", "opd.distill.trainer"),
+                            ("opd.sft.cli", "opd.sft.trainer"))
+       for m in (trainer, "opd.spine.dist")},
 }
 MAX_LINES = 500
 

@@ -13,8 +13,6 @@ from pathlib import Path
 
 from opd.config import ConfigError, describe, positive_int
 from opd.distill.config import TrainConfig, load_train_config
-from opd.distill.trainer import Trainer
-from opd.spine.dist import close_world, ranks_for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, run=replace(cfg.run, steps=args.steps))
     if args.out_dir is not None:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
+    # Here, not at the top: `--help` and a refused config need neither torch nor the trainer
+    # (7 s of imports on 2 cores), so they answer at once.
+    from opd.distill.trainer import Trainer
+    from opd.spine.dist import close_world, ranks_for
     shards = cfg.cluster.student
     world = ranks_for(shards.num_workers, args._argv, cfg.student.device, shards.backend, shards.collective_timeout_s)
     if world is None:   # the ranks this process started have run

@@ -8,8 +8,6 @@ from pathlib import Path
 
 from opd.config import ConfigError, describe, load_yaml
 from opd.sft.config import SFTConfig, resolve
-from opd.sft.trainer import train
-from opd.spine.dist import close_world, ranks_for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # Here, not at the top: `--help` and a refused config need neither torch nor the trainer
+    # (7 s of imports on 2 cores), so they answer at once.
+    from opd.sft.trainer import train
+    from opd.spine.dist import close_world, ranks_for
     world = ranks_for(cfg.num_workers, args._argv, cfg.device)
     if world is None:   # the ranks this process started have run
         print(f"sft: model saved to {resolve(cfg_path, cfg.out_dir) / 'model'} ({cfg.num_workers} ranks)")
