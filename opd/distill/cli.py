@@ -43,8 +43,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, run=replace(cfg.run, steps=args.steps))
     if args.out_dir is not None:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
-    # Here, not at the top: `--help` and a refused config need neither torch nor the trainer
-    # (7 s of imports on 2 cores), so they answer at once.
+    # Imported here, not at the top: see opd.cli (`--help` needs no torch).
     from opd.distill.trainer import Trainer
     from opd.spine.dist import close_world, ranks_for
     shards = cfg.cluster.student

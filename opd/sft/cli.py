@@ -40,8 +40,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Here, not at the top: `--help` and a refused config need neither torch nor the trainer
-    # (7 s of imports on 2 cores), so they answer at once.
+    # Imported here, not at the top: see opd.cli (`--help` needs no torch).
     from opd.sft.trainer import train
     from opd.spine.dist import close_world, ranks_for
     world = ranks_for(cfg.num_workers, args._argv, cfg.device)

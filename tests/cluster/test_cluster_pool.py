@@ -88,15 +88,15 @@ def test_a_full_stream_that_fails_everywhere_gives_up_after_max_attempts(teacher
     with serving_in_thread(teacher) as a, serving_in_thread(teacher) as b, \
             ReplicaPool([a.address, b.address], timeout_s=20, retries=0, backoff_s=0.01, recheck_s=0.2,
                         max_attempts=3) as pool:
-        # The pool starts once one replica answers HELLO; on a loaded CI box the other one's
-        # probe once had not (and the monitor had not probed again) when the request went out.
+        # The pool starts once one replica answers HELLO. In one CI run a replica was not alive
+        # at the end without being marked dead: most likely its first probe had not been answered.
         _wait_until_all_alive(pool, 15)
         with pytest.raises(TeacherError, match="INTERNAL"):
             list(pool.score_full([[5] * 20], [1], chunk_rows=8))
         assert len(calls) == 4                      # the first send and 3 more
         stats = pool.replica_stats()
         assert all(s["alive"] and s["inflight_tokens"] == 0 for s in stats), stats   # INTERNAL kills none
-        assert sorted(s["requests"] for s in stats) == [0, 0] and all(not s["last_error"] for s in stats)
+        assert all(s["requests"] == 0 and not s["last_error"] for s in stats), stats
 
 
 def _wait_until_all_alive(pool: ReplicaPool, seconds: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -96,13 +97,20 @@ def test_help_and_a_refused_config_of_the_training_commands_import_no_torch(tmp_
     # `opd rl --help` took 7 s when the trainers were imported at the top of the CLI modules.
     bad = tmp_path / "bad.yaml"
     bad.write_text("no_such_key: 1\n")
-    probe = ("import sys, contextlib, io\nfrom opd.cli import main\n"
-             "for argv in (['sft', '--help'], ['train', '--help'], ['rl', '--help'], ['train', sys.argv[1]], "
-             "['rl', sys.argv[1]]):\n"
-             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
-             "        try:\n            code = main(argv)\n        except SystemExit as e:\n            code = e.code\n"
-             "    print(argv[0], code)\n"
-             "print('torch' in sys.modules)\n")
+    probe = textwrap.dedent("""
+        import contextlib, io, sys
+        from opd.cli import main
+        for argv in (["sft", "--help"], ["train", "--help"], ["rl", "--help"],
+                     ["sft", sys.argv[1]], ["train", sys.argv[1]], ["rl", sys.argv[1]]):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                try:
+                    code = main(argv)
+                except SystemExit as e:   # --help
+                    code = e.code
+            print(argv[0], code)
+        print("torch" in sys.modules)
+    """)
     out = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["sft", "0", "train", "0", "rl", "0", "train", "2", "rl", "2", "False"], out.stdout
+    assert out.stdout.split() == ["sft", "0", "train", "0", "rl", "0", "sft", "2", "train", "2", "rl", "2",
+                                  "False"], out.stdout
