@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -43,12 +44,19 @@ from opd.tiny import build_tiny_model
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\nA:"
                  "{% else %} {{ m['content'] }}<|endoftext|>{% endif %}{% endfor %}")
-PROMPTS = [f"{a}+{b}=?" for a, b in [(12, 7), (40, 33), (5, 91), (68, 14), (23, 23), (77, 8), (31, 45), (9, 60)]]
 
 
-def build_models(work: Path | str, vocab: int | None = None) -> tuple[Path, Path, Path]:
-    """Student (2 layers, ~0.4M params) and teacher (4 layers, ~2M), one chat template, and the
-    prompts; `vocab` pads both models' vocabulary (LM head rows) to a real model's size."""
+def sums(n: int) -> list[str]:
+    """n distinct prompts "a+b=?" with two-digit a and b, the same for every run: no step of a run
+    repeats a prompt, which opd's teacher would find in its prompt cache (step_real.prompts_file)."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(0).shuffle(pairs)
+    return [f"{a}+{b}=?" for a, b in pairs[:n]]
+
+
+def build_models(work: Path | str, vocab: int | None = None, prompts: int = 8) -> tuple[Path, Path, Path]:
+    """Student (2 layers, ~0.4M params) and teacher (4 layers, ~2M), one chat template, and
+    `prompts` distinct prompts; `vocab` pads both models' vocabulary (LM head rows) to a real model's size."""
     from transformers import AutoTokenizer
 
     work = Path(work)
@@ -61,7 +69,7 @@ def build_models(work: Path | str, vocab: int | None = None) -> tuple[Path, Path
         tok.chat_template = CHAT_TEMPLATE
         tok.save_pretrained(str(d))
     data = work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "domain": "math", "response": "0"}) + "\n" for p in PROMPTS))
+    data.write_text("".join(json.dumps({"prompt": p, "domain": "math", "response": "0"}) + "\n" for p in sums(prompts)))
     return student, teacher, data
 
 
@@ -73,6 +81,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
     pipeline: `run.pipeline: true`, the next batch sampled while this one trains (staleness 1).
     teacher_threads: the teacher server's torch threads (None: `threads`, the trainer's)."""
     teacher_threads = teacher_threads or threads
+    serve_args = ["--max-k", str(max(64, k))]
     import yaml
 
     memory = GroupMemory(interval_s)
@@ -82,7 +91,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each round, not a resume
     try:
         if launch == "process":
-            server = start_server_process(["--model", str(teacher), "--max-k", str(max(64, k))], threads=teacher_threads)
+            server = start_server_process(["--model", str(teacher), *serve_args], threads=teacher_threads)
             memory.pids.append(server.proc.pid)
         cfg = {
             "student": {"path": str(student)},
@@ -100,7 +109,7 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
         }
         if launch == "fork":
             cfg["cluster"] = {"mode": "fork", "teachers": [{"name": "teacher", "model": str(teacher),
-                                                            "serve_args": ["--max-k", str(max(64, k))],
+                                                            "serve_args": serve_args,
                                                             "num_cpus": teacher_threads}]}
         path = work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
@@ -265,12 +274,13 @@ def prepare(args, work: Path) -> tuple[Path, Path, Path]:
     this process never maps torch (see GroupMemory)."""
     if (args.student is None) != (args.teacher is None):
         raise SystemExit("opd bench step: --student and --teacher go together")
+    prompts = args.batch * args.steps   # one run's worth, none repeated
     if args.student is not None:
-        return args.student.resolve(), args.teacher.resolve(), prompts_file(work, args.batch)
+        return args.student.resolve(), args.teacher.resolve(), prompts_file(work, prompts)
     if args.preset == "small-real":
-        code = f"from opd.benchmarks.step_real import build_small_real; build_small_real({str(work)!r}, {args.batch})"
+        code = f"from opd.benchmarks.step_real import build_small_real; build_small_real({str(work)!r}, {prompts})"
     else:
-        code = f"from opd.benchmarks.step import build_models; build_models({str(work)!r}, {args.vocab})"
+        code = f"from opd.benchmarks.step import build_models; build_models({str(work)!r}, {args.vocab}, {prompts})"
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO)},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return work / "student", work / "teacher", work / "prompts.jsonl"

@@ -85,7 +85,7 @@ def bpe_tokenizer(vocab_size: int = 49152):
 
 def build_small_real(work: Path | str, prompts: int = 4) -> tuple[Path, Path, Path]:
     """Teacher (SmolLM2-135M's config, random weights, seed 0), student (its first 8 layers),
-    the tokenizer in both, and `prompts` chat prompts as the dataset. fp32 safetensors."""
+    the tokenizer in both, and `prompts` distinct chat prompts as the dataset. fp32 safetensors."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -109,8 +109,11 @@ def build_small_real(work: Path | str, prompts: int = 4) -> tuple[Path, Path, Pa
 
 
 def prompts_file(work: Path | str, prompts: int = 4) -> Path:
-    """The chat prompts as the dataset (also alone, for `--student DIR --teacher DIR`)."""
+    """`prompts` distinct chat prompts as the dataset (also alone, for `--student DIR --teacher
+    DIR`). Distinct, so that no step of a run repeats one: opd's teacher keeps announced prompts'
+    keys and values (teachers/prompt_cache.py), and a prompt seen again would cost it nothing,
+    as it does not in a real run over a dataset far bigger than the cache."""
     data = Path(work) / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "domain": "math", "response": "0"}) + "\n"
-                            for p in PROMPTS[:prompts]))
+    data.write_text("".join(json.dumps({"prompt": f"Question {i + 1}: {PROMPTS[i % len(PROMPTS)]}",
+                                        "domain": "math", "response": "0"}) + "\n" for i in range(prompts)))
     return data

@@ -119,3 +119,14 @@ def test_small_real_preset_runs_quick(tmp_path):
                     "--systems", "opd-topk", "--json", str(out)], check=True, timeout=1200)
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["system"] == "opd-topk" and rows[0]["tokens_per_s"] > 0 and rows[0]["fully_on_policy"]
+
+
+def test_the_bench_datasets_repeat_no_prompt(tmp_path):
+    # A prompt seen again in a run costs opd's teacher nothing (its prompt cache), which a real
+    # run over a dataset far bigger than the cache does not see; so a run's prompts are distinct.
+    from opd.benchmarks.step_real import prompts_file
+
+    tiny = step.sums(480)   # the tiny preset's 60 steps x 8 prompts
+    real = [json.loads(line)["prompt"] for line in prompts_file(tmp_path, 24).read_text().splitlines()]
+    assert len(set(tiny)) == len(tiny) == 480 and len(set(real)) == len(real) == 24
+    assert all(len(p) == 7 and p.endswith("=?") for p in tiny)   # two two-digit numbers each
