@@ -134,6 +134,15 @@ class HFBackend(TeacherBackend):
                 entry = self.prompt_cache.lookup(seq, s, len(seq))
                 if entry is not None:
                     found[i] = entry
+            # A SCORE consumes the entries of the sequences it scores, the one each read and its
+            # prompt's (after every sequence has looked, so the samples of one prompt share it):
+            # they hand one step's announced sequences over to its scoring, and a prompt seen
+            # again is announced again. Kept, they would grow the server by the cache's whole
+            # budget over a run (8192 tokens of SmolLM2-135M: ~380 MB).
+            for i, (seq, s) in enumerate(zip(seqs, starts)):
+                if i in found:
+                    self.prompt_cache.drop(key_of(seq[:found[i].tokens], s))
+                self.prompt_cache.drop(key_of(seq[:s], s))
         whole = [i for i in range(len(seqs)) if i not in found]
         for batch in self._micro_batches([len(s) for s in seqs], whole):
             hidden = self._body([seqs[i] for i in batch])

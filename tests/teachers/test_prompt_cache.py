@@ -49,25 +49,35 @@ def test_scores_over_cached_prompts_are_the_uncached_ones(backends, batch):
     plain, cached = backends
     prompts, seqs, starts = batch
     assert cached.prompt_cache_tokens == 64 and plain.prompt_cache_tokens == 0
-    assert cached.prefill([prefill(prompts[:2]), prefill(prompts[2:])]) == [13, 13]
-    assert cached.prompt_cache.tokens == 26 and len(cached.prompt_cache) == 3
-    hits = cached.prompt_cache.hits
+
+    def announce():   # as the trainer does before each step's rollout
+        assert cached.prefill([prefill(prompts[:2]), prefill(prompts[2:])]) == [13, 13]
+        assert cached.prompt_cache.tokens == 26 and len(cached.prompt_cache) == 3
+
     for T in (1.0, 0.7):
+        announce()
+        hits = cached.prompt_cache.hits
         want, got = plain.score_topk([request(seqs, starts, T=T)])[0], cached.score_topk([request(seqs, starts, T=T)])[0]
         assert torch.equal(want.ids, got.ids)
         for a, b in zip(want[1:], got[1:]):
             torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
-    assert cached.prompt_cache.hits - hits == 8   # 4 sequences, twice; prompt 0 serves two of them
+        assert cached.prompt_cache.hits - hits == 4   # 4 sequences; prompt 0 serves two of them
+        # The SCORE consumed what it read: the server holds no step's sequences past their scoring.
+        assert cached.prompt_cache.tokens == 0 and len(cached.prompt_cache) == 0
     # A row mask, and full-vocabulary chunks, over the cache alike.
     kept = tuple(torch.tensor(ix, dtype=torch.long) for ix in ([0, 3, 6], [], [1, 11], [4]))
     want = plain.score_topk([request(seqs, starts, kept_rows=kept)])[0]
+    announce()
     got = cached.score_topk([request(seqs, starts, kept_rows=kept)])[0]
     assert got.ids.shape[0] == 6 and torch.equal(want.ids, got.ids)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
     full = []
+    announce()
+    hits = cached.prompt_cache.hits
     for backend in backends:
         chunks = list(backend.score_full(request(seqs, starts, mode="full", chunk_rows=5)))
         full.append((torch.cat([c.logits for c in chunks]), torch.cat([c.token_logprob for c in chunks])))
+    assert cached.prompt_cache.hits - hits == 4
     torch.testing.assert_close(full[1][0], full[0][0], atol=2e-5, rtol=0)
     torch.testing.assert_close(full[1][1], full[0][1], atol=2e-5, rtol=0)
 
@@ -89,7 +99,13 @@ def test_responses_announced_as_they_grow_continue_each_other(backends, batch, t
     assert torch.equal(want.ids, got.ids) and cached.prompt_cache.hits - hits == 4
     for a, b in zip(want[1:], got[1:]):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    # Consumed: the entries the sequences read (prompt 1's response was one token, so its
+    # sequence read the prompt's), and the prompts' own.
+    assert len(cached.prompt_cache) == 0 and cached.prompt_cache.tokens == 0
     # A sequence trimmed shorter than its held part reads its prompt's entry instead.
+    cached.prefill([prefill(prompts)])
+    cached.prefill([prefill([seqs[2][:19]], [13])])
+    assert cached.prompt_cache.lookup(torch.tensor(seqs[2][:15]), 13, 15, count=False).tokens == 13
     short = [seqs[2][:15]]
     want, got = plain.score_topk([request(short, [13])])[0], cached.score_topk([request(short, [13])])[0]
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
