@@ -14,9 +14,12 @@ context replaced the prompt). It holds, per layer, keys and values [kv_heads, P,
 the body's hidden states at positions s - 1 .. P - 1, which score rows 0 .. P - s. A prompt
 alone is P = s; the trainer also announces each response as it grows (at a quarter, half and
 three quarters of rollout.max_new_tokens), each entry continuing the last, so the SCORE after
-the rollout computes only the last quarter. A SCORE's sequence reads its longest held prefix.
-Entries are evicted least recently used first, past `max_tokens` tokens in all (an entry a
-longer one of the same sequence continued is dropped then); a miss is scored as before.
+the rollout computes only the last quarter. A SCORE's sequence reads its longest held prefix,
+and the SCORE then drops that entry and its prompt's: the cache hands one step's announced
+sequences over to their scoring (a prompt seen again is announced again), so it holds one
+step's worth, not its budget. Entries are also evicted least recently used first, past
+`max_tokens` tokens in all (an entry a longer one of the same sequence continued is dropped
+then); a miss is scored as before.
 
 Only models whose cache is one full-attention DynamicCache per layer qualify (`why_not`): a
 sliding window or a longrope switch would make a continued forward differ from a whole one.

@@ -278,6 +278,10 @@ def test_the_teacher_prefills_each_prompt_while_the_student_samples(setup):
     losses = {}
     for tokens in (0, 4096):
         backend = HFBackend(teacher_dir, name="t", max_k=16, prompt_cache_tokens=tokens)
+        grown = []   # per announced sequence, its tokens past the prompt
+        prefill = backend.prefill
+        backend.prefill = lambda reqs: (grown.extend(len(r.sequence(b)) - r.response_starts[b] for r in reqs
+                                                     for b in range(r.num_sequences)), prefill(reqs))[1]
         with serving_in_thread(backend) as server:
             teacher = {"name": "t", "address": server.address, "mode": "topk", "k": 8}
             out = setup["root"] / f"prefill_{tokens}"
@@ -288,7 +292,9 @@ def test_the_teacher_prefills_each_prompt_while_the_student_samples(setup):
         if tokens:   # 2 steps x 4 prompts x 2 samples, and 2 evaluations of 8: each prompt before its SCORE
             assert (backend.prompt_cache.hits, backend.prompt_cache.misses) == (2 * 4 * 2 + 2 * 8, 0)
             # ... and each response as it grew (12 new tokens: announced at 3, 6 and 9)
-            assert any(e.tokens > e.start for e in backend.prompt_cache._entries.values())
+            assert {3, 6, 9} <= set(grown) and 0 in grown
+            # Each SCORE consumed the entries of what it scored: none is left to hold memory.
+            assert len(backend.prompt_cache) == 0
     assert losses[4096][0] == pytest.approx(losses[0][0], rel=1e-5, abs=1e-6)
 
 
