@@ -41,12 +41,8 @@ from opd.rl.rewards import accuracy, correct, verify_batch
 from opd.rl.rewards.code import limits_from
 from opd.rl import agentic
 from opd.rl.train import HelpFormatter, load_config
-from opd.rl.trainer import GRPOTrainer
 from opd.rollout import SamplingParams
-from opd.rollout.hf import HFRolloutEngine
-from opd.rollout.vllm import VLLMRolloutEngine   # imports vllm only when an engine is built
 from opd.spine.config import ModelConfig
-from opd.spine.model import load_policy
 
 
 @dataclass(frozen=True)
@@ -130,6 +126,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def _engine(cfg: ValidateConfig, path: str):
     """(rollout engine, tokenizer) of one model: vLLM on its directory, or the hf engine over a
     frozen fp32 copy (a peft adapter directory merged into its base) on cuda when there is one."""
+    from opd.rollout.hf import HFRolloutEngine   # here, not at the top: torch (opd.cli says why)
+    from opd.rollout.vllm import VLLMRolloutEngine
+    from opd.spine.model import load_policy
+
     if cfg.engine == "vllm":
         return VLLMRolloutEngine(path, seed=cfg.seed), load_model_tokenizer(path, "model")
     model, tok = load_policy(ModelConfig(path=str(path)), train=False, what="model")
@@ -218,6 +218,8 @@ def grpo_config(cfg: ValidateConfig, base_dir: Path, out_dir: Path):
 def grpo_check(cfg: ValidateConfig, rl, config_dir: Path) -> dict:
     """A short low-lr GRPO pass from one model: does the mean reward still rise?"""
     # OUT/grpo_check belongs to this validation: a rerun replaces it, as it replaces the report.
+    from opd.rl.trainer import GRPOTrainer   # torch, transformers, peft (opd.cli says why)
+
     summary = GRPOTrainer(rl, config_dir=config_dir, overwrite=True).train()
     return {"model": cfg.grpo.model, "steps": cfg.grpo.steps, "lr": cfg.grpo.lr, **summary,
             "run_dir": rl.run.out_dir}

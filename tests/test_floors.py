@@ -50,6 +50,8 @@ LAZY = {
        for cli, trainer in (("opd.rl.train", "opd.rl.trainer"), ("opd.distill.cli", "opd.distill.trainer"),
                             ("opd.sft.cli", "opd.sft.trainer"))
        for m in (trainer, "opd.spine.dist")},
+    **{("opd.rl.validate", m): "`opd validate --help` and a refused config answer without torch (5 s of imports)"
+       for m in ("opd.rl.trainer", "opd.rollout.hf", "opd.rollout.vllm", "opd.spine.model")},
 }
 MAX_LINES = 500
 
