@@ -17,7 +17,8 @@ candidates the request gave, support "given"):
 
 Prompt cache (protocol 2.6, `prompt_cache_tokens` > 0; teachers/prompt_cache.py): a SCORE in
 mode "prefill" stores its sequences' keys and values (prompts, or prompt + the response so
-far); a later sequence is computed from the end of its longest stored first tokens on. The
+far; the first tokens of those announced together, a chat template's system prompt, computed
+once); a later sequence is computed from the end of its longest stored first tokens on. The
 answers are the same up to float rounding (tests/teachers/test_prompt_cache.py compares both).
 """
 
@@ -34,6 +35,8 @@ from opd.lm_head import head_form
 from opd.rope import rope_groups
 from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
 from opd.teachers.prompt_cache import Entry, PromptCache, batched_cache, key_of, why_not
+
+MIN_SHARED = 8   # fewer shared first tokens than this in a prefill: each sequence computes its own
 
 log = logging.getLogger("opd.teachers.server")
 
@@ -183,7 +186,8 @@ class HFBackend(TeacherBackend):
     def prefill(self, reqs: list[ScoreRequest]) -> list[int]:
         """Hold the requests' sequences (SCORE mode "prefill", 2.6: a prompt, s_b = len_b, or a
         prompt + the response so far) not held yet, each continuing the longest held entry of
-        its first tokens; per request, the tokens now held."""
+        its first tokens, or else the first tokens all such sequences share (computed once);
+        per request, the tokens now held."""
         if self.prompt_cache is None:
             return [0] * len(reqs)
         from transformers import DynamicCache
@@ -201,7 +205,13 @@ class HFBackend(TeacherBackend):
         items = list(todo.values())
         base = [self.prompt_cache.lookup(seq, s, len(seq) - 1, count=False) for seq, s in items]
         lengths = [len(seq) for seq, _ in items]
-        for batch in self._micro_batches(lengths, [i for i, e in enumerate(base) if e is None]):
+        fresh = [i for i, e in enumerate(base) if e is None]
+        shared = self._shared_prefix([items[i] for i in fresh])
+        if shared is not None:   # they continue it, as a response continues its prompt
+            for i in fresh:
+                base[i] = shared
+            fresh = []
+        for batch in self._micro_batches(lengths, fresh):
             cache = DynamicCache(config=self.model.config)
             hidden = self._body([items[i][0] for i in batch], cache)
             for j, i in enumerate(batch):
@@ -216,11 +226,34 @@ class HFBackend(TeacherBackend):
             for j, (i, e) in enumerate(zip(batch, entries)):
                 (seq, s), grow = items[i], lengths[i] - e.tokens
                 cols = slice(width - e.tokens, width + grow)
+                # hidden states from position e.start - 1 on; the entry keeps them from s - 1 on
                 self._keep(seq, s, [(layer.keys[j, :, cols], layer.values[j, :, cols]) for layer in cache.layers],
-                           torch.cat([e.hidden, hidden[j, :grow]]))
+                           torch.cat([e.hidden, hidden[j, :grow]])[s - e.start:])
                 if e.tokens > e.start:   # a response's earlier part: the longer entry holds all it did
                     self.prompt_cache.drop(key_of(seq[:e.tokens], s))
         return [sum(n for key, n in mine if key in self.prompt_cache) for mine in asked]
+
+    def _shared_prefix(self, items: list[tuple[torch.Tensor, int]]) -> Entry | None:
+        """The keys and values of the first tokens every (sequence, start) of `items` shares, computed
+        once: a chat template's system prompt and turn header (32 of the 63-74 tokens of the
+        small-real bench's prompts), which each item then continues. Within its start and short of
+        its last token; None for fewer than 2 items or MIN_SHARED tokens."""
+        if len(items) < 2:
+            return None
+        first = items[0][0]
+        n = min(min(s for _, s in items), min(len(seq) for seq, _ in items) - 1)
+        for seq, _ in items[1:]:
+            differ = (seq[:n] != first[:n]).nonzero()
+            if len(differ):
+                n = int(differ[0])
+        if n < MIN_SHARED:
+            return None
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        hidden = self._body([first[:n]], cache)
+        return Entry([layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers],
+                     hidden[0, n - 1:], n)
 
     def _keep(self, seq: torch.Tensor, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]], hidden) -> None:
         """Hold seq (rows from `start`): its keys and values per layer, the hidden states [len - start + 1, H]."""

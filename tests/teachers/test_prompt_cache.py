@@ -111,6 +111,33 @@ def test_responses_announced_as_they_grow_continue_each_other(backends, batch, t
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
 
 
+def test_prompts_that_share_their_first_tokens_compute_them_once(backends, tiny_teacher_dir):
+    # A chat template's system prompt and turn header start every prompt: announced together,
+    # the shared tokens go through the body once, and each prompt continues them.
+    plain, _ = backends
+    cached = HFBackend(tiny_teacher_dir, max_k=8, prompt_cache_tokens=256)
+    g = torch.Generator().manual_seed(1)
+    head = torch.randint(3, 260, (10,), generator=g).tolist()
+    prompts = [head + torch.randint(3, 260, (n,), generator=g).tolist() for n in (3, 7, 1)]
+    seqs = [p + torch.randint(3, 260, (5,), generator=g).tolist() for p in prompts]
+    starts = [len(p) for p in prompts]
+    computed = []   # tokens per sequence through the body
+    body = cached.body
+    cached.body = lambda input_ids, attention_mask, **kw: (computed.extend(attention_mask[:, -input_ids.shape[1]:]
+                                                                          .sum(1).tolist()), body(input_ids, attention_mask,
+                                                                                                   **kw))[1]
+    assert cached.prefill([prefill(prompts)]) == [sum(starts)]
+    assert sorted(computed) == [1, 3, 7, 10]   # the 10 shared tokens once, then each prompt's own
+    want, got = plain.score_topk([request(seqs, starts)])[0], cached.score_topk([request(seqs, starts)])[0]
+    assert torch.equal(want.ids, got.ids) and cached.prompt_cache.hits == 3
+    for a, b in zip(want[1:], got[1:]):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    # Fewer than MIN_SHARED shared tokens: each prompt whole.
+    computed.clear()
+    short = [head[:5] + [7, 8, 9], head[:5] + [9, 8, 7, 6]]
+    assert cached.prefill([prefill(short)]) == [17] and sorted(computed) == [8, 9]
+
+
 def test_a_sequence_whose_prompt_was_not_announced_is_scored_whole(backends, batch):
     plain, cached = backends
     prompts, seqs, starts = batch
