@@ -112,8 +112,9 @@ def prompts_file(work: Path | str, prompts: int = 4) -> Path:
     """`prompts` distinct chat prompts as the dataset (also alone, for `--student DIR --teacher
     DIR`). Distinct, so that no step of a run repeats one: opd's teacher keeps announced prompts'
     keys and values (teachers/prompt_cache.py), and a prompt seen again would cost it nothing,
-    as it does not in a real run over a dataset far bigger than the cache."""
+    as it does not in a real run over a dataset far bigger than the cache. The number goes last, so
+    the prompts share no more first tokens than the chat template's."""
     data = Path(work) / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Question {i + 1}: {PROMPTS[i % len(PROMPTS)]}",
+    data.write_text("".join(json.dumps({"prompt": f"{PROMPTS[i % len(PROMPTS)]} (Question {i + 1}.)",
                                         "domain": "math", "response": "0"}) + "\n" for i in range(prompts)))
     return data

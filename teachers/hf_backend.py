@@ -235,7 +235,7 @@ class HFBackend(TeacherBackend):
 
     def _shared_prefix(self, items: list[tuple[torch.Tensor, int]]) -> Entry | None:
         """The keys and values of the first tokens every (sequence, start) of `items` shares, computed
-        once: a chat template's system prompt and turn header (32 of the 63-74 tokens of the
+        once: a chat template's system prompt and turn header (27 of the 65-76 tokens of the
         small-real bench's prompts), which each item then continues. Within its start and short of
         its last token; None for fewer than 2 items or MIN_SHARED tokens."""
         if len(items) < 2:
