@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -130,3 +131,11 @@ def test_the_bench_datasets_repeat_no_prompt(tmp_path):
     real = [json.loads(line)["prompt"] for line in prompts_file(tmp_path, 24).read_text().splitlines()]
     assert len(set(tiny)) == len(tiny) == 480 and len(set(real)) == len(real) == 24
     assert all(len(p) == 7 and p.endswith("=?") for p in tiny)   # two two-digit numbers each
+    # A run is given a prompt for each of its steps' rows (given model directories: no build).
+    parser = argparse.ArgumentParser()
+    step.add_arguments(parser)
+    args = parser.parse_args(["--preset", "small-real", "--student", str(tmp_path), "--teacher", str(tmp_path),
+                              "--steps", "5", "--batch", "3"])
+    step._settle(args)
+    _, _, data = step.prepare(args, tmp_path)
+    assert len({json.loads(line)["prompt"] for line in data.read_text().splitlines()}) == 15

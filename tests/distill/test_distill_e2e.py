@@ -279,9 +279,11 @@ def test_the_teacher_prefills_each_prompt_while_the_student_samples(setup):
     for tokens in (0, 4096):
         backend = HFBackend(teacher_dir, name="t", max_k=16, prompt_cache_tokens=tokens)
         grown = []   # per announced sequence, its tokens past the prompt
-        prefill = backend.prefill
-        backend.prefill = lambda reqs: (grown.extend(len(r.sequence(b)) - r.response_starts[b] for r in reqs
-                                                     for b in range(r.num_sequences)), prefill(reqs))[1]
+
+        def recorded(reqs, prefill=backend.prefill):
+            grown.extend(len(r.sequence(b)) - r.response_starts[b] for r in reqs for b in range(r.num_sequences))
+            return prefill(reqs)
+        backend.prefill = recorded
         with serving_in_thread(backend) as server:
             teacher = {"name": "t", "address": server.address, "mode": "topk", "k": 8}
             out = setup["root"] / f"prefill_{tokens}"

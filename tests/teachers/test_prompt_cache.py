@@ -121,11 +121,12 @@ def test_prompts_that_share_their_first_tokens_compute_them_once(backends, tiny_
     prompts = [head + torch.randint(3, 260, (n,), generator=g).tolist() for n in (3, 7, 1)]
     seqs = [p + torch.randint(3, 260, (5,), generator=g).tolist() for p in prompts]
     starts = [len(p) for p in prompts]
-    computed = []   # tokens per sequence through the body
-    body = cached.body
-    cached.body = lambda input_ids, attention_mask, **kw: (computed.extend(attention_mask[:, -input_ids.shape[1]:]
-                                                                          .sum(1).tolist()), body(input_ids, attention_mask,
-                                                                                                   **kw))[1]
+    computed = []   # tokens per sequence through the body (a continuation's mask also covers the cache)
+
+    def counted(input_ids, attention_mask, body=cached.body, **kw):
+        computed.extend(attention_mask[:, -input_ids.shape[1]:].sum(1).tolist())
+        return body(input_ids=input_ids, attention_mask=attention_mask, **kw)
+    cached.body = counted
     assert cached.prefill([prefill(prompts)]) == [sum(starts)]
     assert sorted(computed) == [1, 3, 7, 10]   # the 10 shared tokens once, then each prompt's own
     want, got = plain.score_topk([request(seqs, starts)])[0], cached.score_topk([request(seqs, starts)])[0]
