@@ -34,6 +34,7 @@ class TeacherTerm:
     gamma: float               # discount of later tokens' terms
     lp_B_T: torch.Tensor       # its log-probs of the sampled tokens (0 off its sequences)
     on_B: torch.Tensor         # 1 on the sequences it scored
+    baseline_B: torch.Tensor   # subtracted from each token's estimate (0: `baseline: none`)
 
 
 def connect(cfg, tokenizer) -> TeacherSet:
@@ -59,9 +60,11 @@ def submit(teachers: TeacherSet, specs, rollouts_B, samples_P) -> dict[str, tupl
     return out
 
 
-def terms(teachers: TeacherSet, specs, futures: dict, batch: PaddedRollouts) -> list[TeacherTerm]:
+def terms(teachers: TeacherSet, specs, futures: dict, batch: PaddedRollouts, world=None) -> list[TeacherTerm]:
     """Each teacher's log-probs of the sampled tokens, [B, T] (0 off its sequences and off the
-    mask: its answer's rows are a sequence's masked positions in order)."""
+    mask: its answer's rows are a sequence's masked positions in order), and with `baseline:
+    batch` each sequence's leave-one-out mean estimate over the teacher's other sequences, from
+    the rollout's own log-probs (opd.spine.objective; over every rank's, `world` sharded)."""
     answers = teachers.answers({t: f for t, (_, f) in futures.items()})
     out = []
     for spec in specs:
@@ -74,8 +77,21 @@ def terms(teachers: TeacherSet, specs, futures: dict, batch: PaddedRollouts) -> 
             at = batch.mask_B_T[b].nonzero(as_tuple=True)[0]   # one turn: 0 .. len - 1
             lp_B_T[b, at] = torch.as_tensor(answer.token_logprob[a:e], dtype=lp_B_T.dtype)
             on_B[b] = 1.0
-        out.append(TeacherTerm(spec.weight, spec.gamma, lp_B_T, on_B))
+        baseline_B = sampled_baseline(batch, lp_B_T, on_B, world) if spec.baseline == "batch" else torch.zeros_like(on_B)
+        out.append(TeacherTerm(spec.weight, spec.gamma, lp_B_T, on_B, baseline_B))
     return out
+
+
+def sampled_baseline(batch: PaddedRollouts, lp_B_T: torch.Tensor, on_B: torch.Tensor, world=None) -> torch.Tensor:
+    """[B]: each scored sequence's leave-one-out mean of the estimate log pi_rollout(x) -
+    log pi_teacher(x) over the other scored sequences' tokens (0 off the teacher's sequences)."""
+    m = batch.mask_B_T.to(lp_B_T.dtype) * on_B[:, None]
+    est_B = ((batch.old_logprobs_B_T - lp_B_T) * m).sum(1).double()
+    total = None
+    if world is not None and world.sharded:
+        both = world.sum({"sum": float(est_B.sum()), "count": float(m.sum())})
+        total = (both["sum"], both["count"])
+    return objective.leave_one_out(est_B, m.sum(1), total) * on_B
 
 
 def token_advantages(adv_B, lp_B_T, mask_B_T, terms, rows, sl):
@@ -86,8 +102,9 @@ def token_advantages(adv_B, lp_B_T, mask_B_T, terms, rows, sl):
     signal = {"signal/reward": float((adv_B_T.abs() * m).sum()), "signal/teacher": 0.0}
     for term in terms:
         on = term.on_B[rows][sl].to(lp_B_T.device)[:, None] * m
+        base = term.baseline_B[rows][sl].to(lp_B_T.device)[:, None]
         t_B_T = discounted_rows(objective.teacher_advantage(lp_B_T, term.lp_B_T[rows][sl].to(lp_B_T.device),
-                                                            term.lam), on, term.gamma)
+                                                            term.lam, base), on, term.gamma)
         adv_B_T = adv_B_T + t_B_T
         signal["signal/teacher"] += float(t_B_T.abs().sum())
     return adv_B_T, signal

@@ -217,7 +217,7 @@ class GRPOTrainer:
                 batch = collate(rollouts_B, self.pad_id)
                 ref_B_T = self.reference_logprobs(batch) if cfg.algorithm.kl_beta > 0 else None
                 # 5. clipped updates (an optimizer step whose gradient is not finite is skipped)
-                terms = rl_teachers.terms(self.teachers, cfg.teachers, futures, batch) if futures is not None else []
+                terms = rl_teachers.terms(self.teachers, cfg.teachers, futures, batch, world) if futures is not None else []
                 upd = self.update(batch, adv_B, ref_B_T, terms)
                 skipped = self.nonfinite.check(step + 1, not upd["steps_skipped"],
                                                f" in {upd['steps_skipped']:.0f} of its optimizer steps")

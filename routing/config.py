@@ -41,6 +41,10 @@ class TeacherSpec:
     weight: float = field(1.0, help="loss weight lambda of this teacher's samples", min=0.0)
     gamma: float = field(0.0, help="sampled mode: discount of the future tokens' reverse-KL terms folded into "
                                    "each token's advantage (0: each token its own term)", min=0.0, max=1.0)
+    baseline: Literal["batch", "none"] = field(
+        "batch", help="sampled mode: subtracted from each token's reverse-KL estimate before it is an advantage; "
+                      "batch: the mean estimate over the batch's other sequences (unbiased, less noise); none: "
+                      "nothing, the plain estimator")
     curve_server_key: str | None = field(None, help="server public key file when the teacher uses CURVE")
 
     def __post_init__(self):

@@ -11,10 +11,13 @@ were trimmed before the teachers saw them, and a multi-turn trajectory's rows ar
 tokens (its tool observations are context: `Batch.row_mask`, opd.spine.rows.pack).
 
 With `rewards`, every response token also carries alpha times its sequence's group advantage
-as a policy-gradient term (opd.spine.objective, the same maths `opd rl` adds teachers with),
-at the token's row weight. Rows of a batch sampled by older weights (run.pipeline,
-run.max_staleness) are weighted by their importance ratio (loss.off_policy): a policy-gradient
-term (sampled mode, the reward) by its token's, a top-k or full divergence by its prefix's.
+as a policy-gradient term (opd.spine.objective, the same maths `opd rl` adds teachers with).
+The two policy-gradient terms (sampled mode, the reward) weigh a domain's tokens alike (its
+token mean) under either `loss.length_norm`, and sampled mode subtracts its teacher's
+leave-one-out baseline (opd.spine.objective says why). Rows of a batch sampled by older weights
+(run.pipeline, run.max_staleness) are weighted by their importance ratio (loss.off_policy): a
+top-k or full divergence by its prefix's, sampled mode by its prefix's times its token's, the
+reward by its token's.
 
 `train_batch` runs the first micro-batch's student forward before it waits for the teachers
 (they score in their own processes meanwhile), and reads a full-vocabulary answer's rows
@@ -40,21 +43,23 @@ from opd.spine.rows import group_counts, pack, row_weights, rows_logits, select_
 
 
 def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.Tensor, impl: str,
-                 segments: list[int] | None = None):
+                 segments: list[int] | None = None, baseline: torch.Tensor | None = None):
     """(loss rows with grad, divergence rows for metrics) of one teacher on the student's rows
     `rows` (logits [n, V], or (hidden [n, H], lm_head weight [V, H]) when fused) against its
     answer rows `idx`; targets [n]: the sampled tokens. T^2 is applied when the spec asks.
     segments: where each sequence's rows start in `rows` (sampled mode with gamma > 0: each
-    token's advantage discounts its sequence's later tokens' terms into it)."""
+    token's advantage discounts its sequence's later tokens' terms into it). baseline [n]:
+    sampled mode, subtracted from each row's estimate before it is an advantage."""
     t2 = spec.temperature ** 2 if spec.scale_by_t2 else 1.0
     if spec.mode == "sampled":
         logits = rows if not isinstance(rows, tuple) else rows[0] @ rows[1].T
         student_lp = torch.log_softmax(logits.float() / spec.temperature, -1).gather(
             -1, targets[:, None].to(logits.device)).squeeze(-1)
         est = sampled_token_reverse_kl(student_lp, answer.token_logprob[idx].to(student_lp.device))
-        # Policy gradient with advantage -est (discounted over the sequence with gamma): d/dθ of
-        # est * log p_student(x). (objective.policy_gradient(lp, -est) is the same loss.)
-        ret = objective.discounted(est, segments if segments is not None else [0, len(est)], spec.gamma)
+        adv = est if baseline is None else est - baseline.to(est.device)
+        # Policy gradient with advantage -(est - b) (discounted over the sequence with gamma):
+        # d/dθ of (est - b) * log p_student(x). (objective.policy_gradient(lp, b - est) is the same loss.)
+        ret = objective.discounted(adv, segments if segments is not None else [0, len(est)], spec.gamma)
         return ret * student_lp * t2, est
     teacher = answer.teacher_rows(idx, rows[0].device if isinstance(rows, tuple) else rows.device)
     if isinstance(rows, tuple):
@@ -93,6 +98,9 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
     domains = [batch.route_of(s).domain for s in range(len(responses))]
     counts = world.sum(group_counts(offsets, domains)) if world.sharded else None
     weights_N = row_weights(offsets, domains, lam, cfg.loss.length_norm, counts) * scale
+    # Policy-gradient terms: the token mean, whatever length_norm says (opd.spine.objective).
+    pg_weights_N = weights_N if cfg.loss.length_norm == "token" else \
+        row_weights(offsets, domains, lam, "token", counts) * scale
     off = cfg.loss.off_policy
     corrected = stale and off.correction != "none"
     answers: dict[str, Answer] | None = None
@@ -108,6 +116,7 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
             answers = _wait(teachers, batch, stats)
             where = {t: {seq: answers[t].row_offsets[j] for j, seq in enumerate(members)}
                      for t, members in batch.members.items()}   # a sequence's first row in each answer
+            baselines = sampled_baselines(batch, teachers.specs, answers, world)
         device = rows[0].device if isinstance(rows, tuple) else rows.device
         # 0 x the rows keeps every parameter in the graph: a rank whose rows go to no teacher
         # still joins the others' gradient reduction.
@@ -128,20 +137,25 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
             stats.add_importance(ratios)
         diag_logits = None
         for t in batch.members:
+            spec = teachers.specs[t]
             local, remote, w_rows, row_domain = _routed_rows(t, batch, seqs, packed.row_offsets, where[t], offsets,
-                                                             weights_N, teachers.specs[t].weight)
+                                                             pg_weights_N if spec.mode == "sampled" else weights_N,
+                                                             spec.weight)
             if not local:
                 continue
-            spec = teachers.specs[t]
             local_i, remote_i = torch.tensor(local), torch.tensor(remote)
             segments = [0]
             for w in w_rows:
                 segments.append(segments[-1] + len(w))
+            base = None
+            if t in baselines:   # each row: its sequence's leave-one-out baseline
+                base = torch.cat([baselines[t][s].expand(offsets[s + 1] - offsets[s]) for s in seqs
+                                  if s in where[t] and batch.route_of(s).weights.get(t, 0.0) > 0])
             loss_rows, kl_rows = teacher_loss(spec, select_rows(rows, local_i.to(device)), answers[t],
-                                              remote_i, packed.targets_N[local_i], cfg.loss.impl, segments)
+                                              remote_i, packed.targets_N[local_i], cfg.loss.impl, segments, base)
             weighted = torch.cat(w_rows).to(device) * loss_rows
-            if corrected:
-                iw = ratios.token_N if spec.mode == "sampled" else ratios.prefix_N
+            if corrected:   # sampled: the prefix's ratio times its token's (opd.spine.objective)
+                iw = ratios.prefix_N * ratios.token_N if spec.mode == "sampled" else ratios.prefix_N
                 weighted = weighted * iw[local_i].to(device)
             loss = loss + weighted.sum()
             stats.add_signal("teacher", float((kl_rows.detach().abs() * spec.weight).sum()), len(local))
@@ -155,7 +169,7 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
         if batch.advantages is not None and packed.row_offsets[-1]:   # the reward's term, every row
             adv_N = torch.tensor([cfg.loss.reward_weight * batch.advantages[s]
                                   for s in seqs for _ in range(offsets[s + 1] - offsets[s])])
-            w_N = torch.cat([weights_N[offsets[s]:offsets[s + 1]] for s in seqs])
+            w_N = torch.cat([pg_weights_N[offsets[s]:offsets[s + 1]] for s in seqs])
             if corrected:
                 w_N = w_N * ratios.token_N
             reward_loss = objective.policy_gradient(lp_N, adv_N.to(device), w_N.to(device)).sum()
@@ -168,6 +182,35 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
         answers = _wait(teachers, batch, stats)
     stats.wait_s += teachers.finish(answers)   # full mode: the time blocked on streamed rows
     stats.latencies += [a.latency_s for a in answers.values()]
+
+
+def sampled_baselines(batch: Batch, specs: dict, answers: dict[str, Answer], world: World = World()) -> dict:
+    """{teacher: {sequence: b}} for each sampled-mode teacher with `baseline: batch`: the mean of
+    the sampled-token estimate log pi(x) - log pi_teacher(x) over the rows of the teacher's other
+    sequences (objective.leave_one_out), from the sampler's log-probs, known before the student's
+    forward (so b is the same for any micro-batch size; on-policy at temperature 1 they are the
+    trained weights' own). Over every rank's sequences when the batch is one rank's share."""
+    out = {}
+    for t, spec in specs.items():
+        if spec.mode != "sampled" or spec.baseline != "batch":
+            continue
+        members = batch.members.get(t, [])
+        a = answers[t]
+        sums, counts = torch.zeros(len(members), dtype=torch.float64), torch.zeros(len(members))
+        for j, s in enumerate(members):
+            lo, hi = a.row_offsets[j], a.row_offsets[j + 1]
+            teacher = torch.as_tensor(a.token_logprob[lo:hi], dtype=torch.float64)
+            sampler = torch.tensor(batch.sampler_logprobs(s), dtype=torch.float64)
+            if len(sampler) != hi - lo:
+                raise TrainError(f"teacher {t!r} answered {hi - lo} rows of sequence {s}, which has {len(sampler)}")
+            sums[j], counts[j] = float((sampler - teacher).sum()), float(hi - lo)
+        total = None
+        if world.sharded:
+            both = world.sum({"sum": float(sums.sum()), "count": float(counts.sum())})
+            total = (both["sum"], both["count"])
+        b = objective.leave_one_out(sums, counts, total)
+        out[t] = {s: b[j] for j, s in enumerate(members)}
+    return out
 
 
 def token_logprobs(rows, targets_N: torch.Tensor) -> torch.Tensor:

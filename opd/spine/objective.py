@@ -10,6 +10,19 @@ being trained, when rollouts ran ahead of training):
 The teacher term is the sampled-token reverse-KL advantage, -lambda * (log pi - log pi_j), per
 token (gamma = 0) or with the future tokens' terms discounted into it (gamma > 0, the return
 of the per-token reward, as tinker-cookbook folds its KL penalty into the RL advantage).
+
+Deviation from the peers' form (teacher `baseline: batch`, the default): before it becomes an
+advantage, each token's estimate log pi(x_t) - log pi_j(x_t) has a baseline b_i subtracted: the
+mean estimate over the rows of the batch's OTHER sequences (`leave_one_out`). b_i does not
+depend on sequence i's tokens, so E[(est - b_i) grad log pi(x_t)] is still the reverse KL's
+gradient at t; what goes is the part of the noise that the estimate's mean (about the KL, one
+nat per token on the demo) carries. `baseline: none` is the plain form.
+
+Both policy-gradient terms (the teacher's sampled term, the reward's) weigh every token of a
+domain alike (the batch's token mean), whatever `loss.length_norm` says: a per-sequence mean
+would weigh a token by 1 / its own sequence's length, which correlates the weight with the
+sample, and with a positive mean advantage c the update then follows c * grad E[1/L]: it
+rewards length (Dr. GRPO's finding; docs/benchmarks.md measures it on the sampled term).
 `opd rl` adds it to GRPO's advantage before its clipped surrogate; `opd train` adds the reward
 term to its teachers' losses (opd.distill.loss). Both take these functions, so the two CLIs
 compute one objective.
@@ -22,11 +35,13 @@ vLLM engines' raw, temperature-1 log-probs, so the ratio is of the untempered po
     mask  kept inside [low, high], 0 outside (the token is dropped, as ICE-POP / MIS do)
     none  1
 
-A policy-gradient term (the sampled-token teacher term, the reward term) is weighted by its
-token's rho_t: it is a function of x_t ~ pi_sampler. A top-k or full divergence is exact over
-the vocabulary at its position and does not depend on x_t; what was sampled off-policy is the
-prefix that reached it, so it is weighted by the prefix's ratio prod_{u<t} rho_u, truncated
-(or masked) the same way. Rows of a batch sampled by the weights being trained (staleness 0)
+A top-k or full divergence is exact over the vocabulary at its position and does not depend
+on x_t; what was sampled off-policy is the prefix that reached it, so it is weighted by the
+prefix's ratio prod_{u<t} rho_u, truncated (or masked) the same way. The sampled-token teacher
+term estimates that same per-position divergence from x_t ~ pi_sampler too, so it is weighted by
+the prefix's ratio times its token's rho_t: its expectation is then the exact term's. The
+reward term, a sequence's return spread over its tokens, is weighted by its token's rho_t
+alone (PPO's and GRPO's per-token correction). Rows of a batch sampled by the weights being trained (staleness 0)
 get weight exactly 1, so an on-policy run is unchanged by any of this.
 """
 
@@ -73,10 +88,21 @@ def discounted_B_T(x_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float) ->
     return out * mask_B_T.to(x.dtype)
 
 
-def teacher_advantage(student_lp: torch.Tensor, teacher_lp: torch.Tensor, lam: float) -> torch.Tensor:
-    """-lambda * (log pi(x_t) - log pi_teacher(x_t)) per token, detached: the sampled-token reverse-KL
-    advantage (kernels.sampled_token_reverse_kl is its estimate, negated here)."""
-    return -lam * (student_lp.detach().float() - teacher_lp.detach().float())
+def teacher_advantage(student_lp: torch.Tensor, teacher_lp: torch.Tensor, lam: float,
+                      baseline: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """-lambda * (log pi(x_t) - log pi_teacher(x_t) - b) per token, detached: the sampled-token
+    reverse-KL advantage (kernels.sampled_token_reverse_kl is its estimate, negated here), less
+    a baseline b that does not depend on the token (`leave_one_out`)."""
+    return -lam * (student_lp.detach().float() - teacher_lp.detach().float() - baseline)
+
+
+def leave_one_out(sums_B: torch.Tensor, counts_B: torch.Tensor, total: tuple[float, float] | None = None) -> torch.Tensor:
+    """[B]: for each sequence b, the mean over the other sequences' rows of a per-row value, from
+    each sequence's sum sums_B and row count counts_B (0 where no other sequence has rows).
+    total: (sum, count) over every rank's sequences when these are one rank's share of the batch."""
+    s, n = (float(sums_B.sum()), float(counts_B.sum())) if total is None else total
+    others_B = n - counts_B.double()
+    return torch.where(others_B > 0, (s - sums_B.double()) / others_B.clamp(min=1), 0.0).float()
 
 
 def policy_gradient(lp: torch.Tensor, advantage: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from opd.kernels import TopKTeacher
 from opd.rl.batch import collate
 from opd.rl.config import AlgorithmConfig, OptimConfig
 from opd.rl.logprobs import token_logprobs_and_entropy
-from opd.rl.teachers import TeacherTerm, token_advantages
+from opd.rl.teachers import TeacherTerm, sampled_baseline, token_advantages
 from opd.rl.trainer import GRPOTrainer
 from opd.rollout import Rollout
 from opd.routing.config import TeacherSpec
@@ -124,7 +124,8 @@ def _rl_update(model, rollouts, teacher, adv_B, lam):
         lp_B_T = torch.zeros_like(batch.old_logprobs_B_T)
         for b, t in enumerate(teacher):
             lp_B_T[b, :len(t)] = t
-        terms = [TeacherTerm(lam, 0.0, lp_B_T, torch.ones(len(rollouts)))]
+        on_B = torch.ones(len(rollouts))   # teacher `baseline: batch`, the default (opd train's too)
+        terms = [TeacherTerm(lam, 0.0, lp_B_T, on_B, sampled_baseline(batch, lp_B_T, on_B))]
     GRPOTrainer.update(stub, batch, adv_B, None, terms)
     return [p.detach().clone() for p in model.parameters()]
 
