@@ -54,7 +54,8 @@ from opd.benchmarks.recipes_report import (acc_at, machine, markdown, plot, reac
                                            summarize)
 from opd.benchmarks.recipes_worker import CODE_OPTIONS, _read_jsonl, _write_jsonl  # noqa: F401
 from opd.benchmarks.recipes_inputs import (  # noqa: F401  (constants, inputs, configs)
-    ARMS, DOMAINS, GRPO_GROUP, Plan, QUICK, REPO, USES_SERVERS, domain_ratios, grpo_config, opd_config, prepare_data, sft_config, snapshot_code, snapshot_demo)
+    ARMS, DEFAULT_LRS, DOMAINS, GRPO_GROUP, Plan, QUICK, REPO, USES_SERVERS, domain_ratios, grpo_config, opd_config,
+    parse_lrs, prepare_data, sft_config, snapshot_code, snapshot_demo)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo-dir", type=Path, default=Path("runs/demo"),
@@ -77,15 +78,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline-samples", type=int, default=6400,
                    help="offline distillation: teacher samples drawn before SFT (in the domain mix; one per "
                         "prompt, prompts reused once a domain's are all used)")
-    p.add_argument("--grpo-lr", type=float, default=5e-5, help="GRPO's learning rate (the demo's rl configs')")
-    p.add_argument("--opd-lr", type=float, default=None,
-                   help="OPD arms' learning rate (default: the demo merge config's optim.lr)")
-    p.add_argument("--opd-sampled-lr", type=float, default=None,
-                   help="OPD sampled-token's learning rate (default: --opd-lr; a seed-100 pilot at 3e-4 did not "
-                        "learn either, docs/benchmarks.md)")
+    p.add_argument("--lr", action="append", default=[], metavar="ARM=LR",
+                   help="an arm's learning rate (repeatable), e.g. --lr opd_sampled=1e-4; the defaults are each "
+                        f"arm's tuned rate ({', '.join(f'{a} {v:g}' for a, v in DEFAULT_LRS.items())}; "
+                        "docs/benchmarks.md, the sweep)")
     p.add_argument("--reward-weight", type=float, default=1.0,
                    help="OPD + reward: loss.reward_weight, the weight of the reward's group advantage")
-    p.add_argument("--sft-lr", type=float, default=1e-3, help="offline distillation's SFT learning rate")
+    p.add_argument("--reward-advantage", choices=["grpo", "batch"], default="grpo",
+                   help="OPD + reward: loss.reward_advantage; grpo: 8 prompts x 4 samples per step (its groups); "
+                        "batch: 32 x 1, the reward less the step's other responses' mean")
     p.add_argument("--targets", default=None,
                    help="comma-separated accuracies for the 'CPU-s to reach' columns (default: 50%% and 80%% "
                         "of the teachers' own held-out accuracy)")
@@ -289,7 +290,8 @@ def make_report(args, plan: Plan, bench: Bench, ref: dict, results: list[dict], 
                else [round(0.5 * teacher_acc, 3), round(0.8 * teacher_acc, 3)])
     return {"plan": {"cpu_budget": plan.budget, "steps": plan.steps, "batch": plan.batch, "evals": plan.evals,
                      "eval_prompts": args.eval_prompts, "max_new_tokens": plan.max_new_tokens, "lrs": plan.lrs,
-                     "offline_samples": plan.offline_samples, "reward_weight": plan.reward_weight, "ratios": plan.ratios, "seeds": seeds, "arms": arms,
+                     "offline_samples": plan.offline_samples, "reward_weight": plan.reward_weight,
+                     "reward_advantage": plan.reward_advantage, "ratios": plan.ratios, "seeds": seeds, "arms": arms,
                      "quick": bool(args.quick), "checkpoint_every": {a: plan.every(a) for a in arms},
                      "budget": (f"{plan.budget:g} CPU-s per run" if plan.budget else f"{plan.steps} steps per run")
                      + f", {plan.batch} sequences per step, every arm"},
@@ -322,13 +324,11 @@ def run(args: argparse.Namespace) -> int:
     merge = snap["merge"]
     ratios = domain_ratios(merge)
     data = prepare_data(Path(snap["data"]), ratios, args.eval_prompts)
-    opd_lr = args.opd_lr if args.opd_lr is not None else float(merge.get("optim", {}).get("lr", 1e-3))
-    lrs = {"grpo": args.grpo_lr, "offline": args.sft_lr, "opd_sampled": args.opd_sampled_lr or opd_lr,
-           "opd_topk": opd_lr, "opd_reward": opd_lr}
+    lrs = {**DEFAULT_LRS, **parse_lrs(args.lr)}
     plan = Plan(out=out, steps=steps, batch=args.batch, evals=args.evals, budget=args.cpu_budget,
                 max_new_tokens=args.max_new_tokens, lrs={a: lrs[a] for a in arms}, ratios=ratios, data=data,
                 models=snap["models"], merge=merge, offline_samples=args.offline_samples,
-                reward_weight=args.reward_weight)
+                reward_weight=args.reward_weight, reward_advantage=args.reward_advantage)
     code = snapshot_code(out, args.code_rev)
     print(f"[recipes] library snapshot in {code['info']['path']} ({code['info']['rev'][:10]}"
           f"{', working tree' if code['info']['working_tree'] else ''})", flush=True)

@@ -25,12 +25,15 @@ SHORT = {"grpo": "GRPO", "offline": "offline distill", "opd_sampled": "OPD sampl
          "opd_topk": "OPD top-k", "opd_reward": "OPD + reward"}
 USES_SERVERS = {"opd_sampled", "opd_topk", "opd_reward"}
 GRPO_GROUP = 8        # GRPO's group (the demo's rl configs)
-REWARD_GROUP = 4      # OPD + reward's samples_per_prompt (the group its reward advantage needs)
+REWARD_GROUP = 4      # OPD + reward's samples_per_prompt with a group advantage (--reward-advantage grpo)
 DOMAINS = ("math", "code")
 # CPU-seconds per optimizer step at 32 sequences on the 2-core box (measured): only where the
 # checkpoints go, so that about 2 x --evals of them fall inside the budget.
 STEP_CPU = {"grpo": 0.7, "offline": 0.07, "opd_sampled": 0.25, "opd_topk": 0.21, "opd_reward": 0.75}
 STARTUP_CPU = 6.0     # a trainer's imports and model load, about
+# Each arm's learning rate (constant after a short warm-up): the best of a sweep on a seed the
+# table does not use (docs/benchmarks.md, "Recipes against compute").
+DEFAULT_LRS = {"grpo": 5e-5, "offline": 1e-3, "opd_sampled": 1e-4, "opd_topk": 1e-3, "opd_reward": 1e-3}
 QUICK = {"seeds": "0", "cpu_budget": 0.0, "steps": 4, "batch": 8, "evals": 2, "eval_prompts": 4, "offline_samples": 32}
 
 
@@ -43,6 +46,27 @@ def _sha(path: Path) -> str:
         if p.is_file():
             h.update(p.read_bytes())
     return h.hexdigest()[:16]
+
+
+def reward_group(advantage: str) -> int:
+    """OPD + reward's samples per prompt: a group advantage needs a group; `batch` needs none."""
+    return 1 if advantage == "batch" else REWARD_GROUP
+
+
+def parse_lrs(items: list[str]) -> dict[str, float]:
+    """["opd_topk=1e-3", ...] -> {"opd_topk": 0.001}; a bad item exits with what is wrong."""
+    out = {}
+    for item in items:
+        arm, _, value = item.partition("=")
+        try:
+            if arm not in ARMS:
+                raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+            out[arm] = float(value)
+            if out[arm] <= 0:
+                raise ValueError("a learning rate is positive")
+        except ValueError as e:
+            raise SystemExit(f"opd bench recipes: --lr {item!r}: {e}") from None
+    return out
 
 
 def snapshot_demo(demo: Path, out: Path) -> dict:
@@ -159,6 +183,7 @@ class Plan:
     merge: dict
     offline_samples: int = 6400
     reward_weight: float = 1.0
+    reward_advantage: str = "grpo"   # grpo: 8 prompts x 4 samples; batch: 32 x 1 (no groups)
     ports: dict = field(default_factory=dict)
 
     def every(self, arm: str) -> int:
@@ -202,7 +227,7 @@ def opd_config(plan: Plan, arm: str, out_dir: Path, seed: int) -> dict:
             t.pop("k", None)
     m["datasets"] = [{"domain": d, "path": str(plan.data[f"{d}_train"]), "ratio": plan.ratios[d]} for d in DOMAINS]
     m.pop("sft", None)
-    group = REWARD_GROUP if arm == "opd_reward" else 1
+    group = reward_group(plan.reward_advantage) if arm == "opd_reward" else 1
     cfg["rollout"] = {**cfg.get("rollout", {}), "prompts_per_step": plan.batch // group, "samples_per_prompt": group,
                       "temperature": 1.0, "max_new_tokens": plan.max_new_tokens}
     cfg["optim"] = {**cfg.get("optim", {}), "micro_batch_size": plan.batch, "lr": plan.lrs[arm], "schedule": "constant"}
@@ -210,7 +235,8 @@ def opd_config(plan: Plan, arm: str, out_dir: Path, seed: int) -> dict:
                   **_run_keys(plan, arm, out_dir, seed)}
     if arm == "opd_reward":
         cfg["rewards"] = [{"name": "math"}, {"name": "code", "options": dict(CODE_OPTIONS)}]
-        cfg["loss"] = {**cfg.get("loss", {}), "reward_weight": plan.reward_weight, "reward_advantage": "grpo"}
+        cfg["loss"] = {**cfg.get("loss", {}), "reward_weight": plan.reward_weight,
+                       "reward_advantage": plan.reward_advantage}
     return cfg
 
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from opd.benchmarks.recipes_inputs import ARMS, GRPO_GROUP, LABELS, REWARD_GROUP, SHORT
+from opd.benchmarks.recipes_inputs import ARMS, GRPO_GROUP, LABELS, SHORT, reward_group
 
 
 
@@ -77,7 +77,9 @@ def _fmt(x, spec=".0f") -> str:
 def markdown(report: dict) -> str:
     p = report["plan"]
     targets = report["targets"]
-    reward = f"; OPD + reward: loss.reward_weight {p.get('reward_weight', 1.0):g}" if "opd_reward" in p["lrs"] else ""
+    reward = (f"; OPD + reward: loss.reward_weight {p.get('reward_weight', 1.0):g}, loss.reward_advantage "
+              f"{p.get('reward_advantage', 'grpo')}" if "opd_reward" in p["lrs"] else "")
+    group = reward_group(p.get("reward_advantage", "grpo"))
     budget = (f"{p['cpu_budget']:.0f} CPU-s per run (stopped when its processes have used them; at most "
               f"{p['steps']} steps)" if p["cpu_budget"] else f"{p['steps']} optimizer steps per run")
     lines = [f"Held-out accuracy: greedy, {p['eval_prompts']} math + {p['eval_prompts']} code prompts (the demo's "
@@ -86,7 +88,7 @@ def markdown(report: dict) -> str:
              f"teachers on their own domain: math {report['teachers']['math']:.2f}, code {report['teachers']['code']:.2f} "
              f"(mean {report['teacher_acc']:.3f}).", "",
              f"Budget, every arm: {budget}, {p['batch']} sequences per optimizer step (GRPO {p['batch'] // GRPO_GROUP} "
-             f"prompts x {GRPO_GROUP}; OPD + reward {p['batch'] // REWARD_GROUP} x {REWARD_GROUP}; OPD {p['batch']} x 1; "
+             f"prompts x {GRPO_GROUP}; OPD + reward {p['batch'] // group} x {group}; OPD {p['batch']} x 1; "
              f"offline: {p['offline_samples']} teacher samples, then SFT batches of {p['batch']}); responses "
              f"<= {p['max_new_tokens']} tokens; domain mix {', '.join(f'{d} {r:.2f}' for d, r in p['ratios'].items())}; "
              f"constant learning rates after warm-up ({', '.join(f'{SHORT[a]} {lr:g}' for a, lr in p['lrs'].items())})"

@@ -55,8 +55,10 @@ class LossConfig:
         "float32", help="full mode: dtype of teacher logits on the wire and in memory")
     reward_weight: float = field(1.0, help="with `rewards`: alpha, the weight of the verifier's group-relative "
                                            "advantage in each token's advantage (opd.spine.objective)", min=0.0)
-    reward_advantage: Literal["grpo", "dr_grpo", "batch_std", "rloo"] = field(
-        "grpo", help="with `rewards`: the group advantage over a prompt's samples_per_prompt responses (opd.rl.grpo)")
+    reward_advantage: Literal["grpo", "dr_grpo", "batch_std", "rloo", "batch"] = field(
+        "grpo", help="with `rewards`: the group advantage over a prompt's samples_per_prompt responses (opd.rl.grpo); "
+                     "batch: the reward less the mean of the step's other responses, no groups needed "
+                     "(samples_per_prompt 1 keeps every prompt of the step distinct for the teachers)")
     drown_factor: float = field(10.0, help="warn when the reward's or the teachers' mean signal per token is this "
                                            "many times the other's", min=1.0)
     off_policy: spine.OffPolicyConfig = field(default_factory=spine.OffPolicyConfig,
@@ -154,9 +156,10 @@ class TrainConfig:
                              f"but rollout samples at temperature {r.temperature}, top_p {r.top_p}; its reverse-KL "
                              f"estimate is unbiased only for tokens drawn from the distribution it scores: set "
                              f"rollout.temperature to the teacher's temperature and rollout.top_p to 1")
-        if self.rewards and r.samples_per_prompt < 2:
-            raise ValueError(f"rewards: the reward advantage is relative to a prompt's group of responses; "
-                             f"rollout.samples_per_prompt is {r.samples_per_prompt}, set it to 2 or more")
+        if self.rewards and r.samples_per_prompt < 2 and self.loss.reward_advantage != "batch":
+            raise ValueError(f"rewards: the reward advantage {self.loss.reward_advantage} is relative to a prompt's "
+                             f"group of responses; rollout.samples_per_prompt is {r.samples_per_prompt}: set it to 2 "
+                             f"or more, or loss.reward_advantage to batch")
         ranks = self.cluster.student.num_workers
         if self.run.max_staleness is not None and r.engine == "vllm" and self.student.lora is not None:
             raise ValueError("run.max_staleness with rollout.engine vllm and a LoRA student is not supported yet: "

@@ -217,15 +217,22 @@ class Trainer:
 
     def _score(self, batch: Batch, stats: StepStats) -> None:
         """Each response's reward, and its advantage within its prompt's group (a group whose
-        rewards are all equal gets 0: no gradient, counted in groups/all_equal)."""
+        rewards are all equal gets 0: no gradient, counted in groups/all_equal), or with
+        `loss.reward_advantage: batch` against the step's other responses (the batch one group)."""
         texts = [ro.text(self.tok) for ro in batch.rollouts]
         total, _ = self.reward([batch.samples[ro.prompt_index] for ro in batch.rollouts], texts)
         rewards_P_G = torch.tensor(total, dtype=torch.float32).view(-1, self.cfg.rollout.samples_per_prompt)
         batch.rewards = total
-        batch.advantages = objective.group_advantages(rewards_P_G, self.cfg.loss.reward_advantage).flatten().tolist()
+        if self.cfg.loss.reward_advantage == "batch":   # over the whole step: every rank's responses
+            both = self.world.sum({"sum": float(sum(total)), "count": float(len(total))}) if self.world.sharded else None
+            adv = objective.batch_advantages(torch.tensor(total), both and (both["sum"], both["count"]))
+            flat = torch.tensor(total)[None]   # one group: the batch
+        else:
+            adv, flat = objective.group_advantages(rewards_P_G, self.cfg.loss.reward_advantage), rewards_P_G
+        batch.advantages = adv.flatten().tolist()
         stats.rewards += total
-        stats.flat_groups = [stats.flat_groups[0] + int(objective.equal_groups(rewards_P_G).sum()),
-                             stats.flat_groups[1] + rewards_P_G.shape[0]]
+        stats.flat_groups = [stats.flat_groups[0] + int(objective.equal_groups(flat).sum()),
+                             stats.flat_groups[1] + flat.shape[0]]
 
     def _run_ahead(self, queued: list[dict]) -> RunAhead:
         """run.max_staleness: the sampling thread, with its own engine (hf: over a copy of the

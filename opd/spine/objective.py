@@ -167,7 +167,7 @@ def group_advantages(rewards_P_G: torch.Tensor, estimator: str = "grpo",
                = G/(G-1) * (r - mean_group)
 
     A group whose rewards are all equal carries no signal: its advantages are exactly 0
-    (never NaN), also for G = 1.
+    (never NaN), also for G = 1. (`batch_advantages` needs no groups.)
     """
     r = rewards_P_G.to(torch.float64)
     P, G = r.shape
@@ -188,6 +188,15 @@ def group_advantages(rewards_P_G: torch.Tensor, estimator: str = "grpo",
     flat_P = equal_groups(rewards_P_G)
     adv_P_G = torch.where(flat_P[:, None], torch.zeros_like(adv_P_G), adv_P_G)
     return adv_P_G.to(torch.float32)
+
+
+def batch_advantages(rewards_B: torch.Tensor, total: tuple[float, float] | None = None) -> torch.Tensor:
+    """[B]: each response's reward less the mean reward of the batch's other responses (a
+    leave-one-out baseline over the whole step, so unbiased, and no groups needed: a batch of
+    32 prompts x 1 sample keeps its 32 prompts for the teachers' term). total: (sum, count)
+    over every rank's responses when these are one rank's share."""
+    r = rewards_B.to(torch.float64).flatten()
+    return (r - leave_one_out(r, torch.ones_like(r), total).double()).float()
 
 
 def equal_groups(rewards_P_G: torch.Tensor) -> torch.Tensor:

@@ -673,3 +673,18 @@ def test_opd_rl_takes_a_teacher_into_its_advantage(setup):
     assert len(rows) == 2 and all(r["signal/teacher"] > 0 for r in rows)
     card = json.loads((out / "card.json").read_text())
     assert card["objective"]["teachers"][0]["gamma"] == 0.9 and card["objective"]["teachers"][0]["lambda (weight)"] == 0.5
+
+
+def test_a_batch_reward_advantage_needs_no_groups(setup):
+    """loss.reward_advantage batch: one sample per prompt, each response's reward against the
+    step's others; a group advantage with one sample per prompt is refused, naming batch."""
+    reward = {"rewards": [{"name": "format", "options": {"pattern": "[0-9]"}}], "run.pipeline": False}
+    with pytest.raises(ValueError, match="reward_advantage to batch"):
+        _cfg(setup, "reward_groups", steps=2, **reward)
+    cfg = _cfg(setup, "reward_batch", steps=3, **{**reward, "loss.reward_advantage": "batch",
+                                                  "rollout.prompts_per_step": 8})
+    Trainer(cfg).run()
+    rows = [r for r in read_metrics(setup["root"] / "reward_batch" / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 3 and all("reward/mean" in r for r in rows)
+    mixed = [r for r in rows if 0 < r["reward/mean"] < 1]   # a step whose rewards differ carries signal
+    assert mixed and all(r["signal/reward"] > 0 for r in mixed)

@@ -81,6 +81,16 @@ def test_truncated_importance_sampling_recovers_the_expectation_under_the_new_po
     assert abs(float(plain.mean()) - truth) > 10 * float(plain.std() / len(x) ** 0.5)   # E_old[f] = 1.0
 
 
+def test_batch_advantage_is_the_reward_less_the_others_mean():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])
+    adv = objective.batch_advantages(r)
+    assert adv.tolist() == pytest.approx([1 - 2 / 4, 0 - 3 / 4, 0 - 3 / 4, 1 - 2 / 4, 1 - 2 / 4])
+    assert objective.batch_advantages(torch.ones(4)).tolist() == [0.0] * 4
+    # one rank's share of a step of 5: the others' mean is over every rank's responses
+    assert objective.batch_advantages(r[:2], total=(3.0, 5)).tolist() == pytest.approx([1 - 2 / 4, 0 - 3 / 4])
+    assert objective.leave_one_out(torch.tensor([4.0, 6.0]), torch.tensor([2.0, 3.0])).tolist() == [2.0, 2.0]
+
+
 def test_off_policy_band_must_hold_one():
     with pytest.raises(ValueError, match="low <= 1 <= high"):
         OffPolicyConfig(band=[1.2, 2.0])
