@@ -9,11 +9,12 @@ both under runs/demo), on the demo's math and code tasks:
     opd_sampled  `opd train`, teachers in sampled mode (sampled-token reverse KL as an advantage)
     opd_topk     `opd train`, teachers in top-k mode (the demo's merge config)
     opd_reward   `opd train`, top-k teachers plus the math + code rewards (loss.reward_weight 1,
-                 group advantage over 4 samples per prompt)
+                 the reward less the step's other responses' mean: 32 prompts x 1; or with
+                 --reward-advantage grpo, a group advantage over 8 prompts x 4)
 
 Budget: every run gets the same CPU-seconds (--cpu-budget; it is stopped when its processes
 have used them) and the same --batch sequences per optimizer step (GRPO batch/8 prompts x 8
-samples, OPD + reward batch/4 x 4, OPD batch x 1, offline SFT batches of `batch`), with a
+samples, OPD and OPD + reward batch x 1, offline SFT batches of `batch`), with a
 constant learning rate after a short warm-up (no schedule that depends on where a run ends).
 `--cpu-budget 0 --steps N` instead gives every run N optimizer steps.
 
@@ -84,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "docs/benchmarks.md, the sweep)")
     p.add_argument("--reward-weight", type=float, default=1.0,
                    help="OPD + reward: loss.reward_weight, the weight of the reward's group advantage")
-    p.add_argument("--reward-advantage", choices=["grpo", "batch"], default="grpo",
+    p.add_argument("--reward-advantage", choices=["grpo", "batch"], default="batch",
                    help="OPD + reward: loss.reward_advantage; grpo: 8 prompts x 4 samples per step (its groups); "
                         "batch: 32 x 1, the reward less the step's other responses' mean")
     p.add_argument("--targets", default=None,

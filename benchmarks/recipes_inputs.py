@@ -33,7 +33,7 @@ STEP_CPU = {"grpo": 0.7, "offline": 0.07, "opd_sampled": 0.25, "opd_topk": 0.21,
 STARTUP_CPU = 6.0     # a trainer's imports and model load, about
 # Each arm's learning rate (constant after a short warm-up): the best of a sweep on a seed the
 # table does not use (docs/benchmarks.md, "Recipes against compute").
-DEFAULT_LRS = {"grpo": 5e-5, "offline": 1e-3, "opd_sampled": 1e-4, "opd_topk": 1e-3, "opd_reward": 1e-3}
+DEFAULT_LRS = {"grpo": 1e-5, "offline": 1e-3, "opd_sampled": 3e-5, "opd_topk": 1e-3, "opd_reward": 1e-3}
 QUICK = {"seeds": "0", "cpu_budget": 0.0, "steps": 4, "batch": 8, "evals": 2, "eval_prompts": 4, "offline_samples": 32}
 
 
@@ -183,7 +183,7 @@ class Plan:
     merge: dict
     offline_samples: int = 6400
     reward_weight: float = 1.0
-    reward_advantage: str = "grpo"   # grpo: 8 prompts x 4 samples; batch: 32 x 1 (no groups)
+    reward_advantage: str = "batch"   # batch: 32 prompts x 1 (no groups); grpo: 8 x 4
     ports: dict = field(default_factory=dict)
 
     def every(self, arm: str) -> int:

@@ -118,7 +118,13 @@ def test_every_arm_samples_the_same_sequences_per_step_and_checkpoints_alike(tmp
         assert {t["mode"] for t in c["merge"]["teachers"]} == {"sampled" if arm == "opd_sampled" else "topk"}
         assert [t["address"] for t in c["merge"]["teachers"]] == ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"]
         assert all("eval_path" not in d for d in c["merge"]["datasets"])   # no in-process (counted) evaluation
-        assert ("rewards" in c) == (arm == "opd_reward") and (r["samples_per_prompt"] >= 2) == (arm == "opd_reward")
+        assert ("rewards" in c) == (arm == "opd_reward") and r["samples_per_prompt"] == 1   # the batch advantage
+        if arm == "opd_reward":
+            assert c["loss"]["reward_advantage"] == "batch"
+            plan.reward_advantage = "grpo"                    # a group advantage needs its groups
+            grouped = opd_config(plan, arm, tmp_path / arm, 3)
+            assert grouped["rollout"]["samples_per_prompt"] == 4 and grouped["loss"]["reward_advantage"] == "grpo"
+            plan.reward_advantage = "batch"
         assert c["run"]["steps"] == plan.steps and c["run"]["checkpoint_every"] == plan.every(arm) == 10
         assert c["run"]["seed"] == 3 and "eval_prompts" not in c["run"]
         assert c["optim"]["schedule"] == "constant" and c["optim"]["lr"] == plan.lrs[arm]
