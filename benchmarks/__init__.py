@@ -7,6 +7,7 @@
     opd bench staleness  opd train's steps/s: on-policy, pipelined, rollouts up to K steps ahead
     opd bench recipes    GRPO, offline distillation, OPD and OPD + reward: accuracy against CPU-s
     opd bench self-distill  a self teacher shown the answer vs SFT on it, held-out accuracy
+    opd bench long       every recipe on answers 16 to 256 tokens long: CPU-s to 80 % of the teacher
     opd bench all        the three, plus runs/bench/summary.md
 
 Benchmarks are not tests: they report numbers, they do not assert them.
@@ -28,6 +29,8 @@ SUBJECTS = {
                                            "distillation, OPD (sampled, top-k), OPD + reward, from the demo")),
     "self-distill": ("opd.benchmarks.self_distill", ("self-distillation, the answer in the teacher's context, "
                                                      "against SFT on the answers: held-out accuracy")),
+    "long": ("opd.benchmarks.long_horizon", ("long generations (opd.tiny.chain, 16-256 tokens): offline "
+                                             "distillation, OPD, GRPO, TRL, accuracy against CPU-s")),
     "all": ("opd.benchmarks.all", "run kernels, transport and step and write summary.md"),
 }
 
