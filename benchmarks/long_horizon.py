@@ -59,7 +59,7 @@ STUDENT = {"layers": 2, "hidden": 64, "heads": 2, "kv_heads": 1, "intermediate":
 PREP_STEPS = {"teacher": 1000, "weak": 400, "mid": 500}
 DEFAULT_LRS = {"offline": 1e-3, "offline_filtered": 1e-3, "opd_topk": 1e-3, "opd_sampled": 1e-4, "opd_full": 1e-3,
                "opd_reward": 1e-3, "grpo": 5e-5, "offline_then_opd": 1e-3, "trl": 1e-3}
-DEFAULT_BUDGET = {16: 60.0, 64: 150.0, 256: 450.0}   # CPU-s per run, by response length
+DEFAULT_BUDGET = {16: 40.0, 64: 100.0, 256: 300.0}   # CPU-s per run, by response length
 QUICK = {"lengths": "16", "seeds": "0", "starts": "weak", "budget": "16=25", "evals": 2, "eval_prompts": 8,
          "prep_scale": 0.02}
 
@@ -330,6 +330,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prep-scale", type=float, default=1.0, help="scale of the teacher's and starts' SFT steps")
     p.add_argument("--inputs", type=Path, default=None,
                    help="the prepared data, teacher and starts (default OUT/inputs; another run's, to share them)")
+    p.add_argument("--prepare-only", action="store_true", help="prepare the inputs (data, teacher, starts) and stop")
     p.add_argument("--merge", default=None, metavar="DIR,DIR",
                    help="only write OUT/long.md, .json and .png from these runs' long.json (one study run in parts)")
     p.add_argument("--quick", action="store_true", help=f"the plumbing: {QUICK}")
@@ -364,6 +365,9 @@ def run(args: argparse.Namespace) -> int:
                 trl_python=args.trl_python, prep_scale=args.prep_scale, env={**code["env"]})
     t_begin = time.time()
     plan.inputs = prepare(plan, (args.inputs or out / "inputs").resolve())
+    if args.prepare_only:
+        print(f"[long] inputs ready: {json.dumps(plan.inputs['models'])}", flush=True)
+        return 0
     plan.inputs["eval_sets"] = {}
     for length in lengths:
         rows = _read_jsonl(Path(plan.inputs["sets"][str(length)]["eval"]))[:args.eval_prompts]
