@@ -56,7 +56,7 @@ TEACHER = {"layers": 4, "hidden": 128, "heads": 4, "kv_heads": 2, "intermediate"
 STUDENT = {"layers": 2, "hidden": 64, "heads": 2, "kv_heads": 1, "intermediate": 128}
 # SFT steps (batch 32, mixed lengths, lr 3e-3 constant) of the teacher, and of the student's two
 # starts (one run: its checkpoint at "weak" steps, and its end)
-PREP_STEPS = {"teacher": 1000, "weak": 400, "mid": 500}
+PREP_STEPS = {"teacher": 1000, "weak": 500, "mid": 600}
 DEFAULT_LRS = {"offline": 1e-3, "offline_filtered": 1e-3, "opd_topk": 1e-3, "opd_sampled": 1e-4, "opd_full": 1e-3,
                "opd_reward": 1e-3, "grpo": 5e-5, "offline_then_opd": 1e-3, "trl": 1e-3}
 DEFAULT_BUDGET = {16: 40.0, 64: 100.0, 256: 300.0}   # CPU-s per run, by response length
@@ -106,9 +106,8 @@ def _worker(job: dict) -> list[str]:
 def prepare(plan: Plan, inputs: Path) -> dict:
     """Data, teacher and starts under `inputs` (kept: a rerun with the same scale reuses them)."""
     stamp = inputs / "prepared.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("prep_scale") == plan.prep_scale:
+    if stamp.is_file() and json.loads(stamp.read_text()).get("prep") == [plan.prep_scale, PREP_STEPS]:
         return json.loads(stamp.read_text())
-    shutil.rmtree(inputs, ignore_errors=True)
     data = inputs / "data"
     mix = write_chain_data(data / "mix", list(STEPS_FOR_TOKENS.values()), n_train=40000, n_eval=90, seed=0)
     sets = {}
@@ -116,27 +115,30 @@ def prepare(plan: Plan, inputs: Path) -> dict:
         paths = write_chain_data(data / f"L{length}", plan.steps(length), n_train=20000, n_eval=100, seed=0)
         sets[str(length)] = {"train": str(paths["train"]), "eval": str(paths["eval"])}
     models = {}
+    weak = max(1, int(PREP_STEPS["weak"] * plan.prep_scale))
     for name, spec, steps in (("teacher", TEACHER, PREP_STEPS["teacher"]), ("student", STUDENT, PREP_STEPS["mid"])):
-        steps = max(2, int(steps * plan.prep_scale))
-        weak = max(1, int(PREP_STEPS["weak"] * plan.prep_scale))
+        steps = max(weak + 1, int(steps * plan.prep_scale))
         cfg = {"out_dir": str(inputs / name), "tiny": {**spec, "max_positions": 320, "seed": 0},
                "train": [{"path": str(mix["train"])}], "steps": steps, "batch_size": 32, "lr": 3e-3,
                "schedule": "constant", "warmup_steps": 30, "max_length": 300, "log_every": 50, "threads": 1,
                "seed": 0, **({"checkpoint_every": weak, "keep_checkpoints": 1000} if name == "student" else {})}
+        models[name] = str(inputs / name / "model")
+        if (inputs / f"{name}.yaml").is_file() and yaml.safe_load((inputs / f"{name}.yaml").read_text()) == cfg \
+                and (inputs / name / "model" / "config.json").is_file():
+            continue   # prepared before with this config
         (inputs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
         log = inputs / f"{name}.log"
         print(f"[long] preparing the {name}: opd sft, {steps} steps", flush=True)
         run = run_counted(_opd("sft", inputs / f"{name}.yaml", "--overwrite"), log, plan.env)
         if run.rc:
             raise SystemExit(f"opd bench long: preparing the {name} failed; see {log}")
-        models[name] = str(inputs / name / "model")
     # the starts: the student SFT's checkpoint after PREP_STEPS["weak"] steps, and its end
-    models["weak"] = str(inputs / "student" / "checkpoints" / f"step_{max(1, int(PREP_STEPS['weak'] * plan.prep_scale)):06d}" / "model")
+    models["weak"] = str(inputs / "student" / "checkpoints" / f"step_{weak:06d}" / "model")
     models["mid"] = models.pop("student")
     from transformers import AutoTokenizer   # a checkpoint's model/ holds no tokenizer: the byte tokenizer, as every model's
 
     AutoTokenizer.from_pretrained(models["mid"]).save_pretrained(models["weak"])
-    prepared = {"prep_scale": plan.prep_scale, "sets": sets, "models": models}
+    prepared = {"prep": [plan.prep_scale, PREP_STEPS], "sets": sets, "models": models}
     stamp.write_text(json.dumps(prepared, indent=1))
     return prepared
 
