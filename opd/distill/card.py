@@ -25,7 +25,9 @@ def _teacher_facts(cfg, t, welcome, tail: list[float], share: float, student_fin
         "scoring": (f"full vocabulary ({cfg.loss.full_dtype} logits)" if t.mode == "full" else
                     f"top-k, k={t.k}: the teacher's top k + one tail bucket" if t.mode == "topk" else
                     f"top-k, k={t.k}: the student's own top k at sampling + one tail bucket" if t.mode == "student_topk"
-                    else f"sampled token (reverse-KL advantage), top-{t.k} for diagnostics"),
+                    else f"sampled token (reverse-KL advantage, "
+                         + ("leave-one-out batch baseline" if t.baseline == "batch" else "no baseline")
+                         + (f", discount gamma {t.gamma}" if t.gamma else "") + f"), top-{t.k} for diagnostics"),
         "sees": (f"its own prompt, context {t.context!r} (the sample's fields), then the student's response"
                  if t.context else "the student's prompt and response"),
         **({"self": "a frozen copy of the student's start (its model fingerprint)"}
@@ -90,13 +92,18 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
         **({"agent": agentic.facts(cfg, agent)} if cfg.agent is not None else {}),
         "objective": {
             "loss": "sum_d lambda_d * L_OPD^d + lambda_sft * L_SFT"
-                    + (" + alpha * L_reward (policy gradient of the group advantage)" if cfg.rewards else ""),
+                    + ((" + alpha * L_reward (policy gradient of the "
+                        + ("batch" if cfg.loss.reward_advantage == "batch" else "group") + " advantage)")
+                       if cfg.rewards else ""),
             "rewards": ({"functions": [{"name": r.name, "weight": r.weight, **({"path": r.path} if r.path else {}),
                                         **({"options": r.options} if r.options else {})} for r in cfg.rewards],
                          "alpha (loss.reward_weight)": cfg.loss.reward_weight,
                          "advantage": cfg.loss.reward_advantage,
                          "group_size": cfg.rollout.samples_per_prompt} if cfg.rewards else "none"),
-            "length_normalization": f"per {cfg.loss.length_norm}",
+            "length_normalization": f"per {cfg.loss.length_norm}" + (
+                "; the policy-gradient terms (sampled mode, the reward) take the token mean"
+                if cfg.loss.length_norm == "sequence" and (cfg.rewards or any(t.mode == "sampled"
+                                                                              for t in cfg.merge.teachers)) else ""),
             "domain_weights": cfg.merge.domain_weights, "domain_normalization": cfg.merge.normalize,
             "sft_mix": (f"lambda_sft={cfg.merge.sft.lambda_sft} on {cfg.merge.sft.path} "
                         f"({cfg.merge.sft.batch_size} per step)") if cfg.merge.sft else "none",
