@@ -56,6 +56,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
+_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
+
+
 def _convert(tp: Any, node: yaml.Node, source: str, key: str) -> Any:
     """Convert a YAML node into a value of type `tp`, or raise ConfigError."""
     origin = get_origin(tp)
@@ -99,6 +102,8 @@ def _convert(tp: Any, node: yaml.Node, source: str, key: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and node.style is None and _FLOAT.fullmatch(value):
+        return float(value)   # `1e-4`: YAML 1.1 reads a float without a dot as a string
     if tp is Path and isinstance(value, str):
         return Path(value)
     if tp in (int, float, str, bool) and (type(value) is not tp):

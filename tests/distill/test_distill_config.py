@@ -92,6 +92,21 @@ def test_bad_config_names_file_line_and_key(tmp_path):
         load_train_config(p)
 
 
+def test_a_rate_written_as_users_write_it_is_a_float(tmp_path):
+    """`lr: 1e-4` is a string to YAML 1.1 (no dot); it is taken as the float it reads as, as
+    Hugging Face's argument parsing takes it. A quoted value stays a string, and is refused."""
+    p = tmp_path / "c.yaml"
+    base = "student:\n  path: s\nmerge:\n  teachers: [{name: a, address: 'tcp://x:1', temperature: 7e-1}]\n" \
+           "  datasets: [{domain: d, path: p.jsonl}]\n"
+    p.write_text(base + "optim:\n  lr: 1e-4\n  eps: 1E-8\n  betas: [9e-1, 0.95]\n")
+    cfg = load_train_config(p)
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.optim.betas, cfg.merge.teachers[0].temperature) == (1e-4, 1e-8, [0.9, 0.95], 0.7)
+    for bad in ("'1e-4'", "1e-4x", "e-4"):
+        p.write_text(base + f"optim:\n  lr: {bad}\n")
+        with pytest.raises(ConfigError, match=r"c.yaml:7: key 'optim.lr' expects float"):
+            load_train_config(p)
+
+
 @pytest.mark.parametrize("merge,error", [
     ("  teachers: [{name: a, address: '127.0.0.1:5555'}]\n  datasets: [{domain: d, path: p.jsonl}]\n",
      r"bad.yaml:4: .*address '127.0.0.1:5555' needs its transport"),
