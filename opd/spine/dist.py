@@ -163,9 +163,17 @@ def ranks_for(num_workers: int, argv: list[str], device: str = "auto", backend: 
 
 
 def close_world() -> None:
-    """Leave the process group at the end of a command (no-op in a world of one)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group at the end of a command (no-op in a world of one). Called from a
+    `finally`: when the command ended normally every rank first meets the others, so no rank
+    tears its group down while another's last collective is in flight (gloo's worker threads
+    then hold work that is destroyed with the interpreter: SIGABRT, "terminate called without
+    an active exception", after a run that had finished). After an error nobody waits: a rank
+    that died would hold the others for the collective timeout."""
+    if not dist.is_initialized():
+        return
+    if sys.exc_info()[0] is None and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def shard_model(model: torch.nn.Module, world: World, *, mixed_precision: bool = False,
