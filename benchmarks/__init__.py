@@ -8,6 +8,7 @@
     opd bench recipes    GRPO, offline distillation, OPD and OPD + reward: accuracy against CPU-s
     opd bench self-distill  a self teacher shown the answer vs SFT on it, held-out accuracy
     opd bench long       every recipe on answers 16 to 256 tokens long: CPU-s to 80 % of the teacher
+    opd bench sampled-noise  the sampled-token update against the exact reverse KL: bias and noise
     opd bench all        the three, plus runs/bench/summary.md
 
 Benchmarks are not tests: they report numbers, they do not assert them.
@@ -31,6 +32,8 @@ SUBJECTS = {
                                                      "against SFT on the answers: held-out accuracy")),
     "long": ("opd.benchmarks.long_horizon", ("long generations (opd.tiny.chain, 16-256 tokens): offline "
                                              "distillation, OPD, GRPO, TRL, accuracy against CPU-s")),
+    "sampled-noise": ("opd.benchmarks.sampled_noise", ("one batch's sampled-token update against the exact "
+                                                       "reverse KL's: bias, cosine, signal-to-noise")),
     "all": ("opd.benchmarks.all", "run kernels, transport and step and write summary.md"),
 }
 
