@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=float, default=0.0, help="the sampled teacher's discount")
     p.add_argument("--temperature", type=float, default=1.0, help="rollout and teacher temperature")
     p.add_argument("--json", type=Path, default=None, help="also write the row here")
+    p.add_argument("--positions", type=int, default=0,
+                   help="instead: at this many sampled positions, the exact variance of the estimate's logit "
+                        "gradient under the student's own distribution, for the plain form, a batch-mean baseline, "
+                        "the exact KL as baseline and the estimate clipped to [-2, 2]")
 
 
 def _trainer(args, server, root: Path, name: str, mode: str):
@@ -76,11 +80,60 @@ def _gradient(tr, batch):
     return torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in tr.params]).double()
 
 
+def per_position(args) -> dict:
+    """Per-position squared SNR of the logit gradient of each form of the estimate, computed
+    exactly over the student's distribution (no sampling noise in the figures themselves), at
+    positions the student reaches by sampling its answers to the prompts (one a prompt step)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd.data import load_jsonl
+
+    student = AutoModelForCausalLM.from_pretrained(args.student, dtype=torch.float32).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(args.student)
+    torch.manual_seed(0)
+    positions = []
+    with torch.no_grad():
+        for sample in load_jsonl(args.prompts)[0]:
+            ids = torch.tensor([tok(sample.prompt, add_special_tokens=False)["input_ids"]])
+            for _ in range(args.max_new_tokens):
+                lp = torch.log_softmax(student(ids).logits[0, -1], -1)
+                positions.append((lp, torch.log_softmax(teacher(ids).logits[0, -1], -1)))
+                x = int(torch.multinomial(lp.exp(), 1))
+                ids = torch.cat([ids, torch.tensor([[x]])], 1)
+                if x == tok.eos_token_id or len(positions) >= args.positions:
+                    break
+            if len(positions) >= args.positions:
+                break
+    mean_kl = sum(float((lp.exp() * (lp - lq)).sum()) for lp, lq in positions) / len(positions)
+    forms = {"plain": lambda est, kl: est, "batch_mean_baseline": lambda est, kl: est - mean_kl,
+             "exact_kl_baseline": lambda est, kl: est - kl, "clipped_2": lambda est, kl: est.clamp(-2, 2)}
+    out = {k: [0.0, 0.0] for k in forms}   # summed variance, summed squared bias
+    signal = 0.0
+    for lp, lq in positions:
+        p, est = lp.exp(), lp - lq
+        kl = float((p * est).sum())
+        exact = p * (est - kl)                                # d KL / d logits
+        eye = torch.eye(len(p))
+        signal += float((exact ** 2).sum())
+        for k, form in forms.items():
+            g = form(est, kl)[:, None] * (eye - p[None, :])   # the update's logit gradient if x is drawn
+            m = (p[:, None] * g).sum(0)
+            out[k][0] += float((p * ((g - m) ** 2).sum(1)).sum())
+            out[k][1] += float(((m - exact) ** 2).sum())
+    return {"positions": len(positions), "mean_kl": mean_kl,
+            **{k: {"squared_snr": signal / v, "squared_bias_over_signal": b / signal} for k, (v, b) in out.items()}}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from opd.teachers.launch import start_server_process
 
     torch.set_num_threads(1)
+    if args.positions:
+        print(json.dumps(per_position(args), indent=1), flush=True)
+        return 0
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp, \
             start_server_process(["--model", args.teacher, "--max-k", "16", "--name", "t"]) as server:
