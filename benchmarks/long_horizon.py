@@ -240,8 +240,9 @@ def run_arm(plan: Plan, arm: str, length: int, start: str, seed: int) -> dict:
     t0 = time.time()
     if arm in ("offline", "offline_filtered", "offline_then_opd"):
         share = budget / 2 if arm == "offline_then_opd" else budget
-        # samples: about a third of the (offline part's) budget at the teacher's measured rate
-        n = max(plan.batch, int(share / 3 / plan.inputs["sample_cpu"][str(length)]))
+        # samples: a third of the (offline part's) budget, the sampler's start-up included
+        cost = plan.inputs["sample_cpu"][str(length)]
+        n = max(plan.batch, int((share / 3 - cost["startup_cpu_s"]) / cost["per_sample_cpu_s"]))
         data, sampling, kept = sample_teacher(plan, length, run_dir, seed, n, arm == "offline_filtered")
         result.update(samples=n, kept=kept, sampling_cpu_s=sampling.cpu_s)
         if not kept:
@@ -301,15 +302,19 @@ def evaluate(plan: Plan, models: dict[str, str], length: int, tag: str) -> dict:
     return json.loads(out.read_text())
 
 
-def measure_sampling(plan: Plan) -> dict[str, float]:
-    """The teacher's CPU-s per sample at each length (64 prompts, batch 64): the offline arms'
-    sample counts follow from it."""
+def measure_sampling(plan: Plan) -> dict[str, dict[str, float]]:
+    """The teacher's sampling cost at each length: its process's start-up and the CPU-s per
+    further sample (from 64 and 320 prompts, batch 64). An offline arm spends a third of its
+    budget sampling, start-up included: (share / 3 - start-up) / per sample samples."""
     out = {}
     for length in plan.lengths:
-        d = plan.out / "inputs" / "sampling" / f"L{length}"
-        shutil.rmtree(d, ignore_errors=True)
-        _, run, _ = sample_teacher(plan, length, d, 0, 64, False)
-        out[str(length)] = run.cpu_s / 64
+        cpu = {}
+        for n in (64, 320):
+            d = plan.out / "inputs" / "sampling" / f"L{length}_{n}"
+            shutil.rmtree(d, ignore_errors=True)
+            cpu[n] = sample_teacher(plan, length, d, 0, n, False)[1].cpu_s
+        per = max((cpu[320] - cpu[64]) / 256, 1e-4)
+        out[str(length)] = {"startup_cpu_s": max(cpu[64] - 64 * per, 0.0), "per_sample_cpu_s": per}
     return out
 
 
@@ -416,21 +421,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def merge(parts: list[Path], out: Path) -> int:
-    """One report from the long.json of runs that split a study (by length or seed): their
-    plans must agree but for the lengths and seeds, whose union it reports."""
+    """One report from the long.json of runs that split a study (by length, seed or arm): their
+    plans must agree but for the lengths, seeds, arms and budgets, whose union it reports; a run
+    in a later part replaces the same run in an earlier one."""
     reports = [json.loads((d / "long.json").read_text()) for d in parts]
     report = reports[0]
     for other in reports[1:]:
-        a, b = ({k: v for k, v in r["plan"].items() if k not in ("lengths", "seeds", "budget", "sample_cpu")}
+        a, b = ({k: v for k, v in r["plan"].items() if k not in ("lengths", "seeds", "arms", "budget", "sample_cpu")}
                 for r in (report, other))
         if a != b:
             raise SystemExit(f"opd bench long --merge: the plans differ in {sorted(k for k in a if a[k] != b.get(k))}")
         p = report["plan"]
         p["lengths"] = sorted(set(p["lengths"]) | set(other["plan"]["lengths"]))
         p["seeds"] = sorted(set(p["seeds"]) | set(other["plan"]["seeds"]))
+        p["arms"] = p["arms"] + [a for a in other["plan"]["arms"] if a not in p["arms"]]
         p["budget"] = {**p["budget"], **other["plan"]["budget"]}
         report["refs"] = {**report["refs"], **other["refs"]}
-        report["results"] = report["results"] + other["results"]
+        # a later part's run of the same (length, start, seed, arm) replaces an earlier one
+        key = lambda r: (r["length"], r["start"], r["seed"], r["arm"])   # noqa: E731
+        redone = {key(r) for r in other["results"]}
+        report["results"] = [r for r in report["results"] if key(r) not in redone] + other["results"]
         report["wall_s"] = max(report["wall_s"], other["wall_s"])
     report["rows"] = summarize(report)
     report["merged_from"] = [str(d) for d in parts]

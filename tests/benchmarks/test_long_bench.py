@@ -86,7 +86,14 @@ def test_a_study_run_in_parts_merges_into_one_report(tmp_path):
     for d, r in (("a", a), ("b", b)):
         (tmp_path / d).mkdir()
         (tmp_path / d / "long.json").write_text(json.dumps({**r, "wall_s": 1.0}))
-    assert merge([tmp_path / "a", tmp_path / "b"], tmp_path / "all") == 0
+    redo = _report()   # one run done again: it replaces the first part's
+    redo["plan"] = {**redo["plan"], "arms": ["offline"]}
+    redo["results"] = [{**redo["results"][0], "points": [{"step": 1, "cpu_s": 10, "acc": 0.9}]}]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "long.json").write_text(json.dumps({**redo, "wall_s": 1.0}))
+    assert merge([tmp_path / "a", tmp_path / "b", tmp_path / "c"], tmp_path / "all") == 0
     merged = json.loads((tmp_path / "all" / "long.json").read_text())
-    assert merged["plan"]["lengths"] == [16, 256] and len(merged["rows"]) == 4
+    assert merged["plan"]["lengths"] == [16, 256] and len(merged["rows"]) == 4 and len(merged["results"]) == 8
     assert {r["length"]: r["target"] for r in merged["rows"]} == {16: 0.8, 256: 0.8 * 0.95}
+    offline = next(r for r in merged["rows"] if r["length"] == 256 and r["arm"] == "offline")
+    assert offline["to_target_cpu_s"] == 10 and offline["reached"] == 1   # seed 0 redone at 10; seed 1 never
