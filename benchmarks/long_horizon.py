@@ -243,6 +243,7 @@ def run_arm(plan: Plan, arm: str, length: int, start: str, seed: int) -> dict:
         # samples: a third of the (offline part's) budget, the sampler's start-up included
         cost = plan.inputs["sample_cpu"][str(length)]
         n = max(plan.batch, int((share / 3 - cost["startup_cpu_s"]) / cost["per_sample_cpu_s"]))
+        n = min(n, 20000)   # the size of the length's training file
         data, sampling, kept = sample_teacher(plan, length, run_dir, seed, n, arm == "offline_filtered")
         result.update(samples=n, kept=kept, sampling_cpu_s=sampling.cpu_s)
         if not kept:
@@ -304,16 +305,21 @@ def evaluate(plan: Plan, models: dict[str, str], length: int, tag: str) -> dict:
 
 def measure_sampling(plan: Plan) -> dict[str, dict[str, float]]:
     """The teacher's sampling cost at each length: its process's start-up and the CPU-s per
-    further sample (from 64 and 320 prompts, batch 64). An offline arm spends a third of its
-    budget sampling, start-up included: (share / 3 - start-up) / per sample samples."""
+    further sample (batches of 64). An offline arm spends a third of its budget sampling,
+    start-up included: (share / 3 - start-up) / per sample samples. The two runs differ by 16
+    batches, so that the difference is well above the noise of a CPU reading (from 64 and 320
+    prompts the first runs read 0.02 CPU-s of difference at 16 tokens, and sampled 69,002
+    answers for a 40 CPU-s run)."""
     out = {}
     for length in plan.lengths:
         cpu = {}
-        for n in (64, 320):
+        for n in (64, 17 * 64):
             d = plan.out / "inputs" / "sampling" / f"L{length}_{n}"
             shutil.rmtree(d, ignore_errors=True)
             cpu[n] = sample_teacher(plan, length, d, 0, n, False)[1].cpu_s
-        per = max((cpu[320] - cpu[64]) / 256, 1e-4)
+        per = (cpu[17 * 64] - cpu[64]) / (16 * 64)
+        if per <= 0:
+            raise RuntimeError(f"the teacher's sampling cost at {length} tokens read {cpu}: not measurable here")
         out[str(length)] = {"startup_cpu_s": max(cpu[64] - 64 * per, 0.0), "per_sample_cpu_s": per}
     return out
 
