@@ -354,7 +354,7 @@ def test_a_teacher_answers_only_the_sampled_tokens(tmp_path, chat_model_dir, one
     try:
         seen = []
         terms = rl_teachers.terms
-        monkeypatch.setattr(rl_teachers, "terms", lambda *a: seen.append((a[-1], terms(*a))) or seen[-1][1])
+        monkeypatch.setattr(rl_teachers, "terms", lambda *a: seen.append((a[3], terms(*a))) or seen[-1][1])
         teacher = {"name": "t", "address": server.address, "mode": "sampled", "k": 8, "weight": 0.5, "gamma": 0.9}
         cfg = load_config(write_yaml(tmp_path, chat_model_dir, "hf", teachers=[teacher],
                                      teacher_client={"connect_timeout_s": 10.0}), steps=1)
