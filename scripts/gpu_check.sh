@@ -10,6 +10,7 @@
 #   5. `opd sft` sharded with FSDP2 over NCCL at world size 1 (torchrun), when transformers is there
 # Logs and JSON go to $OUT (default runs/gpu). PROVIDERS (default: all four) narrows step 2.
 set -u
+# Worst case 120+160+2*45+30+80+60 = 540 s: one call of the device tool (600 s at most).
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -22,19 +23,19 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))" 2>&1 | tail -1 | tee -a "$OUT/machine.txt"
 
 echo "== 1. Triton kernels on CUDA vs the reference"
-timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest tests/kernels/test_kernels_cuda.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
+timeout 120 python3 -m pytest -q -p no:cacheprovider --noconftest tests/kernels/test_kernels_cuda.py 2>&1 | tail -25 | tee "$OUT/tests.txt"
 
 echo "== 2. opd bench kernels, CUDA, bf16"
-timeout 300 python3 -m opd.benchmarks.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 60 \
+timeout 160 python3 -m opd.benchmarks.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 40 \
     --providers ${PROVIDERS:-reference plain opd liger} --cases fused_jsd_llama kl_full jsd_full kl_topk fused_kl_full fused_kl_topk \
     --json "$OUT/kernels_bf16.json" 2>&1 | tee "$OUT/kernels_bf16.txt"
 
 echo "== 3. fused_jsd_llama: launch configs (BN,BV,BH,warps,stages) and the matmul floor"
-for cfg in 64,128,64,8,3 64,64,64,8,4 64,64,32,8,4; do
-    timeout 100 python3 -m opd.benchmarks.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 90 \
+for cfg in 64,128,64,8,3 64,64,32,8,4; do
+    timeout 45 python3 -m opd.benchmarks.kernels --device cuda --dtype bfloat16 --repeats 5 --timeout 40 \
         --cases fused_jsd_llama --providers opd --fused-blocks $cfg --json "$OUT/sweep_${cfg//,/_}.json" 2>&1 | tail -1
 done | tee "$OUT/sweep.txt"
-timeout 60 python3 - <<'EOF' 2>&1 | tee "$OUT/matmul.txt"
+timeout 30 python3 - <<'EOF' 2>&1 | tee "$OUT/matmul.txt"
 import torch, triton.testing as tt
 n, h, v = 8192, 4096, 128256
 a = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
@@ -44,7 +45,7 @@ print(f"cuBLAS bf16 [{n}x{h}] @ [{h}x{v}]: {ms:.2f} ms, {2 * n * h * v / ms / 1e
 EOF
 
 echo "== 4. GRPO's log-probs and entropy without [B, T, V] (rl/logprobs.py) on CUDA: opd bench grpo"
-timeout 240 python3 -m opd.benchmarks.grpo --device cuda --timeout 200 --json "$OUT/grpo.json" 2>&1 | tee "$OUT/grpo.txt"
+timeout 80 python3 -m opd.benchmarks.grpo --device cuda --timeout 70 --json "$OUT/grpo.json" 2>&1 | tee "$OUT/grpo.txt"
 
 echo "== 5. the sharded trainer (FSDP2 over NCCL, world size 1): opd sft on a tiny model, 3 steps"
 if python3 -c "import transformers, tokenizers, peft, yaml" 2>/dev/null; then
@@ -57,7 +58,7 @@ open("/tmp/gpu_sft/sft.yaml", "w").write(
     "train: [{path: train.jsonl}]\nsteps: 3\nbatch_size: 4\nlr: 0.01\nwarmup_steps: 0\nlog_every: 1\n"
     "checkpoint_every: 3\ndevice: cuda\n")
 PY
-    (cd /tmp/gpu_sft && timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 -m opd.cli sft sft.yaml --overwrite 2>&1 | tail -5
+    (cd /tmp/gpu_sft && timeout 60 python3 -m torch.distributed.run --nproc-per-node 1 -m opd.cli sft sft.yaml --overwrite 2>&1 | tail -5
      cat run/metrics.jsonl; ls run/checkpoints/step_000003) | tee "$OUT/sharded_sft.txt"
 else
     echo "skipped: transformers, tokenizers, peft or pyyaml missing here" | tee "$OUT/sharded_sft.txt"

@@ -75,6 +75,9 @@ def response_loss(model, input_B_T, labels_B_T, mask_B_T, tokens: float | None =
     """Token-mean cross-entropy over response positions (labels != -100). tokens: the response
     tokens of the whole step when this batch is one rank's share of it (their summed loss over
     all ranks' tokens: the ranks' gradients then sum to one process's)."""
+    # collate builds the batch on the CPU; the model may be on a GPU (`device: cuda`)
+    device = next(model.parameters()).device
+    input_B_T, labels_B_T, mask_B_T = (t.to(device) for t in (input_B_T, labels_B_T, mask_B_T))
     if tokens is None:
         return padded_cross_entropy(model, input_B_T, labels_B_T, mask_B_T)
     return padded_cross_entropy(model, input_B_T, labels_B_T, mask_B_T, "sum") / max(tokens, 1.0)
