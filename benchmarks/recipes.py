@@ -1,4 +1,4 @@
-"""`opd bench recipes`: held-out accuracy against compute for five post-training recipes.
+"""`opd bench recipes`: held-out accuracy against compute for six post-training recipes.
 
 From the demo's SFT start and with the demo's two RL experts as teachers (`make demo` builds
 both under runs/demo), on the demo's math and code tasks:
@@ -11,6 +11,9 @@ both under runs/demo), on the demo's math and code tasks:
     opd_reward   `opd train`, top-k teachers plus the math + code rewards (loss.reward_weight 1,
                  the reward less the step's other responses' mean: 32 prompts x 1; or with
                  --reward-advantage grpo, a group advantage over 8 prompts x 4)
+    opd_full     `opd train`, teachers in full mode with beta 1: the exact per-position reverse
+                 KL, of which opd_sampled is the one-sample estimate (not in the default arms'
+                 table before 2026-12-04)
 
 Budget: every run gets the same CPU-seconds (--cpu-budget; it is stopped when its processes
 have used them) and the same --batch sequences per optimizer step (GRPO batch/8 prompts x 8

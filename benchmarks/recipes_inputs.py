@@ -17,23 +17,25 @@ import yaml
 from opd.benchmarks.recipes_worker import CODE_OPTIONS, _read_jsonl, _write_jsonl  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
-ARMS = ("grpo", "offline", "opd_sampled", "opd_topk", "opd_reward")
+ARMS = ("grpo", "offline", "opd_sampled", "opd_topk", "opd_reward", "opd_full")
 LABELS = {"grpo": "GRPO alone (opd rl)", "offline": "offline distillation (opd sft on teacher samples)",
           "opd_sampled": "OPD sampled-token (opd train)", "opd_topk": "OPD top-k (opd train)",
-          "opd_reward": "OPD top-k + reward (opd train)"}
+          "opd_reward": "OPD top-k + reward (opd train)",
+          "opd_full": "OPD exact reverse KL (opd train, mode full, beta 1)"}
 SHORT = {"grpo": "GRPO", "offline": "offline distill", "opd_sampled": "OPD sampled",
-         "opd_topk": "OPD top-k", "opd_reward": "OPD + reward"}
-USES_SERVERS = {"opd_sampled", "opd_topk", "opd_reward"}
+         "opd_topk": "OPD top-k", "opd_reward": "OPD + reward", "opd_full": "OPD reverse KL"}
+USES_SERVERS = {"opd_sampled", "opd_topk", "opd_reward", "opd_full"}
 GRPO_GROUP = 8        # GRPO's group (the demo's rl configs)
 REWARD_GROUP = 4      # OPD + reward's samples_per_prompt with a group advantage (--reward-advantage grpo)
 DOMAINS = ("math", "code")
 # CPU-seconds per optimizer step at 32 sequences on the 2-core box (measured): only where the
 # checkpoints go, so that about 2 x --evals of them fall inside the budget.
-STEP_CPU = {"grpo": 0.7, "offline": 0.07, "opd_sampled": 0.25, "opd_topk": 0.21, "opd_reward": 0.75}
+STEP_CPU = {"grpo": 0.7, "offline": 0.07, "opd_sampled": 0.25, "opd_topk": 0.21, "opd_reward": 0.75, "opd_full": 0.25}
 STARTUP_CPU = 6.0     # a trainer's imports and model load, about
 # Each arm's learning rate (constant after a short warm-up): the best of a sweep on a seed the
 # table does not use (docs/benchmarks.md, "Recipes against compute").
-DEFAULT_LRS = {"grpo": 1e-5, "offline": 1e-3, "opd_sampled": 3e-5, "opd_topk": 1e-3, "opd_reward": 1e-3}
+DEFAULT_LRS = {"grpo": 1e-5, "offline": 1e-3, "opd_sampled": 3e-5, "opd_topk": 1e-3, "opd_reward": 1e-3,
+               "opd_full": 1e-3}
 QUICK = {"seeds": "0", "cpu_budget": 0.0, "steps": 4, "batch": 8, "evals": 2, "eval_prompts": 4, "offline_samples": 32}
 
 
@@ -216,7 +218,9 @@ def grpo_config(plan: Plan, out_dir: Path, seed: int) -> dict:
 
 def opd_config(plan: Plan, arm: str, out_dir: Path, seed: int) -> dict:
     """The demo's merge config with this benchmark's student, data, teachers' addresses, budget
-    and (opd_sampled) the teachers' mode; opd_reward adds the math and code rewards."""
+    and (opd_sampled, opd_full) the teachers' mode; opd_reward adds the math and code rewards.
+    opd_full is the exact per-position reverse KL, the objective whose unbiased one-sample
+    estimate opd_sampled is: side by side they part the estimator's noise from the direction."""
     cfg = json.loads(json.dumps(plan.merge))   # a deep copy
     cfg["student"] = {"path": plan.models["start"]["path"], "device": "cpu"}
     m = cfg["merge"]
@@ -224,6 +228,9 @@ def opd_config(plan: Plan, arm: str, out_dir: Path, seed: int) -> dict:
         t["address"] = f"tcp://127.0.0.1:{plan.ports[t['name']]}"
         if arm == "opd_sampled":
             t["mode"] = "sampled"
+            t.pop("k", None)
+        elif arm == "opd_full":
+            t.update(mode="full", beta=1.0)
             t.pop("k", None)
     m["datasets"] = [{"domain": d, "path": str(plan.data[f"{d}_train"]), "ratio": plan.ratios[d]} for d in DOMAINS]
     m.pop("sft", None)

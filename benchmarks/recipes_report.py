@@ -140,7 +140,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.8))
-    colors = dict(zip(ARMS, ("tab:red", "tab:green", "tab:purple", "tab:blue", "tab:orange")))
+    colors = dict(zip(ARMS, ("tab:red", "tab:green", "tab:purple", "tab:blue", "tab:orange", "tab:brown")))
     start = report["start"]["all"]
     p = report["plan"]
     for ax, key, xlabel in ((axes[0], "cpu_s", "CPU-seconds (every process of the run)"),

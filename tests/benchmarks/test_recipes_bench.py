@@ -101,7 +101,8 @@ def _plan(tmp_path: Path) -> Plan:
              "optim": {"lr": 1e-3}, "run": {"steps": 600, "eval_every": 100, "eval_prompts": 32}}
     data = {k: tmp_path / f"{k}.jsonl" for k in ("grpo_train", "math_train", "code_train")}
     return Plan(out=tmp_path, steps=40, batch=32, evals=4, budget=0.0, max_new_tokens=24,
-                lrs={"grpo": 1e-4, "offline": 1e-3, "opd_sampled": 3e-4, "opd_topk": 1e-3, "opd_reward": 1e-3},
+                lrs={"grpo": 1e-4, "offline": 1e-3, "opd_sampled": 3e-4, "opd_topk": 1e-3, "opd_reward": 1e-3,
+                     "opd_full": 1e-3},
                 ratios={"math": 0.65, "code": 0.35}, data=data,
                 models={"start": {"path": "start"}}, merge=merge, ports={"math": 5601, "code": 5602})
 
@@ -111,11 +112,14 @@ def test_every_arm_samples_the_same_sequences_per_step_and_checkpoints_alike(tmp
     g = grpo_config(plan, tmp_path / "g", 3)
     assert g["data"]["prompts_per_step"] * g["rollout"]["group_size"] == plan.batch == 4 * GRPO_GROUP
     assert [r["name"] for r in g["rewards"]] == ["math", "code"]
-    for arm in ("opd_sampled", "opd_topk", "opd_reward"):
+    for arm in ("opd_sampled", "opd_topk", "opd_reward", "opd_full"):
         c = opd_config(plan, arm, tmp_path / arm, 3)
         r = c["rollout"]
         assert r["prompts_per_step"] * r["samples_per_prompt"] == plan.batch
-        assert {t["mode"] for t in c["merge"]["teachers"]} == {"sampled" if arm == "opd_sampled" else "topk"}
+        mode = {"opd_sampled": "sampled", "opd_full": "full"}.get(arm, "topk")
+        assert {t["mode"] for t in c["merge"]["teachers"]} == {mode}
+        if arm == "opd_full":   # the exact reverse KL, whose one-sample estimate opd_sampled is
+            assert all(t["beta"] == 1.0 and "k" not in t for t in c["merge"]["teachers"])
         assert [t["address"] for t in c["merge"]["teachers"]] == ["tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"]
         assert all("eval_path" not in d for d in c["merge"]["datasets"])   # no in-process (counted) evaluation
         assert ("rewards" in c) == (arm == "opd_reward") and r["samples_per_prompt"] == 1   # the batch advantage
@@ -175,4 +179,4 @@ def test_a_missing_demo_says_to_run_make_demo(tmp_path):
 
 
 def test_listed_as_a_bench_subject():
-    assert SUBJECTS["recipes"][0] == "opd.benchmarks.recipes" and len(ARMS) == 5
+    assert SUBJECTS["recipes"][0] == "opd.benchmarks.recipes" and len(ARMS) == 6
