@@ -9,7 +9,7 @@ opd train computes with `rewards`).
 Multi-turn trajectories (`agent`): a teacher reads the whole trajectory, observations
 included, and answers only the tokens the policy sampled (protocol 2.5's row masks,
 `Rollout.sampled`); its terms go to those positions (`mask_B_T`), an observation's term is 0,
-and the discount runs over the sampled tokens alone (`discounted_rows`), as opd train's rows
+and the discount runs over the sampled tokens alone (`objective.discounted_B_T`), as opd train's rows
 are. A batch of single turns sends no masks: what a 2.4 server reads.
 """
 
@@ -103,25 +103,8 @@ def token_advantages(adv_B, lp_B_T, mask_B_T, terms, rows, sl):
     for term in terms:
         on = term.on_B[rows][sl].to(lp_B_T.device)[:, None] * m
         base = term.baseline_B[rows][sl].to(lp_B_T.device)[:, None]
-        t_B_T = discounted_rows(objective.teacher_advantage(lp_B_T, term.lp_B_T[rows][sl].to(lp_B_T.device),
-                                                            term.lam, base), on, term.gamma)
+        adv_t = objective.teacher_advantage(lp_B_T, term.lp_B_T[rows][sl].to(lp_B_T.device), term.lam, base)
+        t_B_T = objective.discounted_B_T(adv_t, on, term.gamma)
         adv_B_T = adv_B_T + t_B_T
         signal["signal/teacher"] += float(t_B_T.abs().sum())
     return adv_B_T, signal
-
-
-def discounted_rows(x_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float) -> torch.Tensor:
-    """sum over the later masked tokens s >= t of gamma^(k(s) - k(t)) x_s, k counting masked
-    tokens only (0 off the mask): opd.spine.objective.discounted_B_T where the mask is a prefix
-    (one turn, right padding), and across a trajectory's turns an observation between them
-    neither adds a term nor a discount step."""
-    m = mask_B_T.to(x_B_T.dtype)
-    x = x_B_T * m
-    if gamma == 0.0:
-        return x
-    out = torch.zeros_like(x)
-    acc = x.new_zeros(x.shape[0])
-    for t in range(x.shape[1] - 1, -1, -1):
-        acc = torch.where(m[:, t] > 0, x[:, t] + gamma * acc, acc)
-        out[:, t] = acc
-    return out * m

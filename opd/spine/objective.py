@@ -76,16 +76,21 @@ def discounted(x_N: torch.Tensor, offsets: list[int], gamma: float) -> torch.Ten
 
 
 def discounted_B_T(x_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float) -> torch.Tensor:
-    """`discounted` on right-padded [B, T] rows (0 where mask_B_T is 0)."""
-    x = x_B_T * mask_B_T.to(x_B_T.dtype)
+    """`discounted` on [B, T] rows: sum over the later masked tokens s >= t of
+    gamma^(k(s) - k(t)) x_s, k counting masked tokens only (0 off the mask). With one turn
+    (right padding) that is `discounted` per row; across a trajectory's turns an observation
+    between them neither adds a term nor takes a discount step, as opd train's packed rows
+    (sampled tokens only) have it."""
+    m = mask_B_T.to(x_B_T.dtype)
+    x = x_B_T * m
     if gamma == 0.0:
         return x
     out = torch.zeros_like(x)
     acc = x.new_zeros(x.shape[0])
     for t in range(x.shape[1] - 1, -1, -1):
-        acc = x[:, t] + gamma * acc
+        acc = torch.where(m[:, t] > 0, x[:, t] + gamma * acc, acc)
         out[:, t] = acc
-    return out * mask_B_T.to(x.dtype)
+    return out * m
 
 
 def teacher_advantage(student_lp: torch.Tensor, teacher_lp: torch.Tensor, lam: float,

@@ -95,15 +95,14 @@ def test_collate_masks_the_observation_and_drops_its_logprobs():
 
 
 def test_the_teachers_discount_skips_observations():
-    from opd.rl.teachers import discounted_rows
-    from opd.spine.objective import discounted_B_T
+    from opd.spine.objective import discounted, discounted_B_T
 
     x = torch.tensor([[1.0, 2.0, 50.0, 60.0, 3.0, 0.0], [1.0, 2.0, 3.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
-    out = discounted_rows(x, mask, 0.5)
+    out = discounted_B_T(x, mask, 0.5)
     # over the sampled tokens 1, 2, 3 alone (the observation neither adds nor discounts)
     assert out[0].tolist() == pytest.approx([1 + 0.5 * 2 + 0.25 * 3, 2 + 0.5 * 3, 0, 0, 3, 0])
-    assert torch.allclose(out[1], discounted_B_T(x[1:], mask[1:], 0.5)[0])   # one turn: as before
+    assert torch.allclose(out[1, :3], discounted(x[1, :3], [0, 3], 0.5))   # one turn: the packed rows' discount
 
 
 # ---- the loss's normalizers --------------------------------------------------------------------
