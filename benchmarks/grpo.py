@@ -3,7 +3,7 @@
 Two paths over the same stand-in model, the decoder body's output hidden [B, T, H] (a leaf
 tensor: the body itself is the same on both sides and left out) and an LM head weight [V, H]:
 
-    before  logits [B, T, V] = hidden @ W.T, then rl/grpo.py token_logprobs + entropy, as
+    before  logits [B, T, V] = hidden @ W.T, then opd.spine.rows.token_logprobs + rl/grpo.py entropy, as
             GRPO did before rl/logprobs.py (on the model's own logits, even [B, L, V])
     after   rl/logprobs.py: the mask's N rows of hidden, the fused log-prob kernel
             (rows_logprobs_and_entropy) and the chunked entropy, scattered back to [B, T]
@@ -27,6 +27,7 @@ import time
 from opd.benchmarks.cases import PeakMemory, pick_device, run_case, write_rows
 from opd.rl import grpo
 from opd.rl.logprobs import ResponseRows, chunked_entropy, rows_logprobs_and_entropy, to_B_T
+from opd.spine.rows import token_logprobs
 
 FULL = dict(B=8, T=256, V=152064, H=1024)
 QUICK = dict(B=2, T=16, V=4096, H=64)
@@ -37,7 +38,7 @@ PHASES = ("forward", "backward", "entropy")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES,
-                        help="before: [B, T, V] logits and rl/grpo.py's token_logprobs + entropy; "
+                        help="before: [B, T, V] logits and token_logprobs + entropy; "
                              "after: rl/logprobs.py's chunked path")
     parser.add_argument("--quick", action="store_true", help=f"small shapes {QUICK} (smoke test); else {FULL}")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -120,7 +121,7 @@ def _step_fn(spec: dict, inputs: dict, torch):
     def before():
         t0 = time.perf_counter()
         logits_B_T_V = h @ w.T
-        lp_B_T = grpo.token_logprobs(logits_B_T_V, targets)
+        lp_B_T = token_logprobs(logits_B_T_V, targets)
         sync()
         t1 = time.perf_counter()
         loss_of(lp_B_T).backward()

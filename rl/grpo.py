@@ -89,12 +89,6 @@ def aggregate(loss_B_T: torch.Tensor, mask_B_T: torch.Tensor, mode: LossAggregat
 
 # ---- helpers on logits --------------------------------------------------------------------
 
-def token_logprobs(logits_B_T_V: torch.Tensor, targets_B_T: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] per position, computed in fp32."""
-    lp_B_T_V = torch.log_softmax(logits_B_T_V.float(), dim=-1)
-    return lp_B_T_V.gather(-1, targets_B_T.unsqueeze(-1)).squeeze(-1)
-
-
 def entropy(logits_B_T_V: torch.Tensor) -> torch.Tensor:
     """Entropy of the policy's next-token distribution per position (nats)."""
     lp_B_T_V = torch.log_softmax(logits_B_T_V.float(), dim=-1)

@@ -1,6 +1,6 @@
 """GRPO's per-token log-probabilities and entropies without [B, T, V] logits.
 
-`rl/grpo.py`'s `token_logprobs(logits_B_T_V, ...)` and `entropy(...)` take
+`opd.spine.rows.token_logprobs(logits_B_T_V, ...)` and `rl/grpo.py`'s `entropy(...)` take
 the model's logits at every response column, padding included ([B, T, V], sliced from the
 forward's [B, L, V]), an fp32 log-softmax of them, and in backward their gradient: several
 [B, T, V] tensors at once (what GRPO did before; tests/oracles.py:response_logits keeps it as
@@ -33,11 +33,12 @@ from typing import NamedTuple
 
 import torch
 
-from opd.kernels import TopKTeacher, chunked, fused_linear_distill_loss
+from opd.kernels import chunked
 from opd.lm_head import HeadForm, head_form, last_hidden, parts
 from opd.rl import grpo
 from opd.rl.batch import PaddedRollouts
 from opd.rope import rope_groups
+from opd.spine.rows import token_logprobs
 
 # Entropy tiles: rows per block, and about this many fp32 elements per [rows, chunk] tile
 # (4 MiB: the size kernels/chunked.py found fast on CPU, large enough for BLAS).
@@ -186,11 +187,7 @@ def rows_logprobs_and_entropy(hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor
     (Triton on CUDA, chunked PyTorch elsewhere), "torch", "triton", "reference" (naive, [N, V]).
     The chunked path computes in fp32 whatever the inputs' dtype (fp64 in, fp32 out).
     """
-    n = hidden_N_H.shape[0]
-    one_hot = TopKTeacher(ids=targets_N[:, None].long(),
-                          logprobs=torch.zeros(n, 1, dtype=torch.float32, device=hidden_N_H.device),
-                          tail_logmass=torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden_N_H.device))
-    lp_N = -fused_linear_distill_loss(hidden_N_H, weight_V_H, one_hot, beta=0.0, reduction="none", impl=impl)
+    lp_N = token_logprobs((hidden_N_H, weight_V_H), targets_N, impl=impl)
     ent_N = chunked_entropy(hidden_N_H.detach(), weight_V_H.detach(), chunk=chunk) if with_entropy else None
     return lp_N, ent_N
 
@@ -201,7 +198,7 @@ def token_logprobs_and_entropy(model, batch: PaddedRollouts, *, with_entropy: bo
                                chunk: int | None = None,
                                impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs_B_T, entropy_B_T) of the sampled response tokens, fp32 on the model's device,
-    0 where mask_B_T is 0: what grpo.token_logprobs and grpo.entropy give there on the model's
+    0 where mask_B_T is 0: what spine.rows.token_logprobs and grpo.entropy give there on the model's
     own [B, T, V] logits (tests/oracles.py:response_logits), without [B, T, V].
 
     logprobs_B_T carries the gradient to the model; entropy_B_T (None unless with_entropy) has
@@ -227,7 +224,7 @@ def token_logprobs_and_entropy(model, batch: PaddedRollouts, *, with_entropy: bo
         else:
             rows = _response_logits_rows(model, batch)
             logits_N_V = rows.hidden_N_H      # this ResponseRows holds the rows' logits
-        lp_N = grpo.token_logprobs(logits_N_V, rows.targets_N)
+        lp_N = token_logprobs(logits_N_V, rows.targets_N)
         ent_N = grpo.entropy(logits_N_V.detach()) if with_entropy else None
     lp_B_T = to_B_T(lp_N.float(), rows, shape)
     ent_B_T = to_B_T(ent_N.float(), rows, shape) if ent_N is not None else None

@@ -27,7 +27,7 @@ MAY_IMPORT = {
     # tools, their sandbox, and the multi-turn loop over a rollout engine (code rewards share the sandbox)
     "opd.agent": ("opd.rollout",),
     "opd.routing": ("opd.teachers",),
-    "opd.spine": ("opd.rollout",),
+    "opd.spine": ("opd.rollout", "opd.kernels"),   # the sampled tokens' log-probs (spine.rows.token_logprobs)
     "opd.cluster": ("opd.teachers", "opd.rollout", "opd.spine"),
     "opd.sft": ("opd.spine", "opd.agent"),   # tools: the schemas an agentic rollout renders its prompts with
     # opd rl's teachers (rl/teachers.py) use opd train's client side of the teacher servers
@@ -46,6 +46,13 @@ LAZY = {
     **{("opd.benchmarks.recipes_worker", m): "a worker subprocess imports the library snapshot the run copied"
        for m in ("opd.rollout", "opd.rollout.hf", "opd.spine.config", "opd.spine.model", "opd.data", "opd.rl.rewards")},
     ("opd.benchmarks.recipes", "opd.teachers.launch"): "the teacher servers, started only by the arms that use them",
+    **{(bench, m): "`opd bench --help` imports every subject for its arguments: torch, the trainer and the "
+                   "servers load only when this subject runs"
+       for bench, ms in (("opd.benchmarks.sampled_noise", ("opd.config", "opd.data", "opd.distill.config",
+                                                           "opd.distill.trainer", "opd.distill.stats",
+                                                           "opd.teachers.launch")),
+                         ("opd.benchmarks.long_horizon", ("opd.data", "opd.rl.rewards", "opd.teachers.launch")))
+       for m in ms},
     **{(cli, m): "`--help` and a refused config answer without torch (7 s of imports)"
        for cli, trainer in (("opd.rl.train", "opd.rl.trainer"), ("opd.distill.cli", "opd.distill.trainer"),
                             ("opd.sft.cli", "opd.sft.trainer"))

@@ -35,11 +35,12 @@ from opd.diagnostics import topk_overlap
 from opd.distill.batch import Batch
 from opd.distill.stats import StepStats
 from opd.distill.teachers import Answer, TeacherSet
-from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
+from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
 from opd.spine import objective
 from opd.spine.optim import TrainError
 from opd.spine.dist import World
-from opd.spine.rows import group_counts, pack, row_weights, rows_logits, select_rows, sft_loss, student_rows
+from opd.spine.rows import (group_counts, pack, row_weights, rows_logits, select_rows, sft_loss, student_rows,
+                            token_logprobs)
 
 
 def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.Tensor, impl: str,
@@ -211,18 +212,6 @@ def sampled_baselines(batch: Batch, specs: dict, answers: dict[str, Answer], wor
         b = objective.leave_one_out(sums, counts, total)
         out[t] = {s: b[j] for j, s in enumerate(members)}
     return out
-
-
-def token_logprobs(rows, targets_N: torch.Tensor) -> torch.Tensor:
-    """Raw (temperature 1) log-probs [N] of the sampled tokens, with grad, from either form of
-    `student_rows`; the fused form in vocabulary chunks (never [N, V])."""
-    if isinstance(rows, tuple):   # -KL(one-hot(target) || student): the fused kernel's log-prob
-        hidden, weight = rows
-        n = hidden.shape[0]
-        one_hot = TopKTeacher(targets_N[:, None].long(), torch.zeros(n, 1, device=hidden.device),
-                              torch.full((n,), float("-inf"), device=hidden.device))
-        return -fused_linear_distill_loss(hidden, weight, one_hot, beta=0.0, reduction="none")
-    return torch.log_softmax(rows.float(), -1).gather(-1, targets_N[:, None]).squeeze(-1)
 
 
 def _routed_rows(t: str, batch: Batch, seqs: list[int], local_offsets: list[int], first_row: dict[int, int],

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from opd.kernels import TopKTeacher, fused_linear_distill_loss
 from opd.lm_head import FUSED_REFUSED, head_form, last_hidden, parts
 from opd.rope import rope_groups
 
@@ -273,6 +274,22 @@ def _subset(packed: Packed, seqs: list[int]) -> Packed:
     for n in lens:
         offsets.append(offsets[-1] + n)
     return Packed(ids, attn, new_b[packed.row_b_N[rows]], packed.row_pos_N[rows], packed.targets_N[rows], offsets)
+
+
+def token_logprobs(rows, targets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """Raw (temperature 1) fp32 log-probs of the sampled tokens, with grad: the one way opd
+    train, opd rl and their tests take them. rows: logits [..., V] (targets [...]), or
+    (hidden [N, H], lm_head weight [V, H]) as `student_rows` gives a plain head (targets [N]).
+    The second form never holds [N, V]: the log-prob is -KL(one-hot(target) || student), the
+    fused loss's forward KL (beta 0) to a top-1 teacher holding all the mass, whose gradient is
+    softmax - one-hot, that of log_softmax.gather (impl as the fused loss takes it)."""
+    if isinstance(rows, tuple):
+        hidden, weight = rows
+        n = hidden.shape[0]
+        one_hot = TopKTeacher(targets[:, None].long(), torch.zeros(n, 1, dtype=torch.float32, device=hidden.device),
+                              torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device))
+        return -fused_linear_distill_loss(hidden, weight, one_hot, beta=0.0, reduction="none", impl=impl)
+    return torch.log_softmax(rows.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:

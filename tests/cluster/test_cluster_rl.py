@@ -41,7 +41,7 @@ def forward_logprobs(model_dir, state_dict, rollouts) -> tuple[torch.Tensor, tor
     """(log-probs of the sampled tokens under `state_dict`, the rollouts' own log-probs, mask)."""
     from transformers import AutoModelForCausalLM
 
-    from opd.rl.grpo import token_logprobs
+    from opd.spine.rows import token_logprobs
     from opd.rl.batch import collate
     from oracles import response_logits
 
@@ -119,7 +119,7 @@ def test_unsupported_ray_combinations_are_config_errors(tmp_path, change, words)
 def test_rollout_actors_hold_the_policy_in_its_dtype(tmp_path, tiny_model_dir, ray_cluster):
     # They loaded fp32 whatever model.dtype said: against a bf16 policy the first ratio was off
     # 1 before any update (up to exp(0.12) on a peaked model).
-    from opd.rl.grpo import token_logprobs
+    from opd.spine.rows import token_logprobs
     from opd.rl.batch import collate
     from opd.rl.trainer import GRPOTrainer
     from oracles import response_logits

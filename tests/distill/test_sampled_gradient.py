@@ -27,7 +27,7 @@ import torch
 from opd.config import from_dict
 from opd.data import write_jsonl
 from opd.distill.config import TrainConfig
-from opd.distill.loss import token_logprobs
+from opd.spine.rows import token_logprobs
 from opd.distill.stats import StepStats
 from opd.distill.trainer import Trainer
 from opd.spine.rows import pack, student_rows

@@ -1,5 +1,5 @@
 """rl/logprobs.py: GRPO's token log-probs and entropies without [B, T, V], checked against
-rl/grpo.py's token_logprobs / entropy on tests/oracles.py's response_logits."""
+log_softmax.gather / rl/grpo.py's entropy on tests/oracles.py's response_logits."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ SHAPES = [(5, 7), (9, 3), (2, 1), (4, 9), (3, 0)]
 def _want(model, batch):
     """Today's path: [B, T, V] logits, rl/grpo.py's functions on them."""
     logits_B_T_V = response_logits(model, batch)
-    return grpo.token_logprobs(logits_B_T_V, batch.response_B_T), grpo.entropy(logits_B_T_V.detach())
+    lp_B_T = torch.log_softmax(logits_B_T_V.float(), -1).gather(-1, batch.response_B_T[..., None]).squeeze(-1)
+    return lp_B_T, grpo.entropy(logits_B_T_V.detach())
 
 
 def _grads(model, lp_B_T, weights_B_T):
@@ -160,7 +161,7 @@ def test_a_batch_of_empty_responses_gives_zeros_and_a_backward_that_runs(tiny):
 
 def test_a_lora_adapter_on_the_lm_head_falls_back_to_logits_of_the_response_rows(tiny_model_dir, monkeypatch):
     # The fused loss sees hidden @ lm_head.weight.T only: it would miss the adapter. head_form
-    # says so, and the rows' logits go through the head (adapter included) and rl/grpo.py.
+    # says so, and the rows' logits go through the head (adapter included) and log_softmax.gather.
     from peft import LoraConfig, get_peft_model
 
     from opd.lm_head import head_form
@@ -173,7 +174,9 @@ def test_a_lora_adapter_on_the_lm_head_falls_back_to_logits_of_the_response_rows
     def refuse(*a, **k):
         raise AssertionError("the fused loss ran on a head it cannot see")
 
-    monkeypatch.setattr(rl_logprobs, "fused_linear_distill_loss", refuse)
+    from opd.spine import rows as spine_rows
+
+    monkeypatch.setattr(spine_rows, "fused_linear_distill_loss", refuse)
     batch = collate(_rollouts(SHAPES, seed=3), pad_id=0)
     _assert_same_as_today(model, batch)
     assert any("lora" in n for n, p in model.named_parameters() if p.requires_grad)

@@ -79,7 +79,7 @@ def test_mean_reward_rises_and_resume_continues(tmp_path, tiny_model_dir, one_th
 def test_lora_reference_is_the_base_model_with_the_adapter_off(tmp_path, tiny_model_dir, one_thread):
     from transformers import AutoModelForCausalLM
 
-    from opd.rl.grpo import token_logprobs
+    from opd.spine.rows import token_logprobs
     from opd.rl.batch import collate
     from opd.rl.trainer import GRPOTrainer
     from oracles import response_logits
@@ -121,7 +121,7 @@ def test_lora_reference_is_the_base_model_with_the_adapter_off(tmp_path, tiny_mo
 def test_the_policy_has_no_dropout_so_the_first_epoch_ratio_is_one(tmp_path, tiny_model_dir, one_thread):
     # The engines sample without dropout; with LoRA dropout on in the update, 39 % of a first
     # epoch's tokens were clipped (ratios 0.2-2.5) where every ratio should be 1.
-    from opd.rl.grpo import token_logprobs
+    from opd.spine.rows import token_logprobs
     from opd.rl.batch import collate
     from opd.rl.trainer import GRPOTrainer
     from oracles import response_logits
