@@ -185,6 +185,11 @@ class Score(_Msg, tag="score"):
     support: Literal["teacher", "given"] = "teacher"   # "given": + candidates int32 [R, k] (2.4)
     rows: bool = False                  # + row_mask uint8 [response rows]: answer its 1s only (2.5)
 
+    def tensor_names(self) -> list[str]:
+        """The names of the tensors this SCORE carries, in their order on the wire."""
+        return ["ids", "offsets", *(["context_ids", "context_offsets"] if self.context else []),
+                *(["row_mask"] if self.rows else []), *(["candidates"] if self.support == "given" else [])]
+
 
 class TopK(_Msg, tag="topk"):
     """tensors: ids int32 [R, k], logprobs fp32 [R, k], tail_logmass fp32 [R],

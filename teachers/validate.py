@@ -31,15 +31,12 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     if rid < 0:
         fail(ErrorCode.BAD_REQUEST, f"request_id must be >= 0 (-1 marks unreadable ids), got {rid}")
 
-    # Frames: ids int32 [T], offsets int32 [B + 1], then context (2.4), row mask (2.5) and
-    # candidates (2.4) when asked.
-    want = 2 + 2 * msg.context + msg.rows + (msg.support == "given")
-    if len(arrays) != want:
-        fail(ErrorCode.MALFORMED, f"this SCORE carries {want} tensors (ids, offsets"
-                                  + (", context_ids, context_offsets" if msg.context else "")
-                                  + (", row_mask" if msg.rows else "")
-                                  + (", candidates" if msg.support == "given" else "") + f"), got {len(arrays)}")
-    ids, offsets = arrays[:2]
+    # Frames: ids int32 [T], offsets int32 [B + 1], then context, row mask and candidates when asked.
+    names = msg.tensor_names()
+    if len(arrays) != len(names):
+        fail(ErrorCode.MALFORMED, f"this SCORE carries {len(names)} tensors ({', '.join(names)}), got {len(arrays)}")
+    tensors = dict(zip(names, arrays))
+    ids, offsets = tensors["ids"], tensors["offsets"]
     starts = msg.response_starts
     B = len(starts)
     if B < 1:
@@ -53,7 +50,7 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
         fail(ErrorCode.BAD_REQUEST, "a prefill SCORE carries the teacher's own sequences only (a context "
                                     "teacher's context + the response so far): no context, row mask or candidates")
     if msg.context:   # the teacher's input: c_b + the response (c_b empty: the sequence's own prompt)
-        ctx, ctx_offs_arr = arrays[2], arrays[3]
+        ctx, ctx_offs_arr = tensors["context_ids"], tensors["context_offsets"]
         ctx_offs, ctx_lengths = _ragged(ctx, ctx_offs_arr, B, "context_ids", fail)
         new_starts = [c or s for c, s in zip(ctx_lengths, starts)]
         lengths = [s + (n - s0) for s, n, s0 in zip(new_starts, lengths, starts)]
@@ -83,11 +80,11 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
     # Response rows per sequence (a context leaves them as they are), or those the mask keeps.
     counts, kept_rows = [n - s for s, n in zip(starts, lengths)], None
     if msg.rows:
-        kept_rows, counts = _row_mask(arrays[2 + 2 * msg.context], counts, fail)
+        kept_rows, counts = _row_mask(tensors["row_mask"], counts, fail)
 
     candidates = None
     if msg.support == "given":
-        cand, rows = arrays[-1], sum(counts)
+        cand, rows = tensors["candidates"], sum(counts)
         if msg.mode != "topk":
             fail(ErrorCode.BAD_REQUEST, "support 'given' answers top-k requests only")
         if cand.dtype != np.dtype("<i4") or cand.shape != (rows, msg.k):

@@ -247,3 +247,15 @@ def test_client_checks_masks_and_the_servers_version(server):
                 call()
             assert e.value.code == "UNSUPPORTED" and "2.5" in e.value.message
         assert c.score_topk(seqs, starts, k=4).row_offsets == [0, 3]    # without rows: a 2.4 request
+
+
+def test_a_score_names_its_tensors_in_wire_order_and_a_miscount_says_which():
+    from opd.teachers.protocol import ProtocolError
+    from opd.teachers.validate import score_request
+
+    msg = Score(request_id=1, mode="topk", response_starts=[1], k=4, context=True, rows=True, support="given")
+    assert msg.tensor_names() == ["ids", "offsets", "context_ids", "context_offsets", "row_mask", "candidates"]
+    with pytest.raises(ProtocolError, match=r"carries 6 tensors \(ids, offsets, context_ids, context_offsets, "
+                                            r"row_mask, candidates\), got 2") as err:
+        score_request(msg, list(score_frames(*GOOD)[1:]), None, max_tokens_per_request=1 << 10)
+    assert err.value.code == ErrorCode.MALFORMED
