@@ -62,17 +62,15 @@ class Importance:
 
 
 def discounted(x_N: torch.Tensor, offsets: list[int], gamma: float) -> torch.Tensor:
-    """sum_{s >= t} gamma^(s-t) x_s within each sequence (rows offsets[i]..offsets[i+1]) [N];
-    gamma = 0 returns x_N itself."""
-    if gamma == 0.0:
+    """sum_{s >= t} gamma^(s-t) x_s within each sequence (rows offsets[i]..offsets[i+1]) [N]:
+    `discounted_B_T` on the packed rows laid out as [B, T]; gamma = 0 returns x_N itself."""
+    if gamma == 0.0 or len(x_N) == 0:
         return x_N
-    out = torch.empty_like(x_N)
-    for a, b in zip(offsets[:-1], offsets[1:]):
-        acc = x_N.new_zeros(())
-        for t in range(b - 1, a - 1, -1):
-            acc = x_N[t] + gamma * acc
-            out[t] = acc
-    return out
+    lengths = torch.tensor(offsets, device=x_N.device).diff()
+    mask_B_T = torch.arange(int(lengths.max()), device=x_N.device)[None, :] < lengths[:, None]   # row-major = packed order
+    x_B_T = x_N.new_zeros(mask_B_T.shape)
+    x_B_T[mask_B_T] = x_N
+    return discounted_B_T(x_B_T, mask_B_T, gamma)[mask_B_T]
 
 
 def discounted_B_T(x_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -37,6 +37,7 @@ def test_discounted_sums_later_terms_within_each_sequence():
     # sequence 1: 1 + .5*2 + .25*4, 2 + .5*4, 4; sequence 2: 8 + .5*16, 16
     assert out.tolist() == [3.0, 4.0, 4.0, 16.0, 16.0]
     assert objective.discounted(x, [0, 5], 0.0) is x
+    assert objective.discounted(x, [0, 3, 3, 5], 0.5).tolist() == out.tolist()   # a sequence without rows
     B_T = objective.discounted_B_T(torch.tensor([[1.0, 2.0, 4.0], [8.0, 16.0, 99.0]]),
                                    torch.tensor([[1, 1, 1], [1, 1, 0]]), 0.5)
     assert B_T.tolist() == [[3.0, 4.0, 4.0], [16.0, 16.0, 0.0]]
