@@ -13,7 +13,7 @@ included) and 32 sequences per optimizer step:
     opd_topk          `opd train`, the teacher's top-k (k 16) + tail bucket
     opd_sampled       `opd train`, the sampled-token reverse KL as an advantage
     opd_full          `opd train`, the full-vocabulary divergence
-    opd_reward        `opd train`, top-k plus the verifier's group advantage (8 prompts x 4)
+    opd_reward        `opd train`, top-k plus the verifier's batch advantage (32 prompts x 1)
     grpo              `opd rl`, the verifier alone (4 prompts x 8)
     offline_then_opd  the recipe's order: `offline` for half the budget, then `opd_topk` from there
     trl               TRL's DistillationTrainer on the same models and prompts (`--trl-python`)
@@ -148,7 +148,6 @@ def prepare(plan: Plan, inputs: Path) -> dict:
 
 def train_config(plan: Plan, arm: str, length: int, start: str, out_dir: Path, seed: int, model: str) -> dict:
     mode = {"opd_sampled": "sampled", "opd_full": "full"}.get(arm, "topk")
-    group = 4 if arm == "opd_reward" else 1
     teacher = {"name": "chain", "address": f"tcp://127.0.0.1:{plan.server.port}", "mode": mode, "beta": plan.beta}
     if mode == "topk":
         teacher["k"] = 16
@@ -158,14 +157,15 @@ def train_config(plan: Plan, arm: str, length: int, start: str, out_dir: Path, s
            "merge": {"teachers": [teacher],
                      "datasets": [{"domain": "chain", "path": plan.inputs["sets"][str(length)]["train"]}],
                      "routing": {"rules": [{"kind": "fallback", "teacher": "chain"}]}},
-           "rollout": {"prompts_per_step": plan.batch // group, "samples_per_prompt": group, "temperature": 1.0,
+           "rollout": {"prompts_per_step": plan.batch, "samples_per_prompt": 1, "temperature": 1.0,
                        "max_new_tokens": length + 8},
            "loss": {"length_norm": "token", "trim": "eos"},
            "optim": {"lr": plan.lrs[arm], "warmup_steps": 5, "schedule": "constant", "micro_batch_size": plan.batch},
            "run": {"steps": 100000, "out_dir": str(out_dir), "seed": seed, "eval_every": 0, "progress": False,
                    "tensorboard": False, "checkpoint_every": plan.every(arm, length), "keep_checkpoints": 100000}}
-    if arm == "opd_reward":
+    if arm == "opd_reward":   # the reward less the step's other answers' mean: 32 distinct prompts for the teacher
         cfg["rewards"] = [{"name": "math"}]
+        cfg["loss"]["reward_advantage"] = "batch"
     return cfg
 
 

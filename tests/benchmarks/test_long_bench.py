@@ -30,7 +30,8 @@ def test_every_arm_trains_32_sequences_a_step_on_its_length(tmp_path):
         r, t = c["rollout"], c["merge"]["teachers"][0]
         assert r["prompts_per_step"] * r["samples_per_prompt"] == 32 and r["max_new_tokens"] == 256 + 8
         assert c["merge"]["datasets"][0]["path"] == "t256.jsonl" and t["address"] == "tcp://127.0.0.1:5999"
-        assert ("rewards" in c) == (arm == "opd_reward") and (r["samples_per_prompt"] == 4) == (arm == "opd_reward")
+        assert ("rewards" in c) == (arm == "opd_reward") and r["samples_per_prompt"] == 1
+        assert c["loss"].get("reward_advantage") == ("batch" if arm == "opd_reward" else None)
         assert c["loss"]["length_norm"] == "token" and c["optim"]["schedule"] == "constant"
         modes[arm] = (t["mode"], t.get("beta"))
     assert modes == {"opd_topk": ("topk", 1.0), "opd_sampled": ("sampled", None), "opd_full": ("full", 1.0),
