@@ -53,9 +53,8 @@ def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.T
     sampled mode, subtracted from each row's estimate before it is an advantage."""
     t2 = spec.temperature ** 2 if spec.scale_by_t2 else 1.0
     if spec.mode == "sampled":
-        logits = rows if not isinstance(rows, tuple) else rows[0] @ rows[1].T
-        student_lp = torch.log_softmax(logits.float() / spec.temperature, -1).gather(
-            -1, targets[:, None].to(logits.device)).squeeze(-1)
+        device = rows[0].device if isinstance(rows, tuple) else rows.device
+        student_lp = token_logprobs(rows, targets.to(device), temperature=spec.temperature, impl=impl)
         est = sampled_token_reverse_kl(student_lp, answer.token_logprob[idx].to(student_lp.device))
         adv = est if baseline is None else est - baseline.to(est.device)
         # Policy gradient with advantage -(est - b) (discounted over the sequence with gamma):
@@ -129,7 +128,7 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
         lp_N = None
         if batch.advantages is not None or stale:
             with torch.enable_grad() if batch.advantages is not None else torch.no_grad():
-                lp_N = token_logprobs(rows, packed.targets_N.to(device))
+                lp_N = token_logprobs(rows, packed.targets_N.to(device), impl=cfg.loss.impl)
         ratios = None
         if lp_N is not None:
             sampler_N = torch.tensor([x for s in seqs for x in batch.sampler_logprobs(s)])

@@ -276,20 +276,22 @@ def _subset(packed: Packed, seqs: list[int]) -> Packed:
     return Packed(ids, attn, new_b[packed.row_b_N[rows]], packed.row_pos_N[rows], packed.targets_N[rows], offsets)
 
 
-def token_logprobs(rows, targets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """Raw (temperature 1) fp32 log-probs of the sampled tokens, with grad: the one way opd
-    train, opd rl and their tests take them. rows: logits [..., V] (targets [...]), or
-    (hidden [N, H], lm_head weight [V, H]) as `student_rows` gives a plain head (targets [N]).
+def token_logprobs(rows, targets: torch.Tensor, *, temperature: float = 1.0, impl: str = "auto") -> torch.Tensor:
+    """fp32 log-probs of the sampled tokens under softmax(logits / temperature), with grad: the
+    one way opd train, opd rl and their tests take them. rows: logits [..., V] (targets [...]),
+    or (hidden [N, H], lm_head weight [V, H]) as `student_rows` gives a plain head (targets [N]).
     The second form never holds [N, V]: the log-prob is -KL(one-hot(target) || student), the
     fused loss's forward KL (beta 0) to a top-1 teacher holding all the mass, whose gradient is
-    softmax - one-hot, that of log_softmax.gather (impl as the fused loss takes it)."""
+    softmax - one-hot, that of log_softmax.gather (impl as the fused loss takes it); the
+    temperature divides the hidden states, as (hidden / T) @ W.T = logits / T."""
     if isinstance(rows, tuple):
         hidden, weight = rows
+        hidden = hidden if temperature == 1.0 else hidden / temperature
         n = hidden.shape[0]
         one_hot = TopKTeacher(targets[:, None].long(), torch.zeros(n, 1, dtype=torch.float32, device=hidden.device),
                               torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device))
         return -fused_linear_distill_loss(hidden, weight, one_hot, beta=0.0, reduction="none", impl=impl)
-    return torch.log_softmax(rows.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(rows.float() / temperature, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:

@@ -194,3 +194,25 @@ def test_a_tied_embeddings_sparse_lookup_gradient_equals_the_dense_one(padding):
     assert weight.grad.layout == torch.strided
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_from_hidden_states_equal_those_from_logits_gradient_included(temperature):
+    """The fused form (hidden, head weight) gives log softmax(logits / T)[target] and its
+    gradient, as the logits form does: the sampled mode's and the reward's log-probs."""
+    from opd.spine.rows import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 40, (7,), generator=g)
+    fused = token_logprobs((hidden, weight), targets, temperature=temperature, impl="torch")
+    (fused * torch.arange(7.0)).sum().backward()
+    got = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    want = torch.log_softmax((hidden @ weight.T) / temperature, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (want * torch.arange(7.0)).sum().backward()
+    assert torch.allclose(fused.double(), want, atol=1e-5)
+    assert torch.allclose(got[0], hidden.grad, atol=1e-4) and torch.allclose(got[1], weight.grad, atol=1e-4)
+    logits = token_logprobs(hidden @ weight.T, targets, temperature=temperature)
+    assert torch.allclose(logits.double(), want, atol=1e-6)
