@@ -49,3 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return int(importlib.import_module(args._bench_module).run(args) or 0)
+
+
+def standalone(module, argv: list[str] | None = None) -> int:
+    """`python -m opd.benchmarks.X [ARGS]`: subject X's own parser and run, as `opd bench X` runs them."""
+    p = argparse.ArgumentParser(prog=f"python -m {module.__spec__.name}", description=module.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    return int(module.run(p.parse_args(argv)) or 0)

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 
+from opd.benchmarks import standalone
 from opd.benchmarks.cases import PeakMemory, pick_device, run_case, write_rows
 from opd.rl import grpo
 from opd.rl.logprobs import ResponseRows, chunked_entropy, rows_logprobs_and_entropy, to_B_T
@@ -170,6 +171,4 @@ def _worker(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="opd bench grpo")
-    add_arguments(_parser)
-    sys.exit(run(_parser.parse_args()))
+    sys.exit(standalone(sys.modules[__name__]))

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+from opd.benchmarks import standalone
 from opd.benchmarks.cases import PeakMemory, pick_device, run_case, write_rows
 from opd.kernels import TopKTeacher, distill_loss, fused_linear_distill_loss
 from opd.kernels.maths import divergence_name
@@ -254,6 +255,4 @@ def _worker(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="opd bench kernels")
-    add_arguments(_parser)
-    sys.exit(run(_parser.parse_args()))
+    sys.exit(standalone(sys.modules[__name__]))

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import yaml
 
+from opd.benchmarks import standalone
 from opd.benchmarks.long_horizon_report import markdown, plot, summarize
 from opd.benchmarks.recipes import checkpoints, pick
 from opd.benchmarks.recipes_accounting import at, run_counted
@@ -459,10 +460,7 @@ def merge(parts: list[Path], out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m opd.benchmarks.long_horizon", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return standalone(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import yaml
 
+from opd.benchmarks import standalone
 from opd.benchmarks.recipes_accounting import Counted, at, proc_table, run_counted, tree_cpu  # noqa: F401
 from opd.benchmarks.recipes_report import (acc_at, machine, markdown, plot, reach,  # noqa: F401
                                            summarize)
@@ -393,10 +394,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m opd.benchmarks.recipes", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return standalone(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from opd.benchmarks import standalone
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--student", required=True, help="the student's model directory")
@@ -165,10 +167,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m opd.benchmarks.sampled_noise", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return standalone(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import yaml
 
+from opd.benchmarks import standalone
 from opd.benchmarks.recipes_inputs import snapshot_code
 from opd.benchmarks.recipes_report import machine
 from opd.data import write_jsonl
@@ -356,10 +357,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m opd.benchmarks.self_distill", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+    return standalone(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":
