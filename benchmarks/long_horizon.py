@@ -128,6 +128,8 @@ def prepare(plan: Plan, inputs: Path) -> dict:
                 and (inputs / name / "model" / "config.json").is_file():
             continue   # prepared before with this config
         (inputs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        if name == "teacher":   # another teacher samples at another cost
+            (inputs / "sample_cpu.json").unlink(missing_ok=True)
         log = inputs / f"{name}.log"
         print(f"[long] preparing the {name}: opd sft, {steps} steps", flush=True)
         run = run_counted(_opd("sft", inputs / f"{name}.yaml", "--overwrite"), log, plan.env)
@@ -304,25 +306,30 @@ def evaluate(plan: Plan, models: dict[str, str], length: int, tag: str) -> dict:
     return json.loads(out.read_text())
 
 
-def measure_sampling(plan: Plan) -> dict[str, dict[str, float]]:
+def measure_sampling(plan: Plan, inputs: Path) -> dict[str, dict[str, float]]:
     """The teacher's sampling cost at each length: its process's start-up and the CPU-s per
     further sample (batches of 64). An offline arm spends a third of its budget sampling,
     start-up included: (share / 3 - start-up) / per sample samples. The two runs differ by 16
     batches, so that the difference is well above the noise of a CPU reading (from 64 and 320
     prompts the first runs read 0.02 CPU-s of difference at 16 tokens, and sampled 69,002
-    answers for a 40 CPU-s run)."""
-    out = {}
+    answers for a 40 CPU-s run). Kept in INPUTS/sample_cpu.json: the parts of a study that share
+    their inputs draw their offline samples by one measurement (at 256 tokens it costs 73 CPU-s)."""
+    stored = inputs / "sample_cpu.json"
+    out = json.loads(stored.read_text()) if stored.is_file() else {}
     for length in plan.lengths:
+        if str(length) in out:
+            continue
         cpu = {}
         for n in (64, 17 * 64):
-            d = plan.out / "inputs" / "sampling" / f"L{length}_{n}"
+            d = inputs / "sampling" / f"L{length}_{n}"
             shutil.rmtree(d, ignore_errors=True)
             cpu[n] = sample_teacher(plan, length, d, 0, n, False)[1].cpu_s
         per = (cpu[17 * 64] - cpu[64]) / (16 * 64)
         if per <= 0:
             raise RuntimeError(f"the teacher's sampling cost at {length} tokens read {cpu}: not measurable here")
         out[str(length)] = {"startup_cpu_s": max(cpu[64] - 64 * per, 0.0), "per_sample_cpu_s": per}
-    return out
+        stored.write_text(json.dumps(out, indent=1))
+    return {str(length): out[str(length)] for length in plan.lengths}
 
 
 # ----------------------------------------------------------------------------- main
@@ -378,7 +385,8 @@ def run(args: argparse.Namespace) -> int:
                 arms=arms, budget=budget, evals=args.evals, eval_prompts=args.eval_prompts, lrs=lrs, beta=args.beta,
                 trl_python=args.trl_python, prep_scale=args.prep_scale, env={**code["env"]})
     t_begin = time.time()
-    plan.inputs = prepare(plan, (args.inputs or out / "inputs").resolve())
+    inputs = (args.inputs or out / "inputs").resolve()
+    plan.inputs = prepare(plan, inputs)
     if args.prepare_only:
         print(f"[long] inputs ready: {json.dumps(plan.inputs['models'])}", flush=True)
         return 0
@@ -386,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     for length in lengths:
         rows = _read_jsonl(Path(plan.inputs["sets"][str(length)]["eval"]))[:args.eval_prompts]
         plan.inputs["eval_sets"][str(length)] = str(_write_jsonl(out / "inputs" / f"heldout_L{length}.jsonl", rows))
-    plan.inputs["sample_cpu"] = measure_sampling(plan)
+    plan.inputs["sample_cpu"] = measure_sampling(plan, inputs)
     port = free_port()
     plan.server = start_server_process(["--model", plan.inputs["models"]["teacher"], "--bind",
                                         f"tcp://127.0.0.1:{port}", "--name", "chain", "--max-k", "32"], threads=1,

@@ -98,3 +98,27 @@ def test_a_study_run_in_parts_merges_into_one_report(tmp_path):
     assert {r["length"]: r["target"] for r in merged["rows"]} == {16: 0.8, 256: 0.8 * 0.95}
     offline = next(r for r in merged["rows"] if r["length"] == 256 and r["arm"] == "offline")
     assert offline["to_target_cpu_s"] == 10 and offline["reached"] == 1   # seed 0 redone at 10; seed 1 never
+
+
+def test_the_teachers_sampling_cost_is_measured_once_per_length_for_the_parts_sharing_inputs(tmp_path, monkeypatch):
+    """Start-up and per-sample CPU-s from two runs 16 batches apart; a later part with the same
+    inputs reads them back and samples nothing, and measures only a length it lacks."""
+    from opd.benchmarks import long_horizon
+
+    calls = []
+
+    def fake_sample(plan, length, run_dir, seed, n, filtered):
+        calls.append((length, n))
+        return None, SimpleNamespace(cpu_s=5.0 + 0.01 * length * n / 16), n
+
+    monkeypatch.setattr(long_horizon, "sample_teacher", fake_sample)
+    plan = _plan(tmp_path)
+    plan.lengths = [16]
+    (tmp_path / "inputs").mkdir()   # prepare() made it
+    cost = long_horizon.measure_sampling(plan, tmp_path / "inputs")
+    assert calls == [(16, 64), (16, 1088)]
+    assert abs(cost["16"]["per_sample_cpu_s"] - 0.01) < 1e-12 and abs(cost["16"]["startup_cpu_s"] - 5.0) < 1e-9
+    plan.lengths = [16, 256]
+    again = long_horizon.measure_sampling(plan, tmp_path / "inputs")
+    assert calls[2:] == [(256, 64), (256, 1088)] and again["16"] == cost["16"]
+    assert abs(again["256"]["per_sample_cpu_s"] - 0.16) < 1e-9
