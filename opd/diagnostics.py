@@ -12,6 +12,12 @@
     empty_share         share of responses with no token besides a stop token
     repeat_ngram        per response, 1 - distinct n-grams / n-grams (0 when shorter than n),
                         mean: looping, degenerate text shows up here first
+    entropy             the student's entropy per sampled token, estimated as the mean of
+                        -log pi(x) over the tokens it sampled (raw log-probs, temperature 1:
+                        exact in expectation when it samples at temperature 1); nats. A
+                        collapse shows as this falling towards 0
+    kl@A-B              kl over the rows at response positions A..B (0-based, sampled tokens
+                        counted): whether the teacher's signal decays along the response
 """
 
 from __future__ import annotations
@@ -19,6 +25,22 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+
+
+# Upper ends (exclusive) of the response-position buckets of `kl@A-B`; the last bucket is open.
+POSITION_EDGES = (16, 64, 256, 1024)
+
+
+def position_buckets(pos_N: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{label: bool mask [N]} of the non-empty buckets of 0-based response positions [N]:
+    labels "0-15", "16-63", "64-255", "256-1023", "1024+"."""
+    out, lo = {}, 0
+    for hi in (*POSITION_EDGES, None):
+        m = pos_N >= lo if hi is None else (pos_N >= lo) & (pos_N < hi)
+        if bool(m.any()):
+            out[f"{lo}+" if hi is None else f"{lo}-{hi - 1}"] = m
+        lo = hi
+    return out
 
 
 def repeated_ngram_ratio(ids: list[int], n: int) -> float:
@@ -67,6 +89,12 @@ class DomainTally:
 
     def add_rows(self, domain: str, name: str, values: torch.Tensor) -> None:
         self.rows[domain][name].append(values.detach().float().cpu().reshape(-1))
+
+    def add_rows_by_position(self, domain: str, name: str, values: torch.Tensor, pos_N: torch.Tensor) -> None:
+        """`values` [N] of rows at 0-based response positions `pos_N` [N], under `name@A-B` per bucket."""
+        values = values.detach().float().cpu().reshape(-1)
+        for label, m in position_buckets(pos_N.cpu().reshape(-1)).items():
+            self.add_rows(domain, f"{name}@{label}", values[m])
 
     def add_response(self, domain: str, response: list[int], finish_reason: str) -> None:
         self.responses[domain][0].append(response)

@@ -88,6 +88,7 @@ def _evaluate(tr) -> dict:
         every = [x for v in scores.values() for x in v]
         row["eval/accuracy"] = share_correct(every)
         row["eval/verifier_score"] = sum(every) / len(every)
+        row["eval/scored"] = len(every)
         for d, v in scores.items():
             row[f"eval/accuracy/{d}"] = share_correct(v)
         if len(scores) > 1:
@@ -123,6 +124,7 @@ def _divergences(tr, batch: Batch, answers: dict, real: int, tally: DomainTally)
                                   reduction="none")
                 domain = batch.route_of(s).domain
                 tally.add_rows(domain, "kl", kl)
+                tally.add_rows_by_position(domain, "kl", kl, torch.arange(n))
                 ids = tr.teachers.topk_ids(spec, ans, idx)
                 if ids is not None:
                     tally.add_rows(domain, "topk_overlap", topk_overlap(rows, ids))

@@ -138,7 +138,7 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
         diag_logits = None
         for t in batch.members:
             spec = teachers.specs[t]
-            local, remote, w_rows, row_domain = _routed_rows(t, batch, seqs, packed.row_offsets, where[t], offsets,
+            local, remote, w_rows, row_domain, pos = _routed_rows(t, batch, seqs, packed.row_offsets, where[t], offsets,
                                                              pg_weights_N if spec.mode == "sampled" else weights_N,
                                                              spec.weight)
             if not local:
@@ -165,7 +165,7 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
             overlap = None if ids is None else topk_overlap(diag_logits[local_i.to(diag_logits.device)], ids)
             topk = answers[t].topk
             tail = topk.tail_logmass[remote_i].exp() if topk is not None else None
-            stats.add_teacher_rows(t, row_domain, weighted, kl_rows, overlap, tail, lam)
+            stats.add_teacher_rows(t, row_domain, weighted, kl_rows, overlap, tail, lam, torch.tensor(pos))
         if batch.advantages is not None and packed.row_offsets[-1]:   # the reward's term, every row
             adv_N = torch.tensor([cfg.loss.reward_weight * batch.advantages[s]
                                   for s in seqs for _ in range(offsets[s + 1] - offsets[s])])
@@ -216,8 +216,9 @@ def sampled_baselines(batch: Batch, specs: dict, answers: dict[str, Answer], wor
 def _routed_rows(t: str, batch: Batch, seqs: list[int], local_offsets: list[int], first_row: dict[int, int],
                  offsets: list[int], weights_N: torch.Tensor, teacher_weight: float):
     """The rows of micro-batch `seqs` that teacher `t` scores: their indices in the micro-batch
-    (local) and in t's answer (remote), their weights, and their domains."""
-    local, remote, w_rows, row_domain = [], [], [], []
+    (local) and in t's answer (remote), their weights, their domains, and their positions in
+    their responses (0-based, over the rows a sequence trains)."""
+    local, remote, w_rows, row_domain, pos = [], [], [], [], []
     for j, s in enumerate(seqs):
         w = batch.route_of(s).weights.get(t, 0.0)
         if w <= 0 or s not in first_row:
@@ -227,7 +228,8 @@ def _routed_rows(t: str, batch: Batch, seqs: list[int], local_offsets: list[int]
         remote.extend(range(first_row[s], first_row[s] + n))
         w_rows.append(weights_N[offsets[s]:offsets[s] + n] * w * teacher_weight)
         row_domain += [batch.route_of(s).domain] * n
-    return local, remote, w_rows, row_domain
+        pos.extend(range(n))
+    return local, remote, w_rows, row_domain, pos
 
 
 def _wait(teachers: TeacherSet, batch: Batch, stats: StepStats) -> dict[str, Answer]:

@@ -7,7 +7,7 @@ kept in every checkpoint so that a resumed run's card covers the whole run.
 
 Metrics of one step (metrics.jsonl; `diag/<domain>/...` from opd.diagnostics):
     loss, lr, grad_norm, tokens, tokens_per_s, step_s, rollout_s, teacher_wait_s,
-    teacher_latency_s, staleness, kl, kl/<domain>, teacher_tail_mass, sft_loss,
+    teacher_latency_s, staleness, kl, kl/<domain>, teacher_tail_mass, entropy, sft_loss,
     response_len, trimmed_share, routed/<teacher>
     with rewards: reward/mean, reward_loss, signal/reward, signal/teacher (mean |advantage| or
     divergence per token of each signal, so that one drowning the other shows)
@@ -79,6 +79,9 @@ class StepStats:
         for seq, ro in enumerate(batch.rollouts):
             route = batch.route_of(seq)
             self.tally.add_response(route.domain, ro.response_ids, ro.finish_reason)
+            if ro.logprobs and len(ro.logprobs) == len(ro.response_ids):   # opd.diagnostics' entropy
+                lp = torch.tensor(ro.logprobs)[torch.tensor(ro.sampled(), dtype=torch.bool)]
+                self.tally.add_rows(route.domain, "entropy", -lp)
             for t, w in route.weights.items():
                 self.routed[t] = self.routed.get(t, 0.0) + w
         self.tokens += sum(batch.rows(s) for s in range(len(batch.rollouts)))
@@ -89,16 +92,20 @@ class StepStats:
         self.agent = agentic.add(self.agent, agentic.sums(batch.rollouts))
 
     def add_teacher_rows(self, teacher: str, row_domain: list[str], weighted: torch.Tensor, kl: torch.Tensor,
-                         overlap: torch.Tensor | None, tail: torch.Tensor | None, lam: dict[str, float]) -> None:
+                         overlap: torch.Tensor | None, tail: torch.Tensor | None, lam: dict[str, float],
+                         pos_N: torch.Tensor | None = None) -> None:
         """One teacher's rows of a micro-batch: their domains, weighted loss (what the gradient
         saw), divergence, top-k overlap and (top-k answers) the teacher's tail mass; `lam` the
-        domains' multipliers, divided out of the per-domain loss the normalizer follows."""
+        domains' multipliers, divided out of the per-domain loss the normalizer follows; `pos_N`
+        each row's position in its response (the divergence per position bucket)."""
         contrib, kl = weighted.detach().cpu(), kl.detach().cpu()
         if tail is not None:
             _add_tail(self.tail, teacher, float(tail.sum()), len(tail))
         for d in sorted(set(row_domain)):
             m = torch.tensor([x == d for x in row_domain])
             self.tally.add_rows(d, "kl", kl[m])
+            if pos_N is not None:
+                self.tally.add_rows_by_position(d, "kl", kl[m], pos_N.cpu()[m])
             if overlap is not None:
                 self.tally.add_rows(d, "topk_overlap", overlap[m])
             if tail is not None:
@@ -146,7 +153,7 @@ class StepStats:
                "teacher_wait_s": self.wait_s,
                "teacher_latency_s": sum(self.latencies) / max(len(self.latencies), 1),
                "staleness": sum(self.staleness) / len(self.staleness)}
-        for name in ("kl", "teacher_tail_mass"):
+        for name in ("kl", "teacher_tail_mass", "entropy"):
             value = self.tally.row_mean(name)
             if value is not None:
                 row[name] = value
@@ -229,6 +236,22 @@ class History:
             self.warn(f"step {step}: domain {d!r} {what} {values[d]:.3g} is far from the other domains' "
                       f"({', '.join(f'{k}: {v:.3g}' for k, v in values.items())}); "
                       f"the student may be becoming lopsided (merge.domain_weights / merge.normalize)")
+
+    def warn_kl_without_accuracy(self, step: int, row: dict) -> None:
+        """A warning when held-out KL fell since the previous evaluation while held-out accuracy
+        fell by more than its standard error: the student matches the teacher where it does
+        not matter (the tail after an answer, easy tokens) or the teacher is wrong there."""
+        before = next((e for e in reversed(self.evals) if "eval/kl" in e and "eval/accuracy" in e), None)
+        if before is None or "eval/kl" not in row or "eval/accuracy" not in row:
+            return
+        (k0, a0, n0), (k1, a1, n1) = ((e["eval/kl"], e["eval/accuracy"], e.get("eval/scored", 0))
+                                      for e in (before, row))
+        se = (a0 * (1 - a0) / max(n0, 1) + a1 * (1 - a1) / max(n1, 1)) ** 0.5
+        if k1 < k0 and a0 - a1 > se:
+            self.warn(f"step {step}: held-out KL fell ({k0:.3g} -> {k1:.3g}) while held-out accuracy fell "
+                      f"({a0:.3g} -> {a1:.3g}, more than its standard error {se:.2g}) since step {before['step']}: "
+                      f"the student is matching the teacher where it does not decide the answer (check trimming, "
+                      f"the teacher's own accuracy, and diag/<domain>/kl@A-B along the response)")
 
     def state(self) -> dict:
         return {"teacher_samples": self.teacher_samples, "tail_mass": self.tail_mass, "staleness": self.staleness,

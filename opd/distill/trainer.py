@@ -368,6 +368,7 @@ class Trainer:
         else:
             row = evaluate(self)
         self.metrics.log(self.steps_done, row)
+        self.history.warn_kl_without_accuracy(self.steps_done, row)
         self.history.evals.append({"step": self.steps_done, **row})
         return row
 

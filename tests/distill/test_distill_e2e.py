@@ -85,6 +85,9 @@ def test_heldout_kl_halves(setup, lora, mode, lr, steps, prompts):
     assert all(r["staleness"] == (0 if r["step"] == 1 else 1) for r in rows)   # pipelined: one step old
     assert all(r["tokens_per_s"] > 0 and r["teacher_latency_s"] > 0 for r in rows)
     assert 0 <= rows[-1]["diag/gen/topk_overlap"] <= 1 and "diag/gen/eos_rate" in rows[-1]
+    # The in-run signals: the sampled tokens' mean surprise, the divergence from the response's start.
+    assert rows[-1]["entropy"] > 0 and rows[-1]["diag/gen/kl@0-15"] > 0
+    assert result["evals"][-1]["eval/gen/kl@0-15"] > 0
     card = json.loads((out / "card.json").read_text())
     assert card["teacher t"]["model_fingerprint"] == setup["server"].model_fingerprint
     assert card["teacher t"]["divergence"].startswith("forward KL")
