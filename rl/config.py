@@ -71,6 +71,10 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k3"] = field("k3", help="per-token KL estimator: k1 = log pi/ref, k3 = r - 1 - log r")
     loss_aggregation: Literal["token_mean", "seq_mean", "dr_grpo"] = field(
         "token_mean", help="token_mean (DAPO), seq_mean (original GRPO), dr_grpo (sum / (B * max_new_tokens))")
+    dynamic_sampling: int = field(0, help="DAPO's dynamic sampling: a group whose rewards are all equal carries no "
+                                          "gradient, so up to this many more draws of prompts_per_step prompts a step "
+                                          "replace such groups (groups/flat_drawn, groups/draws); the batch keeps P x G "
+                                          "responses, padded with flat groups when the draws run out. 0: off", min=0)
 
 
 @dataclass(frozen=True)

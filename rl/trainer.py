@@ -2,7 +2,9 @@
 
 Each step:
   1. take P prompts; sample G responses to each with the current policy
-  2. score every response with the weighted reward functions
+  2. score every response with the weighted reward functions; with
+     algorithm.dynamic_sampling, draw more prompts to replace the groups whose rewards are all
+     equal (DAPO), up to that many more draws
   3. group-relative advantages (grpo / dr_grpo / batch_std / rloo); all-equal groups get 0
   4. the reference's log-probs of the sampled tokens (only when kl_beta > 0): with LoRA the
      same model with its adapter switched off, with full fine-tuning a frozen copy
@@ -38,6 +40,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -194,21 +197,20 @@ class GRPOTrainer:
             for step in bar:
                 t0 = time.time()
                 # 1. P prompts, G responses each, from the current policy (this rank's share of them)
-                samples_P = world.shard(self.data.take(P))
-                prompt_ids_P = [self.encode(s) for s in samples_P]
-                # A rank draws the numbers one process would draw for its rows of the whole batch.
-                share = (world.rank * len(samples_P) * G, P * G) if world.sharded else None
-                params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                        max_new_tokens=cfg.rollout.max_new_tokens, n=G,
-                                        seed=cfg.run.seed * 1_000_003 + step, share=share)
-                rollouts_B = self.engine.generate(prompt_ids_P, params)
-                futures = rl_teachers.submit(self.teachers, cfg.teachers, rollouts_B, samples_P) if self.teachers is not None else None
-                texts_B = [self.decode(r) for r in rollouts_B]
+                samples_P, rollouts_B = self.sample(step)
+                dynamic = cfg.algorithm.dynamic_sampling > 0
+                teachers = self.teachers is not None
+                futures = rl_teachers.submit(self.teachers, cfg.teachers, rollouts_B, samples_P) \
+                    if teachers and not dynamic else None
                 t_rollout = time.time() - t0
-                # 2. rewards
-                samples_B = [samples_P[r.prompt_index] for r in rollouts_B]
-                rewards_B, parts = agentic.shaped(cfg, self.reward(samples_B, texts_B), rollouts_B)
+                # 2. rewards (dynamic sampling: more draws replace the groups whose rewards are all equal)
+                rewards_B, parts = self.rewards_of(samples_P, rollouts_B)
                 t_reward = time.time() - t0 - t_rollout
+                if dynamic:
+                    samples_P, rollouts_B, rewards_B, parts, drawn = self.resample_flat(step, samples_P, rollouts_B,
+                                                                                       rewards_B, parts)
+                    futures = rl_teachers.submit(self.teachers, cfg.teachers, rollouts_B, samples_P) \
+                        if teachers else None
                 # 3. group-relative advantages, over every rank's groups (batch_std's one std)
                 rewards_P_G, parts, every_rollout = self._all_ranks(rewards_B, parts, rollouts_B)
                 adv_B = world.shard(grpo.group_advantages(rewards_P_G, cfg.algorithm.advantage).flatten().tolist())
@@ -229,6 +231,8 @@ class GRPOTrainer:
                     self.engine.sync_weights(self.model)
                 # 6. metrics, warnings, eval, checkpoint
                 metrics = self.step_metrics(rewards_P_G, parts, every_rollout, upd)
+                if dynamic:
+                    metrics.update(drawn)
                 self.agent_sums = agentic.sums(every_rollout, self.agent_sums) if cfg.agent else None
                 metrics.update({"time/rollout": t_rollout, "time/reward": t_reward,
                                 "time/step": time.time() - t0})
@@ -269,6 +273,54 @@ class GRPOTrainer:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
             self.write_card(history)
         return summary
+
+    def sample(self, step: int, draw: int = 0) -> tuple[list, list]:
+        """(P prompts, their P x G rollouts) from the current policy, this rank's share of them;
+        `draw` > 0: a further draw of dynamic sampling, with its own numbers."""
+        cfg, P, G, world = self.cfg, self.cfg.data.prompts_per_step, self.cfg.rollout.group_size, self.world
+        samples_P = world.shard(self.data.take(P))
+        # A rank draws the numbers one process would draw for its rows of the whole batch.
+        share = (world.rank * len(samples_P) * G, P * G) if world.sharded else None
+        seed = cfg.run.seed * 1_000_003 + step + draw * 7_919_993
+        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                max_new_tokens=cfg.rollout.max_new_tokens, n=G, seed=seed, share=share)
+        return samples_P, self.engine.generate([self.encode(s) for s in samples_P], params)
+
+    def rewards_of(self, samples_P: list, rollouts_B: list) -> tuple[list[float], dict[str, list[float]]]:
+        """Each rollout's reward (with agent_shaping's terms) and the reward's parts."""
+        texts_B = [self.decode(r) for r in rollouts_B]
+        samples_B = [samples_P[r.prompt_index] for r in rollouts_B]
+        return agentic.shaped(self.cfg, self.reward(samples_B, texts_B), rollouts_B)
+
+    def resample_flat(self, step: int, samples_P: list, rollouts_B: list, rewards_B: list[float], parts: dict):
+        """DAPO's dynamic sampling: draw P more prompts (up to algorithm.dynamic_sampling times)
+        while fewer than P of the groups drawn so far have rewards that differ; the step trains
+        on the first P such groups, in draw order, padded with flat ones when the draws ran out.
+        Returns the step's (samples, rollouts, rewards, parts) and its metrics."""
+        P, limit, world = len(samples_P), self.cfg.algorithm.dynamic_sampling, self.world   # P: this rank's share
+        informative, flat, draws = [], [], 0
+        while True:
+            for p, sample in enumerate(samples_P):
+                at = [b for b, r in enumerate(rollouts_B) if r.prompt_index == p]
+                group = (sample, [rollouts_B[b] for b in at], [rewards_B[b] for b in at],
+                         {k: [v[b] for b in at] for k, v in parts.items()})
+                equal = bool(grpo.equal_groups(torch.tensor([group[2]]))[0])
+                (flat if equal else informative).append(group)
+            draws += 1
+            short = float(len(informative) < P)
+            if world.sharded:   # the ranks draw together (a sharded policy samples collectively)
+                short = world.sum({"short": short})["short"]
+            if not short or draws > limit:
+                break
+            samples_P, rollouts_B = self.sample(step, draws)
+            rewards_B, parts = self.rewards_of(samples_P, rollouts_B)
+        groups = (informative + flat)[:P]
+        rollouts = [replace(r, prompt_index=p) for p, (_, ros, _, _) in enumerate(groups) for r in ros]
+        merged = {k: [x for *_, pt in groups for x in pt[k]] for k in parts}
+        counts = {"flat": float(len(flat)), "drawn": float(len(flat) + len(informative))}
+        counts = world.sum(counts) if world.sharded else counts
+        metrics = {"groups/draws": float(draws), "groups/flat_drawn": counts["flat"] / counts["drawn"]}
+        return [g[0] for g in groups], rollouts, [x for _, _, rs, _ in groups for x in rs], merged, metrics
 
     def _all_ranks(self, rewards_B: list[float], parts: dict[str, list[float]], rollouts_B: list):
         """The step's rewards [P, G], reward parts and rollouts of every rank, in prompt order

@@ -356,3 +356,31 @@ def test_the_card_is_rewritten_with_the_results_of_the_whole_run(tmp_path, tiny_
     assert card["rewards"]["python:digits"] == {"weight": 1.0, "path": str(tmp_path / "digits.py") + ":digits"}
     md = (tmp_path / "run" / "card.md").read_text()
     assert "## results" in md and "- **length**: weight: 0.1; soft_max: 20; hard_max: 30" in md
+
+
+# Only prompts whose answer is a multiple of 4 (4 of the 16) get rewards that differ within a
+# group (the first character's code mod 7, near uniform from the random model); every other
+# group is all 0: flat, no gradient.
+SPARSE_PY = ("def sparse(sample, text):\n"
+             "    return (ord(text[0]) % 7) / 6 if int(sample.answer) % 4 == 0 and text else 0.0\n")
+
+
+def test_dynamic_sampling_replaces_the_groups_whose_rewards_are_all_equal(tmp_path, tiny_model_dir, one_thread):
+    from opd.rl.trainer import GRPOTrainer
+
+    (tmp_path / "sparse.py").write_text(SPARSE_PY)
+    rows = {}
+    for draws in (0, 8):
+        out = tmp_path / f"run{draws}"
+        cfg = make_config(tmp_path, tiny_model_dir, algorithm={"dynamic_sampling": draws, "kl_beta": 0.0},
+                          run={"steps": 3, "out_dir": str(out)})
+        cfg = from_dict({**to_dict(cfg), "rewards": [{"name": "python", "path": f"{tmp_path / 'sparse.py'}:sparse"}]},
+                        RLConfig)
+        GRPOTrainer(cfg).train()
+        rows[draws] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["groups/all_equal"] for r in rows[0]) / 3 >= 0.5     # without it, most groups are flat
+    assert "groups/draws" not in rows[0][0]
+    # 8 more draws of 4 prompts cover a whole epoch of the 16: every step finds its 4 groups.
+    assert [r["groups/all_equal"] for r in rows[8]] == [0.0, 0.0, 0.0]
+    assert all(r["groups/draws"] >= 2 and 0.5 <= r["groups/flat_drawn"] < 1 for r in rows[8])
+    assert all(r["reward/mean"] > 0 for r in rows[8])
