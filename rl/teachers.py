@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -39,10 +38,8 @@ class TeacherTerm:
 
 def connect(cfg, tokenizer) -> TeacherSet:
     """The teacher servers, checked before any step: reachable, the policy's tokenizer, mode sampled."""
-    view = SimpleNamespace(merge=SimpleNamespace(teachers=cfg.teachers), teachers_key="teachers",
-                           teacher_client=cfg.teacher_client, cluster=SimpleNamespace(teachers=[]),
-                           loss=SimpleNamespace(full_dtype="float32"))
-    return TeacherSet(view, tokenizer_fingerprint(tokenizer), cfg.model.path)
+    return TeacherSet(cfg.teachers, cfg.teacher_client, tokenizer_fingerprint(tokenizer), cfg.model.path,
+                      key="teachers")
 
 
 def submit(teachers: TeacherSet, specs, rollouts_B, samples_P) -> dict[str, tuple[list[int], Future]]:

@@ -178,24 +178,20 @@ class RowStream:
         return self.latency_s if self.latency_s is not None else time.perf_counter() - self._t0
 
 
-def teachers_key(cfg) -> str:
-    """Where the config lists its teachers, for messages (opd rl's view of its `teachers:` says so)."""
-    return getattr(cfg, "teachers_key", "merge.teachers")
-
-
-def teacher_curve(cfg, i: int, spec):
-    """`curve=` for TeacherClient: (client secret key file, server public key file), or None."""
-    secret = cfg.teacher_client.curve_secret_key
+def teacher_curve(client, key: str, i: int, spec):
+    """`curve=` for TeacherClient: (client secret key file, server public key file), or None;
+    `client` the teacher_client settings, `key` where the config lists the teachers (messages)."""
+    secret = client.curve_secret_key
     if not spec.curve_server_key:
         return None
     if not secret:
-        raise TrainError(f"{teachers_key(cfg)}[{i}] ({spec.name}) uses CURVE (curve_server_key) but "
+        raise TrainError(f"{key}[{i}] ({spec.name}) uses CURVE (curve_server_key) but "
                          f"teacher_client.curve_secret_key is not set: give the client's .key_secret file "
                          f"(`opd keys generate`; its public key must be on the server's --curve-allow list)")
     try:
         _as_curve((secret, spec.curve_server_key))  # readable, and a secret key where one is needed
     except (OSError, ValueError) as e:
-        raise TrainError(f"{teachers_key(cfg)}[{i}] ({spec.name}): cannot load the CURVE keys "
+        raise TrainError(f"{key}[{i}] ({spec.name}): cannot load the CURVE keys "
                          f"(teacher_client.curve_secret_key {secret}, curve_server_key "
                          f"{spec.curve_server_key}): {e}") from None
     return (secret, spec.curve_server_key)
@@ -207,17 +203,17 @@ def _check_welcome(key: str, i: int, spec, where: str, welcome, student_fingerpr
         raise TrainError(f"{key}[{i}] ({spec.name}), student {student_path}: " + "; ".join(problems))
 
 
-def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=None) -> dict:
-    """One client per teacher, checked before any compute: reachable, same tokenizer, able to answer
-    the configured mode and k. A teacher listed in `cluster.teachers` (cluster.mode: ray) gets the
-    cluster's ReplicaPool over its replicas instead of a TeacherClient at its merge address.
+def connect_teachers(specs: list, s, student_fingerprint: str, student_path: str, *, key: str,
+                     cluster=None, on_ray: set[str] = frozenset()) -> dict:
+    """One client per teacher spec, checked before any compute: reachable, same tokenizer, able
+    to answer the configured mode and k (`s`: the teacher_client settings; `key`: where the config
+    lists the teachers, for messages). A teacher named in `on_ray` (cluster.mode: ray) gets the
+    cluster's ReplicaPool over its replicas instead of a TeacherClient at its address.
     Returns {name: (client, welcome)}."""
-    s = cfg.teacher_client
-    on_ray = {t.name for t in cfg.cluster.teachers} if cluster is not None else set()
     out: dict = {}
     try:
-        for i, spec in enumerate(cfg.merge.teachers):
-            curve = teacher_curve(cfg, i, spec)
+        for i, spec in enumerate(specs):
+            curve = teacher_curve(s, key, i, spec)
             if spec.name in on_ray:
                 try:
                     pool = cluster.teacher_pool(spec.name, backoff_s=s.backoff_s, curve=curve)  # its own failover
@@ -225,7 +221,7 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=N
                 except TeacherError as e:
                     raise TrainError(f"teacher {spec.name!r} on the Ray cluster is unusable ({e})") from None
                 out[spec.name] = (pool, welcome)
-                _check_welcome(teachers_key(cfg), i, spec, f"replicas {pool.live_addresses()}", welcome, student_fingerprint,
+                _check_welcome(key, i, spec, f"replicas {pool.live_addresses()}", welcome, student_fingerprint,
                                student_path)
                 continue
             # A short-lived client with a short timeout answers "reachable?" quickly; the working
@@ -238,11 +234,11 @@ def connect_teachers(cfg, student_fingerprint: str, student_path: str, cluster=N
                 hint = (" (with CURVE, no answer also means the client's public key is not on the server's "
                         "--curve-allow list or curve_server_key is not that server's key)" if curve else "")
                 raise TrainError(f"teacher {spec.name!r} at {spec.address} is unreachable ({e}); start it with "
-                                 f"`opd serve-teacher` or fix {teachers_key(cfg)}[{i}].address "
+                                 f"`opd serve-teacher` or fix {key}[{i}].address "
                                  f"(waited teacher_client.connect_timeout_s = {s.connect_timeout_s}s){hint}") from None
             finally:
                 check.close()
-            _check_welcome(teachers_key(cfg), i, spec, spec.address, welcome, student_fingerprint, student_path)
+            _check_welcome(key, i, spec, spec.address, welcome, student_fingerprint, student_path)
             client = TeacherClient(spec.address, timeout_s=s.timeout_s, retries=s.retries, curve=curve,
                                    backoff_s=s.backoff_s, name=f"opd-train:{spec.name}")
             out[spec.name] = (client, client.info())
@@ -289,7 +285,7 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _mem_available() -> int | None:
+def mem_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes; None where there is none."""
     try:
         with open("/proc/meminfo") as f:
@@ -330,20 +326,28 @@ def _vocab_limits(specs: dict, welcome, student_path: str) -> tuple[dict[str, in
 
 
 class TeacherSet:
-    """The run's teachers: specs, checked clients and their WELCOMEs."""
+    """The run's teachers: specs, checked clients and their WELCOMEs.
 
-    def __init__(self, cfg, student_fingerprint: str, student_path: str, cluster=None):
-        self.cfg = cfg
-        self.specs = {t.name: t for t in cfg.merge.teachers}
-        self.clients = connect_teachers(cfg, student_fingerprint, student_path, cluster)
+    specs: the teacher specs (opd train's merge.teachers, opd rl's teachers); client: the
+    teacher_client settings; key: where the config lists them (messages); full_dtype: the dtype
+    full-mode logits travel in; cluster, on_ray: a Ray cluster and the teachers it serves;
+    check_memory(vocab_size, teachers) -> a note or None (raises TrainError): the caller's
+    check of what its full-mode teachers' logits will hold."""
+
+    def __init__(self, specs: list, client, student_fingerprint: str, student_path: str, *,
+                 key: str = "merge.teachers", full_dtype: str = "float32", cluster=None,
+                 on_ray: set[str] = frozenset(), check_memory=None):
+        self.full_dtype = full_dtype
+        self.specs = {t.name: t for t in specs}
+        self.clients = connect_teachers(specs, client, student_fingerprint, student_path, key=key,
+                                        cluster=cluster, on_ray=on_ray)
         self._open_tokens = {name: 0 for name in self.specs}   # full mode: tokens of streams not yet ended
         self.vocab_limit, self.vocab_notes = _vocab_limits(self.specs, self.welcome, student_path)
         full = [name for name, spec in self.specs.items() if spec.mode == "full"]
         self.memory_note = None   # a full-mode run that may take over half the memory: said, and in the card
-        if full:
+        if full and check_memory is not None:
             try:
-                self.memory_note = check_full_memory(cfg, max(self.welcome(n).vocab_size for n in full),
-                                                     _mem_available(), teachers=len(full))
+                self.memory_note = check_memory(max(self.welcome(n).vocab_size for n in full), len(full))
             except TrainError:
                 self.close()
                 raise
@@ -400,7 +404,7 @@ class TeacherSet:
             def send():
                 self._open_tokens[teacher] += tokens
                 return client.score_full(sequences, starts, temperature=spec.temperature,
-                                         dtype=self.cfg.loss.full_dtype, window=FULL_WINDOW,
+                                         dtype=self.full_dtype, window=FULL_WINDOW,
                                          vocab_limit=self.vocab_limit.get(teacher, 0), contexts=contexts,
                                          rows=rows)
 

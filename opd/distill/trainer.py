@@ -49,6 +49,7 @@ from opd.distill.launch import RunTeachers
 from opd.distill.loss import sft_mix, train_batch
 from opd.distill.prompts import load_prompts
 from opd.distill.stats import History, StepStats
+from opd.distill import teachers as teacher_client
 from opd.distill.teachers import TeacherSet
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint
 from opd.lm_head import FUSED_REFUSED, head_form
@@ -122,7 +123,12 @@ class Trainer:
         # Forked teachers (rank 0 starts them): the ports they bound are in the addresses.
         self.cfg = cfg = world.main_first(lambda: self.launched.start(cfg))
         self.run_dir.config = to_dict(cfg)
-        self.teachers = TeacherSet(cfg, self.student_fp, cfg.student.path, self.launched.cluster)
+        cluster = self.launched.cluster
+        self.teachers = TeacherSet(
+            cfg.merge.teachers, cfg.teacher_client, self.student_fp, cfg.student.path, full_dtype=cfg.loss.full_dtype,
+            cluster=cluster, on_ray={t.name for t in cfg.cluster.teachers} if cluster is not None else set(),
+            check_memory=lambda vocab, n: teacher_client.check_full_memory(cfg, vocab, teacher_client.mem_available(),
+                                                                           teachers=n))
         for note in [self.teachers.memory_note, *self.teachers.vocab_notes]:
             if note:
                 self.history.warn(note)

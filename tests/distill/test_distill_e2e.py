@@ -612,7 +612,7 @@ def test_full_mode_that_cannot_fit_is_refused_before_training(setup, monkeypatch
     # 10.3 MiB of teacher logits at most; say 64 KiB are free.
     import opd.distill.teachers
 
-    monkeypatch.setattr(opd.distill.teachers, "_mem_available", lambda: 64 << 10)
+    monkeypatch.setattr(opd.distill.teachers, "mem_available", lambda: 64 << 10)
     trainer = Trainer(_cfg(setup, "full_too_big", mode="full", steps=2))
     with pytest.raises(TrainError, match=r"mode full holds up to 10\.3 MiB of teacher logits \(optim.micro_batch_size 4 x "
                                          r"rollout.max_new_tokens 12 rows x V=260 in float32"):

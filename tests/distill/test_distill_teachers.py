@@ -131,7 +131,7 @@ def test_a_stream_that_would_overflow_the_teachers_budget_waits_for_the_open_one
     ts = object.__new__(TeacherSet)                 # the request logic alone, no connections
     client = _FakeClient()
     welcome = SimpleNamespace(max_tokens_per_request=100, max_inflight_tokens=30)
-    ts.cfg = _cfg()
+    ts.full_dtype = _cfg().loss.full_dtype
     ts.specs = {"t": SimpleNamespace(mode="full", temperature=1.0)}
     ts.clients = {"t": (client, welcome)}
     ts._open_tokens = {"t": 0}
