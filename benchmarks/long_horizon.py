@@ -225,7 +225,7 @@ def sample_teacher(plan: Plan, length: int, run_dir: Path, seed: int, n: int, fi
     rows = _read_jsonl(out)
     if filtered:
         from opd.data import Sample
-        from opd.rl.rewards import math_reward
+        from opd.rewards import math_reward
 
         answers = {r["prompt"]: r["answer"] for r in _read_jsonl(Path(plan.inputs["sets"][str(length)]["train"]))}
         rows = [r for r in rows if math_reward(Sample(prompt=r["prompt"], answer=answers[r["prompt"]]), r["response"]) >= 1]

@@ -93,7 +93,7 @@ def worker_eval(job: dict) -> dict:
     """Greedy held-out accuracy of each model: {key: {math, code, all}} (the share of answers
     the domain verifier scores 1, as `opd validate`'s greedy column)."""
     import torch
-    from opd.rl.rewards import accuracy, verify_batch
+    from opd.rewards import accuracy, verify_batch
 
     from opd.data import load_jsonl
     from opd.rollout import SamplingParams

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal
 
 from opd.agent.config import AgentConfig
 from opd.cluster.config import ClusterConfig, StudentWorkers, TeacherReplicas
-from opd.distill.config import TeacherClientSettings
+from opd.routing.config import TeacherClientSettings
 from opd.routing.config import TeacherSpec
 from opd.config import check_vllm_lora, field
 from opd.spine import config as spine

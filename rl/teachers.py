@@ -1,7 +1,7 @@
 """opd rl's teachers: the servers whose sampled-token reverse KL joins each token's GRPO advantage.
 
 `connect` checks them before any step (reachable, the policy's tokenizer; opd train's client
-side, opd.distill.teachers), `submit` sends a step's responses right after sampling, `terms`
+side, opd.teachers.session), `submit` sends a step's responses right after sampling, `terms`
 collects each teacher's log-probs of the sampled tokens, and `token_advantages` adds their
 discounted reverse-KL terms to the sequence advantage (opd.spine.objective, the objective
 opd train computes with `rewards`).
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opd.distill.teachers import TeacherSet
+from opd.teachers.session import TeacherSet
 from opd.fingerprint import tokenizer_fingerprint
 from opd.rl.batch import PaddedRollouts
 from opd.spine import objective

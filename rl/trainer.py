@@ -40,7 +40,6 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,6 +48,7 @@ from tqdm import tqdm
 from opd.rl import agentic
 from opd.rl.batch import PaddedRollouts, collate
 from opd.rl.card import summary as summarize
+from opd.rl.groups import keep_informative, verifier_verdict
 from opd.rl.card import write_grpo_card
 from opd.rl.logprobs import token_logprobs_and_entropy
 from opd.cluster.rollout import PoolEngine
@@ -58,8 +58,8 @@ from opd.data import Cycler, encode_prompt, load_jsonl
 from opd.metrics import read_metrics
 from opd.rl import grpo
 from opd.rl.config import RLConfig
-from opd.rl.rewards import accuracy, build_reward, verify_batch
-from opd.rl.rewards.combine import check_reward_fields, reward_labels
+from opd.rewards import accuracy, build_reward, verify_batch
+from opd.rewards.combine import check_reward_fields, reward_labels
 from opd.rollout import SamplingParams
 from opd.spine.dist import World, memory_per_rank
 from opd.spine.model import load_policy, make_engine
@@ -99,22 +99,6 @@ def _resume_view(config: dict | None) -> dict | None:
     rewards = config.get("rewards") or []
     labels = reward_labels([(r.get("name"), r.get("path")) for r in rewards])
     return {**config, "rewards": {label: r for label, r in zip(labels, rewards)}}
-
-
-# The rewards that verify an answer (1 = correct, 0 = wrong; code: the share of tests passed).
-VERIFIERS = ("math", "code")
-
-
-def verifier_verdict(parts: dict[str, list[float]], shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(correct, wrong) per response from the verifier rewards' own values, or None when no
-    verifier is configured (then rewards alone cannot say right from wrong). A response is
-    correct when a verifier scores it 1 and wrong when every verifier scores it 0: with math
-    and code both configured, a row of one domain scores 0 on the other's verifier."""
-    values = [torch.tensor(v, dtype=torch.float32) for k, v in parts.items() if k.split("#")[0] in VERIFIERS]
-    if not values:
-        return None
-    best_P_G = torch.stack(values).max(dim=0).values.view(shape)
-    return best_P_G >= 1.0, best_P_G <= 0.0
 
 
 # ---- the trainer --------------------------------------------------------------------------
@@ -207,8 +191,11 @@ class GRPOTrainer:
                 rewards_B, parts = self.rewards_of(samples_P, rollouts_B)
                 t_reward = time.time() - t0 - t_rollout
                 if dynamic:
-                    samples_P, rollouts_B, rewards_B, parts, drawn = self.resample_flat(step, samples_P, rollouts_B,
-                                                                                       rewards_B, parts)
+                    def draw(k: int):
+                        samples, rollouts = self.sample(step, k)
+                        return (samples, rollouts, *self.rewards_of(samples, rollouts))
+                    samples_P, rollouts_B, rewards_B, parts, drawn = keep_informative(
+                        (samples_P, rollouts_B, rewards_B, parts), draw, cfg.algorithm.dynamic_sampling, world)
                     futures = rl_teachers.submit(self.teachers, cfg.teachers, rollouts_B, samples_P) \
                         if teachers else None
                 # 3. group-relative advantages, over every rank's groups (batch_std's one std)
@@ -291,36 +278,6 @@ class GRPOTrainer:
         texts_B = [self.decode(r) for r in rollouts_B]
         samples_B = [samples_P[r.prompt_index] for r in rollouts_B]
         return agentic.shaped(self.cfg, self.reward(samples_B, texts_B), rollouts_B)
-
-    def resample_flat(self, step: int, samples_P: list, rollouts_B: list, rewards_B: list[float], parts: dict):
-        """DAPO's dynamic sampling: draw P more prompts (up to algorithm.dynamic_sampling times)
-        while fewer than P of the groups drawn so far have rewards that differ; the step trains
-        on the first P such groups, in draw order, padded with flat ones when the draws ran out.
-        Returns the step's (samples, rollouts, rewards, parts) and its metrics."""
-        P, limit, world = len(samples_P), self.cfg.algorithm.dynamic_sampling, self.world   # P: this rank's share
-        informative, flat, draws = [], [], 0
-        while True:
-            for p, sample in enumerate(samples_P):
-                at = [b for b, r in enumerate(rollouts_B) if r.prompt_index == p]
-                group = (sample, [rollouts_B[b] for b in at], [rewards_B[b] for b in at],
-                         {k: [v[b] for b in at] for k, v in parts.items()})
-                equal = bool(grpo.equal_groups(torch.tensor([group[2]]))[0])
-                (flat if equal else informative).append(group)
-            draws += 1
-            short = float(len(informative) < P)
-            if world.sharded:   # the ranks draw together (a sharded policy samples collectively)
-                short = world.sum({"short": short})["short"]
-            if not short or draws > limit:
-                break
-            samples_P, rollouts_B = self.sample(step, draws)
-            rewards_B, parts = self.rewards_of(samples_P, rollouts_B)
-        groups = (informative + flat)[:P]
-        rollouts = [replace(r, prompt_index=p) for p, (_, ros, _, _) in enumerate(groups) for r in ros]
-        merged = {k: [x for *_, pt in groups for x in pt[k]] for k in parts}
-        counts = {"flat": float(len(flat)), "drawn": float(len(flat) + len(informative))}
-        counts = world.sum(counts) if world.sharded else counts
-        metrics = {"groups/draws": float(draws), "groups/flat_drawn": counts["flat"] / counts["drawn"]}
-        return [g[0] for g in groups], rollouts, [x for _, _, rs, _ in groups for x in rs], merged, metrics
 
     def _all_ranks(self, rewards_B: list[float], parts: dict[str, list[float]], rollouts_B: list):
         """The step's rewards [P, G], reward parts and rollouts of every rank, in prompt order

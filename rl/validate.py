@@ -2,7 +2,7 @@
 
 Every named model (the distilled student, its pre-distillation start, the teachers, any
 checkpoint) answers every held-out verifiable set; the domain verifier
-(`opd.rl.rewards.verify`) checks each answer. Per model and domain the report gives:
+(`opd.rewards.verify`) checks each answer. Per model and domain the report gives:
     pass@1, pass@k   unbiased estimates from n samples at the sampling temperature
                      (Chen et al. 2021: 1 - C(n-c, k) / C(n, k), c = fully correct samples)
     score            mean verifier score of those samples (partial credit for code: the
@@ -37,8 +37,8 @@ from opd.agent.config import AgentConfig
 from opd.config import ConfigError, check_top_p, describe, field, load_yaml, near, to_dict
 from opd.data import encode_prompt, load_jsonl
 from opd.fingerprint import check_model_dir, load_model_tokenizer
-from opd.rl.rewards import accuracy, correct, verify_batch
-from opd.rl.rewards.code import limits_from
+from opd.rewards import accuracy, correct, verify_batch
+from opd.rewards.code import limits_from
 from opd.rl import agentic
 from opd.rl.train import HelpFormatter, load_config
 from opd.rollout import SamplingParams

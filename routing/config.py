@@ -159,3 +159,16 @@ class MergeConfig:
 
     def teacher(self, name: str) -> TeacherSpec:
         return next(t for t in self.teachers if t.name == name)
+
+
+@dataclass(frozen=True)
+class TeacherClientSettings:
+    connect_timeout_s: float = field(10.0, help="at start: seconds to wait for each teacher's WELCOME before "
+                                                "refusing to train", min=0.1)
+    timeout_s: float = field(60.0, help="seconds to wait for one teacher answer before retrying", min=0.1)
+    retries: int = field(3, help="retries of a failed or timed-out request (BUSY answers are retried for "
+                                 "timeout_s instead)", min=0)
+    backoff_s: float = field(0.2, help="first retry delay (doubles each retry)", min=0.0)
+    curve_secret_key: str | None = field(None, help="client .key_secret file (`opd keys generate`) for teachers "
+                                                    "with merge.teachers[].curve_server_key; its public key must "
+                                                    "be on the servers' --curve-allow list")

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_demo_data_is_verifiable_and_held_out_is_unseen(tmp_path):
-    from opd.rl.rewards import verify, verify_batch
+    from opd.rewards import verify, verify_batch
 
     paths = write_demo_data(tmp_path, n_train=60, n_eval=20, seed=3)
     for domain in DOMAINS:
@@ -137,7 +137,7 @@ def test_report_states_the_rl_stage_gain_and_checks_it_in_full_runs_only(tmp_pat
 def test_agentic_data_needs_the_tool_and_holds_out_its_problems(tmp_path):
     from opd.agent.builtin_tools import calculator
     from opd.agent.calls import parse_calls
-    from opd.rl.rewards import verify
+    from opd.rewards import verify
     from opd.tiny.agentic import write_agentic_data
 
     paths = write_agentic_data(tmp_path, n_sft=50, n_train=30, n_eval=20, seed=3)

@@ -14,27 +14,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The import root and where its subpackages live (pyproject.toml's package-dir).
 ROOTS = {"opd": "opd", "opd.kernels": "kernels", "opd.teachers": "teachers", "opd.routing": "routing",
-         "opd.agent": "agent", "opd.rl": "rl", "opd.benchmarks": "benchmarks"}
-GROUND = ("opd.config", "opd.data", "opd.checkpoint", "opd.metrics", "opd.card", "opd.fingerprint", "opd.rope",
+         "opd.agent": "agent", "opd.rl": "rl", "opd.rewards": "rewards", "opd.benchmarks": "benchmarks"}
+GROUND = ("opd.config", "opd.errors", "opd.data", "opd.checkpoint", "opd.metrics", "opd.card", "opd.fingerprint", "opd.rope",
           "opd.lm_head", "opd.diagnostics", "opd.lora", "opd.tiny", "opd.vllm_args")
 # floor -> what it may import besides itself, the ground floor and third-party packages. A
 # floor imports only floors below it: a new capability lands where this list allows it.
 MAY_IMPORT = {
     "ground": (),
     "opd.kernels": None,   # None: nothing of the project at all (it runs with torch and triton alone)
-    "opd.teachers": (),
+    "opd.teachers": ("opd.kernels",),   # the client side's top-k answers are the kernels' TopKTeacher
     "opd.rollout": (),
     # tools, their sandbox, and the multi-turn loop over a rollout engine (code rewards share the sandbox)
     "opd.agent": ("opd.rollout",),
+    "opd.rewards": ("opd.agent",),   # code rewards run in the agent's sandbox
     "opd.routing": ("opd.teachers",),
     "opd.spine": ("opd.rollout", "opd.kernels"),   # the sampled tokens' log-probs (spine.rows.token_logprobs)
     "opd.cluster": ("opd.teachers", "opd.rollout", "opd.spine"),
     "opd.sft": ("opd.spine", "opd.agent"),   # tools: the schemas an agentic rollout renders its prompts with
-    # opd rl's teachers (rl/teachers.py) use opd train's client side of the teacher servers
-    "opd.rl": ("opd.rollout", "opd.agent", "opd.spine", "opd.cluster", "opd.kernels", "opd.routing.config", "opd.distill.teachers",
-               "opd.distill.config"),
+    # opd rl and opd train share the client side of the teacher servers (opd.teachers.session)
+    # and the verifiers (opd.rewards); neither imports the other
+    "opd.rl": ("opd.rollout", "opd.agent", "opd.spine", "opd.cluster", "opd.kernels", "opd.routing.config", "opd.teachers",
+               "opd.rewards"),
     "opd.distill": ("opd.kernels", "opd.teachers", "opd.rollout", "opd.agent", "opd.routing", "opd.spine", "opd.cluster",
-                    "opd.rl.rewards"),
+                    "opd.rewards"),
     "opd.benchmarks": ("*",),
     "opd.cli": ("*",),
 }
@@ -44,14 +46,14 @@ LAZY = {
     ("opd.teachers.launch", "opd.teachers.serve"): "the server and torch, in a forked child only",
     ("opd.benchmarks.kernels", "opd.kernels.triton_ops"): "triton, for the Triton rows only",
     **{("opd.benchmarks.recipes_worker", m): "a worker subprocess imports the library snapshot the run copied"
-       for m in ("opd.rollout", "opd.rollout.hf", "opd.spine.config", "opd.spine.model", "opd.data", "opd.rl.rewards")},
+       for m in ("opd.rollout", "opd.rollout.hf", "opd.spine.config", "opd.spine.model", "opd.data", "opd.rewards")},
     ("opd.benchmarks.recipes", "opd.teachers.launch"): "the teacher servers, started only by the arms that use them",
     **{(bench, m): "`opd bench --help` imports every subject for its arguments: torch, the trainer and the "
                    "servers load only when this subject runs"
        for bench, ms in (("opd.benchmarks.sampled_noise", ("opd.config", "opd.data", "opd.distill.config",
                                                            "opd.distill.trainer", "opd.distill.stats",
                                                            "opd.teachers.launch")),
-                         ("opd.benchmarks.long_horizon", ("opd.data", "opd.rl.rewards", "opd.teachers.launch")))
+                         ("opd.benchmarks.long_horizon", ("opd.data", "opd.rewards", "opd.teachers.launch")))
        for m in ms},
     **{(cli, m): "`--help` and a refused config answer without torch (7 s of imports)"
        for cli, trainer in (("opd.rl.train", "opd.rl.trainer"), ("opd.distill.cli", "opd.distill.trainer"),
@@ -105,7 +107,7 @@ def _imports(name: str, path: Path, modules: set[str]) -> list[tuple[str, bool]]
 def _floor(module: str) -> str:
     if module.startswith(GROUND):
         return "ground"
-    if module.startswith("opd.rl.rewards"):
+    if module.startswith("opd.rewards"):
         return "opd.rl"
     return next((f for f in sorted(MAY_IMPORT, key=len, reverse=True) if module == f or module.startswith(f + ".")),
                 "ground" if module == "opd" else module)

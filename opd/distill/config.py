@@ -29,7 +29,7 @@ from opd.agent.config import AgentConfig
 from opd.spine import config as spine
 from opd.cluster.config import ClusterConfig
 from opd.config import check_vllm_lora, field, load_yaml, near
-from opd.routing.config import MergeConfig
+from opd.routing.config import MergeConfig, TeacherClientSettings
 
 
 @dataclass(frozen=True)
@@ -75,19 +75,6 @@ class OptimConfig(spine.OptimConfig):
     grad_accum: int = field(1, help="optimizer steps accumulate this many step batches", min=1)
     micro_batch_size: int = field(8, help="sequences per forward/backward pass (memory bound); the step's "
                                           "loss is the same for any value", min=1)
-
-
-@dataclass(frozen=True)
-class TeacherClientSettings:
-    connect_timeout_s: float = field(10.0, help="at start: seconds to wait for each teacher's WELCOME before "
-                                                "refusing to train", min=0.1)
-    timeout_s: float = field(60.0, help="seconds to wait for one teacher answer before retrying", min=0.1)
-    retries: int = field(3, help="retries of a failed or timed-out request (BUSY answers are retried for "
-                                 "timeout_s instead)", min=0)
-    backoff_s: float = field(0.2, help="first retry delay (doubles each retry)", min=0.0)
-    curve_secret_key: str | None = field(None, help="client .key_secret file (`opd keys generate`) for teachers "
-                                                    "with merge.teachers[].curve_server_key; its public key must "
-                                                    "be on the servers' --curve-allow list")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The held-out prompts (datasets' eval_path) are answered once by the student at the training
 temperature with a fixed seed; each teacher scores the answers routed to it, and the KL is
-the training divergence per response row (without T^2). Where the verifiers of opd.rl.rewards
+the training divergence per response row (without T^2). Where the verifiers of opd.rewards
 check a prompt (an `answer` or `tests` field), the accuracy is the share of fully correct
 answers and the verifier score the mean (a code answer's partial credit included). A multi-turn
 trajectory's answer is its last turn (Rollout.text), and its divergence is taken on its own
@@ -21,7 +21,7 @@ from opd.distill.batch import Batch, trimmed
 from opd.distill.context import support_k
 from opd.distill.loss import common_vocabulary
 from opd.kernels import distill_loss
-from opd.rl.rewards import accuracy as share_correct
+from opd.rewards import accuracy as share_correct
 from opd.rollout.base import SamplingParams
 from opd.spine.rows import pack, student_rows
 

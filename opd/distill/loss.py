@@ -34,7 +34,7 @@ from opd.data import encode_prompt
 from opd.diagnostics import topk_overlap
 from opd.distill.batch import Batch
 from opd.distill.stats import StepStats
-from opd.distill.teachers import Answer, TeacherSet
+from opd.teachers.session import Answer, TeacherSet
 from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
 from opd.spine import objective
 from opd.spine.optim import TrainError

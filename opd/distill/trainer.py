@@ -49,12 +49,12 @@ from opd.distill.launch import RunTeachers
 from opd.distill.loss import sft_mix, train_batch
 from opd.distill.prompts import load_prompts
 from opd.distill.stats import History, StepStats
-from opd.distill import teachers as teacher_client
-from opd.distill.teachers import TeacherSet
+from opd.distill import memory as full_mode
+from opd.teachers.session import TeacherSet
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint
 from opd.lm_head import FUSED_REFUSED, head_form
-from opd.rl.rewards import build_reward, verify_batch
-from opd.rl.rewards.combine import check_reward_fields
+from opd.rewards import build_reward, verify_batch
+from opd.rewards.combine import check_reward_fields
 from opd.rollout.base import SamplingParams, eos_ids
 from opd.rollout.hf import HFRolloutEngine
 from opd.routing.normalize import DomainLossNormalizer
@@ -127,8 +127,7 @@ class Trainer:
         self.teachers = TeacherSet(
             cfg.merge.teachers, cfg.teacher_client, self.student_fp, cfg.student.path, full_dtype=cfg.loss.full_dtype,
             cluster=cluster, on_ray={t.name for t in cfg.cluster.teachers} if cluster is not None else set(),
-            check_memory=lambda vocab, n: teacher_client.check_full_memory(cfg, vocab, teacher_client.mem_available(),
-                                                                           teachers=n))
+            check_memory=lambda vocab, n: full_mode.check_full_memory(cfg, vocab, full_mode.mem_available(), teachers=n))
         for note in [self.teachers.memory_note, *self.teachers.vocab_notes]:
             if note:
                 self.history.warn(note)

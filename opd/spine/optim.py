@@ -19,12 +19,9 @@ from typing import Callable
 import torch
 
 from opd.spine.config import OptimConfig
+from opd.errors import TrainError  # noqa: F401  (raised here; the spine's callers catch it from here)
 
 MAX_NONFINITE_IN_A_ROW = 3   # steps skipped for a NaN/inf gradient before the run stops
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue; the message says what to change."""
 
 
 def lr_lambda(cfg: OptimConfig, steps: int) -> Callable[[int], float]:

@@ -307,7 +307,7 @@ def rows_logits(rows, chunk: int = 4096) -> torch.Tensor:
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t[index], without the copy when index is every row in order (one teacher for the whole
     micro-batch, the usual case: at V = 152,064 a copy of 256 rows is 155 MB). `t` may also be
-    a full-mode teacher stream (opd.distill.teachers.RowStream), which gathers rows itself."""
+    a full-mode teacher stream (opd.teachers.session.RowStream), which gathers rows itself."""
     if not isinstance(t, torch.Tensor):
         return t[index]
     n, index = len(t), index.to(t.device)

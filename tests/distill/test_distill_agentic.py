@@ -17,7 +17,7 @@ from opd.config import from_dict
 from opd.data import encode_prompt, write_jsonl
 from opd.distill import agentic
 from opd.distill.config import TrainConfig
-from opd.distill.teachers import TeacherSet
+from opd.teachers.session import TeacherSet
 from opd.distill.trainer import Trainer, TrainError
 from opd.metrics import read_metrics
 from opd.spine.rows import trim_turns

@@ -11,7 +11,7 @@ import torch
 from opd.config import from_dict
 from opd.data import encode_prompt, write_jsonl
 from opd.distill.config import TrainConfig
-from opd.distill.teachers import TeacherSet
+from opd.teachers.session import TeacherSet
 from opd.distill.trainer import Trainer, TrainError
 from opd.metrics import read_metrics
 from opd.tiny import lm_head_teacher

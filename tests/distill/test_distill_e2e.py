@@ -397,7 +397,7 @@ def test_fork_mode_starts_and_stops_its_teacher(setup, capsys, monkeypatch):
 def test_fingerprint_change_stops_with_both_names():
     from opd.routing.config import TeacherSpec
     from opd.teachers.client import TeacherError
-    from opd.distill.teachers import TeacherSet
+    from opd.teachers.session import TeacherSet
 
     teachers = TeacherSet.__new__(TeacherSet)   # no connection: only the answer handling is tested
     teachers.specs = {"t": TeacherSpec(name="t", address="tcp://127.0.0.1:1")}
@@ -610,9 +610,9 @@ def test_cli_runs_a_yaml_config_with_relative_paths_and_resumes(setup, tmp_path,
 def test_full_mode_that_cannot_fit_is_refused_before_training(setup, monkeypatch):
     # 4 sequences x 12 rows x V=260 x (4 + 4 + 4) B, and 2 streams x 5 chunks of 1 MiB in flight:
     # 10.3 MiB of teacher logits at most; say 64 KiB are free.
-    import opd.distill.teachers
+    import opd.distill.memory
 
-    monkeypatch.setattr(opd.distill.teachers, "mem_available", lambda: 64 << 10)
+    monkeypatch.setattr(opd.distill.memory, "mem_available", lambda: 64 << 10)
     trainer = Trainer(_cfg(setup, "full_too_big", mode="full", steps=2))
     with pytest.raises(TrainError, match=r"mode full holds up to 10\.3 MiB of teacher logits \(optim.micro_batch_size 4 x "
                                          r"rollout.max_new_tokens 12 rows x V=260 in float32"):

@@ -12,7 +12,8 @@ from opd.config import from_dict
 from opd.teachers.client import FullChunk, TeacherError
 from opd.teachers.protocol import default_chunk_rows
 from opd.distill.config import TrainConfig
-from opd.distill.teachers import FULL_WINDOW, RowStream, TrainError, check_full_memory, full_logits_bytes
+from opd.distill.memory import check_full_memory, full_logits_bytes
+from opd.teachers.session import FULL_WINDOW, RowStream, TrainError
 
 
 def _chunks(logits: torch.Tensor, rows_per_chunk: int, seen: list, *, skip: int = 0, extra: bool = False):
@@ -126,7 +127,7 @@ class _FakeClient:
 def test_a_stream_that_would_overflow_the_teachers_budget_waits_for_the_open_ones():
     from types import SimpleNamespace
 
-    from opd.distill.teachers import TeacherSet
+    from opd.teachers.session import TeacherSet
 
     ts = object.__new__(TeacherSet)                 # the request logic alone, no connections
     client = _FakeClient()
@@ -153,7 +154,7 @@ def test_vocab_limits_are_asked_of_servers_that_answer_them(tiny_model_dir):
     from protocol 2.2 and vLLM servers from 2.3; older servers are named in the card instead."""
     from types import SimpleNamespace
 
-    from opd.distill.teachers import _vocab_limits
+    from opd.teachers.session import _vocab_limits
 
     welcomes = {"hf22": ("hf", (2, 2), 300), "vllm22": ("vllm", (2, 2), 300), "vllm23": ("vllm", (2, 3), 300),
                 "hf21": ("hf", (2, 1), 300), "same": ("vllm", (2, 3), 260)}

@@ -3,7 +3,7 @@
 import random
 
 from opd.data import Sample
-from opd.rl.rewards import math_reward
+from opd.rewards import math_reward
 from opd.tiny.chain import NEXT, STEPS_FOR_TOKENS, chain, chain_sample, chain_split, program
 
 

@@ -13,7 +13,7 @@ import pytest
 from opd.agent.sandbox import SandboxLimits, SandboxResult, _parse_results, run_many, run_tests
 from opd.agent.sandbox_process import _drop_to_nobody
 from opd.data import Sample
-from opd.rl.rewards.code import code_reward
+from opd.rewards.code import code_reward
 
 TESTS = "assert add(1, 2) == 3\nassert add(2, 2) == 4\n"
 GOOD = "def add(a, b):\n    return a + b\n"

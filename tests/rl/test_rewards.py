@@ -4,9 +4,9 @@ import pytest
 
 from opd.data import Sample
 from opd.rl.config import RewardConfig
-from opd.rl.rewards import build_reward, extract_answer, extract_code, verify
-from opd.rl.rewards.math import answers_match
-from opd.rl.rewards.shaping import DEFAULT_FORMAT, format_reward, length_penalty
+from opd.rewards import build_reward, extract_answer, extract_code, verify
+from opd.rewards.math import answers_match
+from opd.rewards.shaping import DEFAULT_FORMAT, format_reward, length_penalty
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -210,7 +210,7 @@ def test_a_verifier_no_row_can_satisfy_is_refused():
     # The math reward on rows without `answer` scored 0 everywhere, and opd rl blamed the
     # data's difficulty or the temperature; mixed data (some rows without it) is fine.
     from opd.config import ConfigError
-    from opd.rl.rewards.combine import check_reward_fields
+    from opd.rewards.combine import check_reward_fields
 
     code_rows = [Sample(prompt="f", tests="assert f(1) == 2"), Sample(prompt="g", tests="assert g() == 0")]
     with pytest.raises(ConfigError, match=r"the math reward scores each row's `answer`, and no row of d.jsonl has one"):

@@ -14,7 +14,7 @@ from opd.distill.batch import Batch
 from opd.distill.config import LossConfig
 from opd.distill.loss import train_batch
 from opd.distill.stats import StepStats
-from opd.distill.teachers import Answer
+from opd.teachers.session import Answer
 from opd.kernels import TopKTeacher
 from opd.rl.batch import collate
 from opd.rl.config import AlgorithmConfig, OptimConfig

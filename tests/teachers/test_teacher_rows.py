@@ -147,15 +147,15 @@ def test_a_replica_pool_passes_row_masks_through(server, client):
 
 
 def test_the_trainers_teacher_set_passes_row_masks_through(client):
-    """opd.distill.teachers.TeacherSet.request(rows=...): the request logic alone, over this
+    """opd.teachers.session.TeacherSet.request(rows=...): the request logic alone, over this
     module's server; a full-mode answer's offsets count the masked rows."""
     from types import SimpleNamespace
 
-    from opd.distill.teachers import TeacherSet
+    from opd.teachers.session import TeacherSet
 
     seqs, starts, rows = batch(28)
     ts = object.__new__(TeacherSet)
-    ts.cfg = SimpleNamespace(loss=SimpleNamespace(full_dtype="float32"))
+    ts.full_dtype = "float32"
     ts.clients, ts._open_tokens, ts.vocab_limit = {"t": (client, client.info())}, {"t": 0}, {}
     ts.specs = {"t": SimpleNamespace(mode="topk", k=4, temperature=1.0)}
     top = ts.request("t", seqs, starts, rows=rows).result()

@@ -1,4 +1,6 @@
-"""The trainer's side of its teachers: checked connections and answers as futures.
+"""The trainer's side of its teachers (opd train's and opd rl's): checked connections and
+answers as futures. Built from its own slice of a config: the teacher specs (routing's
+TeacherSpec, read by field), the client settings, where the config lists them.
 
 `connect_teachers` refuses, before any compute, a teacher that is unreachable, has another
 tokenizer than the student, or cannot answer the configured mode and k; with `cluster.mode: ray`
@@ -19,15 +21,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
+from opd.errors import TrainError
 from opd.kernels import TopKTeacher
-from opd.routing.checks import check_welcome
-from opd.spine.optim import TrainError
-from opd.spine.rows import take_rows
 from opd.teachers.batching import answered_rows, row_masks, scored_lengths
 from opd.teachers.client import TeacherClient, TeacherError, _as_curve
-from opd.teachers.protocol import default_chunk_rows
+from opd.teachers.welcome import check_welcome
 
-log = logging.getLogger("opd.distill")
+log = logging.getLogger("opd.teachers")
 
 
 FULL_WINDOW = 4   # full mode: chunks a teacher may send ahead of the loss reading them (per request)
@@ -46,8 +46,8 @@ class Answer:
         """The teacher's side of answer rows `idx` on `device`: fp32 logits [n, V] (full mode,
         read from the stream) or a TopKTeacher of those rows."""
         if self.topk is None:
-            return take_rows(self.logits, idx).float().to(device)
-        return TopKTeacher(*(take_rows(x, idx).to(device) for x in self.topk))
+            return self.logits[idx].float().to(device)
+        return TopKTeacher(*(x[idx.to(x.device)].to(device) for x in self.topk))
 
 
 class RowStream:
@@ -249,54 +249,6 @@ def connect_teachers(specs: list, s, student_fingerprint: str, student_path: str
     return out
 
 
-def full_logits_bytes(cfg, vocab_size: int, teachers: int = 1) -> int:
-    """About the most bytes of full-mode teacher logits the trainer holds at once (an upper
-    bound): one micro-batch's rows, every response at max_new_tokens (a trajectory: the most its
-    turns sample, `AgentConfig.max_sampled`), held as received, gathered
-    and cast to fp32 for the loss (a copy only for bf16/fp16 rows); plus, per full-mode teacher
-    and stream alive (the current batch's, and the next one's with run.pipeline), the chunks in
-    flight (FULL_WINDOW + 1)."""
-    r, dtype = cfg.rollout, cfg.loss.full_dtype
-    item = 4 if dtype == "float32" else 2
-    per_response = r.max_new_tokens if cfg.agent is None else cfg.agent.max_sampled(r.max_new_tokens)
-    rows = min(cfg.optim.micro_batch_size, r.prompts_per_step * r.samples_per_prompt) * per_response
-    chunk = default_chunk_rows(vocab_size, dtype) * vocab_size * item
-    streams = teachers * (2 if cfg.run.pipeline else 1)
-    per_row = 2 * item + (4 if item < 4 else 0)
-    return rows * vocab_size * per_row + streams * (FULL_WINDOW + 1) * chunk
-
-
-def check_full_memory(cfg, vocab_size: int, available: int | None, teachers: int = 1) -> str | None:
-    """Refuse a full-mode run whose teacher logits cannot fit in `available` bytes (None:
-    unknown); a note when they may take over half of it."""
-    need = full_logits_bytes(cfg, vocab_size, teachers)
-    if available is None or need <= available // 2:
-        return None
-    what = (f"mode full holds up to {_size(need)} of teacher logits (optim.micro_batch_size "
-            f"{cfg.optim.micro_batch_size} x rollout.max_new_tokens {cfg.rollout.max_new_tokens} rows x "
-            f"V={vocab_size} in {cfg.loss.full_dtype}, and the chunks in flight)")
-    if need > available:
-        raise TrainError(f"{what}, and this machine has {_size(available)} available; use mode: topk, a smaller "
-                         f"optim.micro_batch_size or rollout.max_new_tokens, or loss.full_dtype: bfloat16")
-    return f"{what}: over half of the {_size(available)} available"
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def mem_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes; None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _vocab_limits(specs: dict, welcome, student_path: str) -> tuple[dict[str, int], list[str]]:
     """{teacher: vocab_limit} for teachers whose LM head has more rows than the student's (one
     tokenizer, heads padded to other sizes: Qwen2.5's 0.5-3B have 151,936 rows, 7B and up
@@ -470,10 +422,10 @@ class TeacherSet:
         if spec.mode == "student_topk":
             return None
         if answer.topk is not None:
-            return take_rows(answer.topk.ids, idx)
+            return answer.topk.ids[idx.to(answer.topk.ids.device)]
         # topk in the wire dtype: a bf16 answer's values are exact in fp32, so the order is the
         # same, without an fp32 copy of the micro-batch's [rows, V] for a diagnostic.
-        return take_rows(answer.logits, idx).topk(min(spec.k, answer.logits.shape[1]), -1).indices
+        return answer.logits[idx].topk(min(spec.k, answer.logits.shape[1]), -1).indices
 
     def close(self) -> None:
         for client, _ in self.clients.values():

@@ -9,9 +9,9 @@ validate` and the demo all measure accuracy with it.
 from __future__ import annotations
 
 from opd.agent.sandbox import SandboxLimits, SandboxResult, run_many, run_tests
-from opd.rl.rewards.code import code_reward, code_reward_batch, extract_code
-from opd.rl.rewards.combine import CombinedReward, build_reward
-from opd.rl.rewards.math import answers_match, extract_answer, math_reward
+from opd.rewards.code import code_reward, code_reward_batch, extract_code
+from opd.rewards.combine import CombinedReward, build_reward
+from opd.rewards.math import answers_match, extract_answer, math_reward
 
 
 def correct(score: float) -> bool:

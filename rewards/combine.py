@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Callable
 
 from opd.config import ConfigError
-from opd.rl.rewards.code import code_options_used, code_reward_batch
-from opd.rl.rewards.math import math_reward
-from opd.rl.rewards.shaping import format_reward, length_penalty
-from opd.rl.rewards.user import load_user_reward
+from opd.rewards.code import code_options_used, code_reward_batch
+from opd.rewards.math import math_reward
+from opd.rewards.shaping import format_reward, length_penalty
+from opd.rewards.user import load_user_reward
 
 BatchFn = Callable[[list, list[str]], list[float]]
 
