@@ -107,8 +107,6 @@ def _imports(name: str, path: Path, modules: set[str]) -> list[tuple[str, bool]]
 def _floor(module: str) -> str:
     if module.startswith(GROUND):
         return "ground"
-    if module.startswith("opd.rewards"):
-        return "opd.rl"
     return next((f for f in sorted(MAY_IMPORT, key=len, reverse=True) if module == f or module.startswith(f + ".")),
                 "ground" if module == "opd" else module)
 
