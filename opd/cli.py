@@ -18,6 +18,8 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("opd.sft.cli", "supervised fine-tuning on prompt/response JSONL: the start point of the recipe"),
+    "generate": ("opd.generate.cli", "sample a teacher (local model or OpenAI-compatible endpoint) into SFT data: "
+                                     "n per prompt, verifier-filtered, deduplicated"),
     "serve-teacher": ("opd.teachers.serve", "serve a frozen teacher model over ZeroMQ (top-k or full-vocabulary answers)"),
     "keys": ("opd.teachers.keys", "generate CURVE key pairs that authenticate and encrypt teacher traffic"),
     "train": ("opd.distill.cli", "on-policy distillation of a student from live teacher servers (single or multi-teacher)"),
@@ -77,7 +79,7 @@ _FILE_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileEx
 _USER_ERRORS = {"opd.config": "ConfigError", "opd.data": "DataError", "opd.checkpoint": "CheckpointError",
                 "opd.spine.optim": "TrainError", "opd.routing.router": "RoutingError",
                 "opd.routing.checks": "TeacherCheckError", "opd.teachers.client": "TeacherError",
-                "opd.fingerprint": "ModelDirError"}
+                "opd.fingerprint": "ModelDirError", "opd.generate.sample": "EndpointError"}
 
 
 def _user_error(e: BaseException) -> bool:

@@ -30,7 +30,8 @@ MAY_IMPORT = {
     "opd.routing": ("opd.teachers",),
     "opd.spine": ("opd.rollout", "opd.kernels"),   # the sampled tokens' log-probs (spine.rows.token_logprobs)
     "opd.cluster": ("opd.teachers", "opd.rollout", "opd.spine"),
-    "opd.sft": ("opd.spine", "opd.agent"),   # tools: the schemas an agentic rollout renders its prompts with
+    "opd.sft": ("opd.spine", "opd.agent"),
+    "opd.generate": ("opd.spine", "opd.rollout", "opd.rewards"),   # a teacher's samples as SFT data   # tools: the schemas an agentic rollout renders its prompts with
     # opd rl and opd train share the client side of the teacher servers (opd.teachers.session)
     # and the verifiers (opd.rewards); neither imports the other
     "opd.rl": ("opd.rollout", "opd.agent", "opd.spine", "opd.cluster", "opd.kernels", "opd.routing.config", "opd.teachers",
@@ -59,6 +60,7 @@ LAZY = {
        for cli, trainer in (("opd.rl.train", "opd.rl.trainer"), ("opd.distill.cli", "opd.distill.trainer"),
                             ("opd.sft.cli", "opd.sft.trainer"))
        for m in (trainer, "opd.spine.dist")},
+    **{("opd.generate.cli", "opd.generate.sample"): "`--help` and a refused config answer without torch"},
     **{("opd.rl.validate", m): "`opd validate --help` and a refused config answer without torch (5 s of imports)"
        for m in ("opd.rl.trainer", "opd.rollout.hf", "opd.rollout.vllm", "opd.spine.model")},
 }
