@@ -77,19 +77,30 @@ class HTTPSource:
         req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=self.headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=t.timeout_s) as resp:
-                answer = json.loads(resp.read())
+                raw = resp.read()
         except urllib.error.HTTPError as e:
             raise EndpointError(f"teacher endpoint {url} answered HTTP {e.code}: "
-                               f"{e.read().decode(errors='replace')[:300]}") from None
-        except (urllib.error.URLError, TimeoutError) as e:
-            raise EndpointError(f"teacher endpoint {url} is unreachable ({getattr(e, 'reason', e)}); check "
-                               f"teacher.url") from None
-        choices = answer.get("choices") or []
-        if len(choices) != s.n:
-            raise EndpointError(f"teacher endpoint {url} gave {len(choices)} choices for n = {s.n} (an endpoint that "
-                               f"ignores `n` needs sampling.n: 1)")
-        tokens = int((answer.get("usage") or {}).get("completion_tokens", 0))
-        return [(c["message"]["content"] or "", tokens // s.n) for c in choices]
+                                f"{e.read().decode(errors='replace')[:300]}") from None
+        except TimeoutError:
+            raise EndpointError(f"teacher endpoint {url} did not answer within teacher.timeout_s = "
+                                f"{t.timeout_s} s") from None
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, TimeoutError):
+                raise EndpointError(f"teacher endpoint {url} did not answer within teacher.timeout_s = "
+                                    f"{t.timeout_s} s") from None
+            raise EndpointError(f"teacher endpoint {url} is unreachable ({e.reason}); check teacher.url") from None
+        try:
+            answer = json.loads(raw)
+            choices = answer["choices"]
+            texts = [c["message"]["content"] or "" for c in choices]
+            tokens = int((answer.get("usage") or {}).get("completion_tokens", 0))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise EndpointError(f"teacher endpoint {url} answered something that is not a chat completion: "
+                                f"{raw[:200]!r}") from None
+        if len(texts) != s.n:
+            raise EndpointError(f"teacher endpoint {url} gave {len(texts)} choices for n = {s.n} (an endpoint that "
+                                f"ignores `n` needs sampling.n: 1)")
+        return [(text, tokens // s.n) for text in texts]
 
     def answer(self, samples: list[Sample]) -> list[list[tuple[str, int]]]:
         return list(self.pool.map(self._one, samples))
@@ -147,14 +158,16 @@ def select(sample: Sample, answers: list[tuple[str, float | None]], cfg: Generat
 
 
 def generate(cfg: GenerateConfig, cfg_path: Path, *, overwrite: bool = False, source=None) -> dict:
-    """Sample, filter and write; returns the card. `source`: an already open one (tests)."""
+    """Sample, filter and write; returns the card. `source`: an open one to use (and leave open)
+    instead of the config's teacher."""
     base = cfg_path.parent
-    out = base / cfg.out
+    out = (base / cfg.out).resolve()
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists: pass --overwrite to replace it (nothing was sampled)")
-    samples, _ = load_jsonl(base / cfg.prompts)
+    samples, _ = load_jsonl((base / cfg.prompts).resolve())
     samples = samples[:cfg.max_prompts] if cfg.max_prompts else samples
     t0 = time.time()
+    opened = source is None
     source = source or open_source(cfg.teacher, base, cfg.sampling)
     rows, counts, tokens = [], Counter(), 0
     passed: dict[str, list[int]] = {}   # domain -> [verified responses scoring 1, verified responses]
@@ -182,7 +195,8 @@ def generate(cfg: GenerateConfig, cfg_path: Path, *, overwrite: bool = False, so
             bar.update(len(batch))
         bar.close()
     finally:
-        source.close()
+        if opened:
+            source.close()
     write_jsonl(out, rows)
     card = {"out": str(out), "rows": len(rows), "format": cfg.format, "prompts": len(samples),
             "prompts_with_none_kept": none_kept, "responses_sampled": counts["sampled"],
@@ -191,7 +205,7 @@ def generate(cfg: GenerateConfig, cfg_path: Path, *, overwrite: bool = False, so
             "pass_rate": {d: p[0] / p[1] for d, p in sorted(passed.items())},
             "tokens_sampled": tokens, "wall_s": round(time.time() - t0, 2),
             "teacher": {k: v for k, v in vars(cfg.teacher).items() if v is not None},
-            "sampling": vars(cfg.sampling), "filter": vars(cfg.filter), "source_prompts": str(base / cfg.prompts)}
+            "sampling": vars(cfg.sampling), "filter": vars(cfg.filter), "source_prompts": str((base / cfg.prompts).resolve())}
     write_card(out, card)
     return card
 

@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -27,6 +28,13 @@ class Endpoint(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Endpoint.seen.append({**body, "auth": self.headers.get("Authorization")})
+        if body["model"] in ("garbage", "slow"):   # a body that is not JSON; an answer after the timeout
+            if body["model"] == "slow":
+                time.sleep(2)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>502 bad gateway</html>")
+            return
         if self.path != "/v1/chat/completions" or body["model"] != "teacher-7b":
             self.send_response(404)
             self.end_headers()
@@ -117,6 +125,11 @@ def test_an_endpoint_error_and_a_bad_config_are_clear(tmp_path, endpoint, capsys
                                        "out: x.jsonl\n" % endpoint)
     assert main(["generate", str(tmp_path / "bad.yaml")]) == 1
     assert "answered HTTP 404" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
+    for model, says in (("garbage", "not a chat completion: b'<html>502"), ("slow", "within teacher.timeout_s = 1.0")):
+        (tmp_path / "bad.yaml").write_text("teacher: {engine: http, url: %s, api_model: %s, timeout_s: 1}\n"
+                                           "prompts: prompts.jsonl\nout: x.jsonl\n" % (endpoint, model))
+        assert main(["generate", str(tmp_path / "bad.yaml")]) == 1
+        assert says in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
     (tmp_path / "bad.yaml").write_text("teacher: {engine: http}\nprompts: prompts.jsonl\nout: x.jsonl\n")
     assert main(["generate", str(tmp_path / "bad.yaml")]) == 2
     assert "teacher.url" in capsys.readouterr().err
@@ -150,14 +163,26 @@ def test_a_local_model_samples_reproducibly_and_opd_sft_trains_on_its_output(tmp
 
 
 @pytest.mark.vllm
-def test_the_vllm_engine_answers_n_per_prompt_as_a_local_source(vllm_rollout_engine, vllm_model_dir):
+def test_the_vllm_engine_answers_n_per_prompt_as_a_local_source(vllm_rollout_engine, vllm_model_dir, tmp_path):
     pytest.importorskip("vllm")
+    from opd.config import load_yaml
     from opd.data import Sample
-    from opd.generate.config import Sampling
-    from opd.generate.sample import LocalSource
+    from opd.generate.config import GenerateConfig, Sampling
+    from opd.generate.sample import LocalSource, generate
+    from opd.rollout import SamplingParams
     from opd.spine.model import load_tokenizer
 
     source = LocalSource(vllm_rollout_engine, load_tokenizer(vllm_model_dir), Sampling(n=3, max_new_tokens=5))
-    answers = source.answer([Sample(prompt="ab"), Sample(prompt="cd")])   # the session's engine: not closed
+    answers = source.answer([Sample(prompt="ab"), Sample(prompt="cd")])
     assert [len(a) for a in answers] == [3, 3]
     assert all(isinstance(text, str) and 1 <= n <= 5 for a in answers for text, n in a)
+    # The whole command's path over it (the session's engine is left open), and opd sft's reading.
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(4)])
+    (tmp_path / "gen.yaml").write_text(f"teacher: {{engine: vllm, model: {vllm_model_dir}}}\nprompts: p.jsonl\n"
+                                       "out: v.jsonl\nsampling: {n: 2, max_new_tokens: 5}\nfilter: {keep: all}\n")
+    cfg = load_yaml(tmp_path / "gen.yaml", GenerateConfig)
+    source = LocalSource(vllm_rollout_engine, load_tokenizer(vllm_model_dir), cfg.sampling)
+    card = generate(cfg, tmp_path / "gen.yaml", source=source)
+    assert card["responses_sampled"] == 8 and card["teacher"]["engine"] == "vllm"
+    assert len(load_jsonl(tmp_path / "v.jsonl")[0]) == card["rows"]
+    assert vllm_rollout_engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))   # still open
