@@ -9,7 +9,7 @@ validate` and the demo all measure accuracy with it.
 from __future__ import annotations
 
 from opd.agent.sandbox import SandboxLimits, SandboxResult, run_many, run_tests
-from opd.rewards.code import code_reward, code_reward_batch, extract_code
+from opd.rewards.code import code_results_batch, code_reward, code_reward_batch, extract_code
 from opd.rewards.combine import CombinedReward, build_reward
 from opd.rewards.math import answers_match, extract_answer, math_reward
 
@@ -36,18 +36,26 @@ def verify(sample, response_text: str, **code_options) -> float | None:
 
 def verify_batch(samples, responses: list[str], workers: int = 2, **code_options) -> list[float | None]:
     """verify() for many responses; code samples run `workers` sandboxes at a time."""
-    out: list[float | None] = [None] * len(responses)
+    return [score for score, _ in verify_details(samples, responses, workers, **code_options)]
+
+
+def verify_details(samples, responses: list[str], workers: int = 2,
+                   **code_options) -> list[tuple[float | None, str | None]]:
+    """(score, how the verifier read it) for many responses: code by its tests in the sandbox
+    (its status: ok, error, timeout, crash, no_tests), math by its answer ("answer", or
+    "no_answer" when none could be extracted), (None, None) for a sample with neither."""
+    out: list[tuple[float | None, str | None]] = [(None, None)] * len(responses)
     code_idx = [i for i, s in enumerate(samples) if s.tests]
-    code_vals = code_reward_batch([samples[i] for i in code_idx], [responses[i] for i in code_idx],
-                                  workers=workers, **code_options)
-    for i, v in zip(code_idx, code_vals):
-        out[i] = v
+    results = code_results_batch([samples[i] for i in code_idx], [responses[i] for i in code_idx],
+                                 workers=workers, **code_options)
+    for i, r in zip(code_idx, results):
+        out[i] = (r.reward, r.status)
     for i, s in enumerate(samples):
         if not s.tests and s.answer is not None:
-            out[i] = math_reward(s, responses[i])
+            out[i] = (math_reward(s, responses[i]), "answer" if extract_answer(responses[i]) is not None else "no_answer")
     return out
 
 
-__all__ = ["verify", "verify_batch", "build_reward", "CombinedReward", "math_reward", "extract_answer",
+__all__ = ["verify", "verify_batch", "verify_details", "code_results_batch", "build_reward", "CombinedReward", "math_reward", "extract_answer",
            "answers_match", "code_reward", "code_reward_batch", "extract_code", "run_tests", "run_many",
            "SandboxLimits", "SandboxResult"]

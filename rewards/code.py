@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from opd.agent.sandbox import SandboxLimits, run_many, run_tests
+from opd.agent.sandbox import SandboxLimits, SandboxResult, run_many, run_tests
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
@@ -68,12 +68,19 @@ def code_reward(sample, response: str, **options) -> float:
     return run_tests(extract_code(response), sample.tests, limits_from(options)).reward
 
 
-def code_reward_batch(samples, responses: list[str], **options) -> list[float]:
-    """Score many responses, `workers` sandboxes at a time (default 2)."""
+def code_results_batch(samples, responses: list[str], **options) -> list[SandboxResult | None]:
+    """Run many responses' code against their samples' tests, `workers` sandboxes at a time
+    (default 2): each one's SandboxResult (tests passed, ok / error / timeout / crash), None
+    for a sample without tests."""
     limits = limits_from(options)
     jobs = [(i, extract_code(r), s.tests) for i, (s, r) in enumerate(zip(samples, responses)) if s.tests]
     results = run_many([(c, t) for _, c, t in jobs], limits, workers=int(options.get("workers", DEFAULT_WORKERS)))
-    rewards = [0.0] * len(responses)
+    out: list[SandboxResult | None] = [None] * len(responses)
     for (i, _, _), res in zip(jobs, results):
-        rewards[i] = res.reward
-    return rewards
+        out[i] = res
+    return out
+
+
+def code_reward_batch(samples, responses: list[str], **options) -> list[float]:
+    """Score many responses (the share of tests passed), `workers` sandboxes at a time."""
+    return [r.reward if r is not None else 0.0 for r in code_results_batch(samples, responses, **options)]

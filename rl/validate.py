@@ -37,9 +37,9 @@ from opd.agent.config import AgentConfig
 from opd.config import ConfigError, check_top_p, describe, field, load_yaml, near, to_dict
 from opd.data import encode_prompt, load_jsonl
 from opd.fingerprint import check_model_dir, load_model_tokenizer
-from opd.rewards import accuracy, correct, verify_batch
+from opd.rewards import accuracy, correct, verify_batch, verify_details
 from opd.rewards.code import limits_from
-from opd.rl import agentic
+from opd.rl import agentic, checks
 from opd.rl.train import HelpFormatter, load_config
 from opd.rollout import SamplingParams
 from opd.spine.config import ModelConfig
@@ -86,7 +86,9 @@ class ValidateConfig:
     agent: AgentConfig | None = field(None, help="answer as multi-turn agents with these tools (the verifier reads "
                                                  "the final turn; max_new_tokens is each turn's limit); unset: one turn")
     seed: int = field(0, help="sampling seed")
-    out_dir: str = field("runs/validate", help="where report.md and report.json go")
+    dump: int = field(3, help="examples of each failed check (rl/checks.py) written to OUT/samples.md per model "
+                              "and domain", min=0)
+    out_dir: str = field("runs/validate", help="where report.md, report.json and samples.md go")
 
     def __post_init__(self):
         check_top_p(self.top_p, "top_p")
@@ -175,10 +177,12 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
                                     max_new_tokens=cfg.max_new_tokens, n=n, seed=cfg.seed)
             texts, rollouts = _answers(engine, tok, samples, params, tools)
             expanded = [s for s in samples for _ in range(n)]
-            scores = [v if v is not None else 0.0 for v in verify_batch(expanded, texts, workers=workers, **code_opts)]
+            details = verify_details(expanded, texts, workers=workers, **code_opts)
+            scores = [v if v is not None else 0.0 for v, _ in details]
             right = [sum(map(correct, scores[i * n:(i + 1) * n])) for i in range(len(samples))]
             res: dict[str, Any] = {"n_prompts": len(samples), "samples": n,
-                                   "score": sum(scores) / len(scores), **agentic.step_metrics(rollouts)}
+                                   "score": sum(scores) / len(scores), **agentic.step_metrics(rollouts),
+                                   "checks": checks.exit_checks(expanded, texts, rollouts, details, cfg.dump)}
             for k in cfg.k:
                 res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(samples)
             if cfg.greedy:
@@ -281,6 +285,9 @@ def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> 
                   f"From **{g['model']}**, {g['steps']} steps at lr {g['lr']:g}: mean reward {verdict} "
                   f"(first quarter {g.get('reward_first_quarter', float('nan')):.3f} -> last quarter "
                   f"{g.get('reward_last_quarter', float('nan')):.3f}); run folder `{g['run_dir']}`.", ""]
+    names = [m.name for m in cfg.models]
+    lines += checks.markdown(results, names, domains)
+    (out / "samples.md").write_text(checks.samples_markdown(results, names, domains))
     lines += [f"Evaluation took {extra['seconds']:.1f} s.", ""]
     md, js = out / "report.md", out / "report.json"
     md.write_text("\n".join(lines))

@@ -112,6 +112,44 @@ def test_greedy_is_the_share_fully_correct_and_the_mean_score_has_its_own_column
     assert "`greedy`: accuracy of one temperature-0 answer per prompt (the share correct)" in md
 
 
+def test_the_exit_checks_count_each_kind_of_failure_give_verdicts_and_dump_examples(tmp_path, monkeypatch,
+                                                                                      tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    rows = [{"prompt": f"m{i}", "answer": "7"} for i in range(4)] + [{"prompt": f"c{i}", "tests": "assert f() == 1"}
+                                                                      for i in range(4)]
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[4:]))
+    script = {"m0": ["7"], "m1": ["no idea"], "m2": [""], "m3": ["ab ab ab ab ab ab ab ab ab ab"],
+              "c0": ["def f():\n    return 1\n"], "c1": ["def f():\n    while True: pass\n"],
+              "c2": ["def f(:"], "c3": ["def f():\n    return 2\n"]}
+    monkeypatch.setattr(V, "_engine", lambda cfg, path: (ScriptedEngine(tok, script), tok))
+    monkeypatch.setattr(V, "check_model_dir", lambda path, what: path)
+    cfg = from_dict({"models": [{"name": "S", "path": "s", "role": "student"}],
+                     "sets": [{"domain": "math", "path": str(tmp_path / "math.jsonl")},
+                              {"domain": "code", "path": str(tmp_path / "code.jsonl")}],
+                     "samples": 1, "k": [1], "greedy": False, "dump": 1, "code": {"timeout_s": 1},
+                     "out_dir": str(tmp_path / "out")}, V.ValidateConfig)
+    res = V.validate(cfg)["results"]["S"]
+    m, c = res["math"]["checks"]["rows"], res["code"]["checks"]["rows"]
+    # math: "no idea" and "" have no answer; "ab ab ..." has none either ("7" is the only one read).
+    assert m["answer_extracted"]["value"] == 0.25 and m["answer_extracted"]["verdict"] == "fail"
+    assert m["empty"]["value"] == 0.25 and m["repeated"]["value"] == 0.25 and m["repeated"]["verdict"] == "fail"
+    assert m["length_capped"]["value"] == 1.0    # the scripted engine says "length" for every answer
+    assert "code_ran" not in m and "answer_extracted" not in c
+    # code: one passes, one fails its test (both ran), one loops (timeout), one does not parse (error).
+    assert (c["code_ran"]["value"], c["timeouts"]["value"], c["errors"]["value"]) == (0.5, 0.25, 0.25)
+    assert [c[k]["verdict"] for k in ("code_ran", "timeouts", "errors")] == ["fail", "fail", "fail"]
+    ex = res["code"]["checks"]["examples"]
+    assert ex["timeouts"][0]["prompt"] == "c1" and ex["timeouts"][0]["verifier"] == "timeout"
+    assert len(res["math"]["checks"]["examples"]["answer_extracted"]) == 1   # dump: 1
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Checks before leaving this stage" in md and "| S | code |" in md and "0.25 (fail)" in md
+    samples = (tmp_path / "out" / "samples.md").read_text()
+    assert "## S, code: timeouts" in samples and "while True: pass" in samples
+
+
 def test_a_progress_bar_counts_the_prompts_of_every_model_and_set(tmp_path, monkeypatch, tiny_model_dir, capsys):
     # opd validate printed one line per model and nothing while its sets were evaluated
     from transformers import AutoTokenizer
