@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import math
 import re
+import sys
 import types
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -278,3 +279,21 @@ def near(base: str | Path, p: str | None) -> str | None:
         return None
     q = Path(p).expanduser()
     return str(q if q.is_absolute() else Path(base) / q)
+
+
+def config_from_args(args, cls: type[T], command: str, example: str):
+    """A command's config from `args.config` (`--describe`: every key printed): the loaded
+    config, or the exit code when there is none to run with (0 after --describe; 2 with the
+    reason on stderr: no file given, or a ConfigError naming file:line)."""
+    if getattr(args, "describe", False):
+        print(describe(cls))
+        return 0
+    if not args.config:
+        print(f"opd {command}: error: a config file is needed: opd {command} CONFIG.yaml (e.g. {example}; "
+              f"--describe lists its keys)", file=sys.stderr)
+        return 2
+    try:
+        return load_yaml(Path(args.config).resolve(), cls)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

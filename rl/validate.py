@@ -39,7 +39,7 @@ from opd.data import encode_prompt, load_jsonl
 from opd.fingerprint import check_model_dir, load_model_tokenizer
 from opd.rewards import accuracy, correct, verify_batch, verify_details
 from opd.rewards.code import limits_from
-from opd.rl import agentic, checks
+from opd.rl import agentic
 from opd.rl.train import HelpFormatter, load_config
 from opd.rollout import SamplingParams
 from opd.spine.config import ModelConfig
@@ -165,6 +165,8 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
     counts), `score` and `greedy_score` mean verifier scores (partial credit for code). `bar`: a
     tqdm bar advanced by each set's prompts once they are scored. With `agent`, also the sampled
     trajectories' agent/* metrics (opd.agent.loop.trajectory_metrics)."""
+    from opd.rl import checks   # torch (opd.diagnostics): here, not at the top (opd.cli says why)
+
     engine, tok = _engine(cfg, path)
     engine, tools = _agent(cfg, engine, tok, path, base_dir)
     workers = int(cfg.code.get("workers", 2))
@@ -285,6 +287,8 @@ def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> 
                   f"From **{g['model']}**, {g['steps']} steps at lr {g['lr']:g}: mean reward {verdict} "
                   f"(first quarter {g.get('reward_first_quarter', float('nan')):.3f} -> last quarter "
                   f"{g.get('reward_last_quarter', float('nan')):.3f}); run folder `{g['run_dir']}`.", ""]
+    from opd.rl import checks
+
     names = [m.name for m in cfg.models]
     lines += checks.markdown(results, names, domains)
     (out / "samples.md").write_text(checks.samples_markdown(results, names, domains))

@@ -62,7 +62,7 @@ LAZY = {
        for m in (trainer, "opd.spine.dist")},
     **{("opd.generate.cli", "opd.generate.sample"): "`--help` and a refused config answer without torch"},
     **{("opd.rl.validate", m): "`opd validate --help` and a refused config answer without torch (5 s of imports)"
-       for m in ("opd.rl.trainer", "opd.rollout.hf", "opd.rollout.vllm", "opd.spine.model")},
+       for m in ("opd.rl.trainer", "opd.rollout.hf", "opd.rollout.vllm", "opd.spine.model", "opd.rl.checks")},
 }
 MAX_LINES = 500
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from opd.config import ConfigError, describe, load_yaml
+from opd.config import config_from_args, describe
 from opd.generate.config import GenerateConfig
 
 
@@ -23,19 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.describe:
-        print(describe(GenerateConfig))
-        return 0
-    if not args.config:
-        print("opd generate: error: a config file is needed: opd generate CONFIG.yaml (--describe lists its keys)",
-              file=sys.stderr)
-        return 2
+    cfg = config_from_args(args, GenerateConfig, "generate", "configs/generate.yaml")
+    if isinstance(cfg, int):
+        return cfg
     cfg_path = Path(args.config).resolve()
-    try:
-        cfg = load_yaml(cfg_path, GenerateConfig)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     from opd.generate.sample import generate   # torch and the engines: only once the config is good
     card = generate(cfg, cfg_path, overwrite=args.overwrite)
     print(f"generate: {card['rows']} rows of {card['responses_sampled']} sampled -> {card['out']} "

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from opd.config import ConfigError, describe, load_yaml
+from opd.config import config_from_args, describe
 from opd.sft.config import SFTConfig, resolve
 
 
@@ -24,22 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.describe:
-        print(describe(SFTConfig))
-        return 0
-    if not args.config:
-        print("opd sft: error: a config file is needed: opd sft CONFIG.yaml (e.g. configs/demo/sft_base.yaml; "
-              "--describe lists its keys)", file=sys.stderr)
-        return 2
-    if args.resume and args.overwrite:
+    if args.config and args.resume and args.overwrite:
         print("opd sft: --resume continues the run in out_dir, --overwrite deletes it: pass one", file=sys.stderr)
         return 2
+    cfg = config_from_args(args, SFTConfig, "sft", "configs/demo/sft_base.yaml")
+    if isinstance(cfg, int):
+        return cfg
     cfg_path = Path(args.config).resolve()
-    try:
-        cfg = load_yaml(cfg_path, SFTConfig)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     # Imported here, not at the top: see opd.cli (`--help` needs no torch).
     from opd.sft.trainer import train
     from opd.spine.dist import close_world, ranks_for
