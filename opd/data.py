@@ -31,6 +31,9 @@ class Sample:
     answer: str | None = None
     tests: str | None = None
     response: str | None = None
+    # Code tests no reward sees: held out to catch a policy that fits its visible `tests` (reward
+    # hacking); `opd validate` and `opd rl`'s evaluation report them beside the visible ones.
+    hidden_tests: str | None = None
     meta: dict = field(default_factory=dict, hash=False, compare=False)
     # A `messages` row: the conversation up to the model's turn; `prompt` is then its last
     # user message (what routing rules, classifiers and context templates read).
@@ -50,7 +53,7 @@ class LoadReport:
     errors: list[str] = field(default_factory=list)  # "path:line: why", the first few
 
 
-_KNOWN = {"prompt", "domain", "answer", "tests", "response"}
+_KNOWN = {"prompt", "domain", "answer", "tests", "response", "hidden_tests"}
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -91,7 +94,7 @@ def _parse(line: str, where: str) -> Sample:
         _conversation(obj, where)
     if not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
         raise DataError(f"{where}: missing or empty string field 'prompt'")
-    for key in ("domain", "answer", "tests", "response"):
+    for key in ("domain", "answer", "tests", "response", "hidden_tests"):
         if key in obj and obj[key] is not None and not isinstance(obj[key], str):
             if key == "answer" and isinstance(obj[key], (int, float)):
                 obj[key] = str(obj[key])

@@ -8,6 +8,8 @@ validate` and the demo all measure accuracy with it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from opd.agent.sandbox import SandboxLimits, SandboxResult, run_many, run_tests
 from opd.rewards.code import code_results_batch, code_reward, code_reward_batch, extract_code
 from opd.rewards.combine import CombinedReward, build_reward
@@ -56,6 +58,30 @@ def verify_details(samples, responses: list[str], workers: int = 2,
     return out
 
 
-__all__ = ["verify", "verify_batch", "verify_details", "code_results_batch", "build_reward", "CombinedReward", "math_reward", "extract_answer",
+def hidden_pass(samples, responses: list[str], workers: int = 2, **code_options) -> list[bool | None]:
+    """Per response, whether it passes every one of its sample's `hidden_tests` (the tests no
+    reward sees), in the sandbox; None for a sample without them."""
+    idx = [i for i, s in enumerate(samples) if s.hidden_tests]
+    held = [dataclasses.replace(samples[i], tests=samples[i].hidden_tests) for i in idx]
+    results = code_results_batch(held, [responses[i] for i in idx], workers=workers, **code_options)
+    out: list[bool | None] = [None] * len(responses)
+    for i, r in zip(idx, results):
+        out[i] = r is not None and correct(r.reward)
+    return out
+
+
+def hidden_gap(visible: list[float], hidden: list[bool], threshold: float = 0.1) -> dict:
+    """Over the answers whose samples have hidden tests: the share correct by the visible tests,
+    the share passing the hidden ones, and a warning when the first exceeds the second by more
+    than `threshold` (the policy may fit the tests it is rewarded on: reward hacking)."""
+    vis, hid = accuracy(visible), sum(hidden) / len(hidden)
+    out = {"visible_accuracy": vis, "hidden_accuracy": hid}
+    if vis - hid > threshold:
+        out["warning"] = (f"{vis:.0%} of the answers pass their visible tests but {hid:.0%} their hidden ones: the "
+                          f"model may be fitting the tests it is rewarded on (reward hacking); read its answers")
+    return out
+
+
+__all__ = ["verify", "verify_batch", "verify_details", "hidden_pass", "hidden_gap", "code_results_batch", "build_reward", "CombinedReward", "math_reward", "extract_answer",
            "answers_match", "code_reward", "code_reward_batch", "extract_code", "run_tests", "run_many",
            "SandboxLimits", "SandboxResult"]

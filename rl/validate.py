@@ -37,7 +37,7 @@ from opd.agent.config import AgentConfig
 from opd.config import ConfigError, check_top_p, describe, field, load_yaml, near, to_dict
 from opd.data import encode_prompt, load_jsonl
 from opd.fingerprint import check_model_dir, load_model_tokenizer
-from opd.rewards import accuracy, correct, verify_batch, verify_details
+from opd.rewards import accuracy, correct, hidden_gap, hidden_pass, verify_batch, verify_details
 from opd.rewards.code import limits_from
 from opd.rl import agentic
 from opd.rl.train import HelpFormatter, load_config
@@ -185,6 +185,10 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
             res: dict[str, Any] = {"n_prompts": len(samples), "samples": n,
                                    "score": sum(scores) / len(scores), **agentic.step_metrics(rollouts),
                                    "checks": checks.exit_checks(expanded, texts, rollouts, details, cfg.dump)}
+            if any(s.hidden_tests for s in samples):   # tests no reward saw, beside the visible ones
+                pairs = [(v, h) for v, h in zip(scores, hidden_pass(expanded, texts, workers=workers, **code_opts))
+                         if h is not None]
+                res["hidden"] = hidden_gap([v for v, _ in pairs], [h for _, h in pairs])
             for k in cfg.k:
                 res[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(samples)
             if cfg.greedy:
@@ -290,6 +294,12 @@ def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> 
     from opd.rl import checks
 
     names = [m.name for m in cfg.models]
+    hidden = [(m, d, results[m][d]["hidden"]) for m in names for d in domains if "hidden" in results[m][d]]
+    if hidden:
+        lines += ["## Hidden tests (no reward sees them)", "", "| model | domain | visible tests passed | hidden |",
+                  "|---|---|---|---|", *(f"| {m} | {d} | {h['visible_accuracy']:.3f} | {h['hidden_accuracy']:.3f} |"
+                                         for m, d, h in hidden), "",
+                  *(f"- **warning**, {m}, {d}: {h['warning']}" for m, d, h in hidden if "warning" in h), ""]
     lines += checks.markdown(results, names, domains)
     (out / "samples.md").write_text(checks.samples_markdown(results, names, domains))
     lines += [f"Evaluation took {extra['seconds']:.1f} s.", ""]

@@ -177,12 +177,12 @@ def test_grpo_with_the_vllm_engine(tmp_path, vllm_model_dir, one_thread, lora):
 
 
 def test_every_reward_kind_runs_in_the_loop_with_eval(tmp_path, tiny_model_dir, one_thread, monkeypatch):
-    from opd.rl import trainer as rl_trainer
+    from opd.rl import evaluate as rl_eval
     from opd.rl.trainer import GRPOTrainer
 
     seen = []   # evaluation verifies code with the code reward's own limits, as training does
-    verify_batch = rl_trainer.verify_batch
-    monkeypatch.setattr(rl_trainer, "verify_batch", lambda *a, **kw: (seen.append(kw), verify_batch(*a, **kw))[1])
+    verify_batch = rl_eval.verify_batch
+    monkeypatch.setattr(rl_eval, "verify_batch", lambda *a, **kw: (seen.append(kw), verify_batch(*a, **kw))[1])
 
     rows = [{"prompt": "1+1=", "answer": "2", "domain": "math"},
             {"prompt": "def inc", "tests": "assert inc(1) == 2", "domain": "code"}]
@@ -246,6 +246,29 @@ def test_eval_accuracy_is_the_share_fully_correct(tmp_path, tiny_model_dir, one_
         trainer.engine.close()
     assert out["eval/accuracy"] == pytest.approx(0.5)              # was 0.583
     assert out["eval/verifier_score"] == pytest.approx((2 + 1 / 3) / 4)
+
+
+def test_eval_reports_the_hidden_tests_beside_the_visible_ones_and_warns_when_they_part(tmp_path, tiny_model_dir,
+                                                                                         one_thread):
+    from opd.rl.trainer import GRPOTrainer
+
+    rows = [{"prompt": f"task {i}", "tests": "assert f(1) == 1", "hidden_tests": "assert f(2) == 2\nassert f(3) == 3"}
+            for i in range(4)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_config(tmp_path, tiny_model_dir, run={"steps": 1}, data={"eval": str(tmp_path / "eval.jsonl")})
+    trainer = GRPOTrainer(cfg)
+    # "return 1" passes the one visible test and neither hidden one: what a policy fitting its
+    # reward's tests writes.
+    answers = ["def f(x):\n    return x\n", "def f(x):\n    return 1\n", "def f(x):\n    return 1\n",
+               "def f(x):\n    return x\n"]
+    trainer.decode = lambda rollout: answers[rollout.prompt_index]
+    try:
+        out = trainer.evaluate(7)
+    finally:
+        trainer.engine.close()
+    assert out["eval/accuracy"] == 1.0 and out["eval/visible_accuracy"] == 1.0
+    assert out["eval/hidden_accuracy"] == 0.5 and "warning" not in out
+    assert trainer.warnings[-1].startswith("step 7: 100% of the answers pass their visible tests but 50% their hidden")
 
 
 def _variant(cfg: RLConfig, **changes) -> RLConfig:

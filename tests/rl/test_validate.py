@@ -150,6 +150,27 @@ def test_the_exit_checks_count_each_kind_of_failure_give_verdicts_and_dump_examp
     assert "## S, code: timeouts" in samples and "while True: pass" in samples
 
 
+def test_hidden_tests_are_reported_beside_the_visible_ones_with_a_warning(tmp_path, monkeypatch, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    rows = [{"prompt": f"c{i}", "tests": "assert f(1) == 1", "hidden_tests": "assert f(2) == 2"} for i in range(4)]
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    honest, hacker = "def f(x):\n    return x\n", "def f(x):\n    return 1\n"
+    scripts = {"h": {f"c{i}": [honest] for i in range(4)}, "x": {f"c{i}": [hacker if i else honest] for i in range(4)}}
+    monkeypatch.setattr(V, "_engine", lambda cfg, path: (ScriptedEngine(tok, scripts[path]), tok))
+    monkeypatch.setattr(V, "check_model_dir", lambda path, what: path)
+    cfg = from_dict({"models": [{"name": "H", "path": "h"}, {"name": "X", "path": "x"}],
+                     "sets": [{"domain": "code", "path": str(tmp_path / "code.jsonl")}],
+                     "samples": 1, "k": [1], "greedy": False, "out_dir": str(tmp_path / "out")}, V.ValidateConfig)
+    res = V.validate(cfg)["results"]
+    assert res["H"]["code"]["hidden"] == {"visible_accuracy": 1.0, "hidden_accuracy": 1.0}
+    assert res["X"]["code"]["pass@1"] == 1.0 and res["X"]["code"]["hidden"]["hidden_accuracy"] == 0.25
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| X | code | 1.000 | 0.250 |" in md and "- **warning**, X, code: 100% of the answers" in md
+    assert "**warning**, H" not in md
+
+
 def test_a_progress_bar_counts_the_prompts_of_every_model_and_set(tmp_path, monkeypatch, tiny_model_dir, capsys):
     # opd validate printed one line per model and nothing while its sets were evaluated
     from transformers import AutoTokenizer
