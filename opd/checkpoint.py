@@ -148,7 +148,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 # What `opd train` and `opd rl` write into their run directory; --overwrite removes these and
 # nothing else (a run directory may sit beside the user's own files).
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "plots", "model", "card.md", "card.json", "summary.json")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "plots", "model", "card.md", "card.json", "summary.json",
+               "samples")
 
 
 def claim_run_dir(out: str | Path, *, resume: bool, overwrite: bool) -> None:

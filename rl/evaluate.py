@@ -13,11 +13,12 @@ from opd.rl import agentic
 from opd.rollout import SamplingParams
 
 
-def evaluate(tr) -> dict:
+def evaluate(tr, step: int = 0) -> dict:
     """Greedy responses to the held-out prompts: the mean combined reward, the accuracy (the
     share the verifier scores 1, as `opd validate` counts) and the mean verifier score
     (partial credit for code: the share of tests passed); with hidden tests, the visible and
-    hidden pass rates over those prompts and a warning when they part (rewards.hidden_gap)."""
+    hidden pass rates over those prompts and a warning when they part (rewards.hidden_gap). The
+    first run.dump_samples answers go to RUN/samples/step_N.md."""
     # Each rank answers its share (the last padded with repeats, which are dropped: `padded_share`).
     world, cfg = tr.world, tr.cfg
     mine, real = world.padded_share(tr.eval_samples)
@@ -38,6 +39,9 @@ def evaluate(tr) -> dict:
     if verified:   # the mean score was logged as accuracy: code's partial credit counted
         out["eval/accuracy"] = accuracy(verified)
         out["eval/verifier_score"] = sum(verified) / len(verified)
+    if world.main:
+        tr.run_dir.write_samples(step, [{"prompt": s.prompt, "answer": t, "score": v, "domain": s.domain}
+                                        for s, t, v in zip(mine, texts, scores)], cfg.run.dump_samples)
     pairs = [(v, h) for v, h in zip(scores, hidden) if h is not None]
     if pairs:
         gap = hidden_gap([v for v, _ in pairs], [h for _, h in pairs])

@@ -462,7 +462,7 @@ class GRPOTrainer:
     @torch.no_grad()
     def evaluate(self, step: int | None = None) -> dict:
         """The held-out evaluation (rl/evaluate.py); a hidden-test warning goes to the card."""
-        out = evaluate(self)
+        out = evaluate(self, step or 0)
         if "warning" in out:
             text = f"step {step}: {out.pop('warning')}" if step is not None else out.pop("warning")
             self.warnings.append(text)

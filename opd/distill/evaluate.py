@@ -54,11 +54,15 @@ def _evaluate(tr) -> dict:
     for ro, route in zip(rollouts[:real], routes):
         tally.add_response(route.domain, ro.response_ids, ro.finish_reason)
     scores: dict[str, list[float]] = {}
-    if tr.verify is not None and real:
-        texts = [ro.text(tr.tok) for ro in rollouts[:real]]
-        for route, v in zip(routes, tr.verify(samples[:real], texts)):
-            if v is not None:
-                scores.setdefault(route.domain, []).append(float(v))
+    texts = [ro.text(tr.tok) for ro in rollouts[:real]]
+    verdicts = tr.verify(samples[:real], texts) if tr.verify is not None and real else [None] * len(texts)
+    for route, v in zip(routes, verdicts):
+        if v is not None:
+            scores.setdefault(route.domain, []).append(float(v))
+    if world.main:   # this rank's answers, for a person to read (RUN/samples/step_N.md)
+        tr.run_dir.write_samples(tr.steps_done, [{"prompt": s.prompt, "answer": t, "score": v, "domain": r.domain}
+                                                 for s, t, v, r in zip(samples, texts, verdicts, routes)],
+                                 cfg.run.dump_samples)
     _divergences(tr, batch, answers, real, tally)
     tr.teachers.finish(answers)
     parts = world.gather((tally.plain(), scores, [len(ro.response_ids) for ro in rollouts[:real]],

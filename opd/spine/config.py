@@ -124,6 +124,8 @@ class RunConfig:
     keep_checkpoints: int = field(2, help="newest checkpoints kept on disk", min=1)
     progress: bool = field(True, help="show a progress bar")
     tensorboard: bool = field(True, help="also write TensorBoard events when it is installed")
+    dump_samples: int = field(4, help="held-out answers written to RUN/samples/step_N.md at each evaluation (prompt, "
+                                      "answer, verifier score) for a person to read; 0: none", min=0)
 
 
 def check_sharded_sampling(ranks: int, prompts_key: str, prompts: int, engine: str) -> None:

@@ -111,6 +111,23 @@ class RunDir:
             step = int(json.loads((self.resume_from / "state.json").read_text())["step"])
         return MetricsLogger(self.out, tensorboard=tensorboard, resume_step=step)
 
+    def write_samples(self, step: int, rows: list[dict], n: int) -> Path | None:
+        """RUN/samples/step_N.md: the first `n` held-out answers of an evaluation, each a dict of
+        prompt, answer and what was measured of it (score, domain, ...), for a person to read:
+        a number that rises while the answers read wrong is the first sign of reward hacking."""
+        if n <= 0 or not rows:
+            return None
+        path = self.out / "samples" / f"step_{step:06d}.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [f"# Held-out answers at step {step}", ""]
+        for i, r in enumerate(rows[:n]):
+            facts = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                              if k not in ("prompt", "answer") and v is not None)
+            lines += [f"## {i + 1}" + (f" ({facts})" if facts else ""), "", "prompt:", "", "```", str(r["prompt"]),
+                      "```", "", "answer:", "", "```", str(r["answer"]), "```", ""]
+        path.write_text("\n".join(lines))
+        return path
+
     def finish(self, model, tokenizer, plots: dict[str, list[str]], model_cfg) -> Path:
         """RUN/model (LoRA merged in, with the tokenizer) and RUN/plots; returns RUN/model.
         model_cfg: the run's ModelConfig (a sharded model is rebuilt whole from it on rank 0)."""

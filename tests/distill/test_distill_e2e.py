@@ -88,6 +88,8 @@ def test_heldout_kl_halves(setup, lora, mode, lr, steps, prompts):
     # The in-run signals: the sampled tokens' mean surprise, the divergence from the response's start.
     assert rows[-1]["entropy"] > 0 and rows[-1]["diag/gen/kl@0-15"] > 0
     assert result["evals"][-1]["eval/gen/kl@0-15"] > 0
+    dump = (out / "samples" / f"step_{steps:06d}.md").read_text()   # the last evaluation's answers, to read
+    assert dump.startswith(f"# Held-out answers at step {steps}") and dump.count("\nprompt:") == 4
     card = json.loads((out / "card.json").read_text())
     assert card["teacher t"]["model_fingerprint"] == setup["server"].model_fingerprint
     assert card["teacher t"]["divergence"].startswith("forward KL")

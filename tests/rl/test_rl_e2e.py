@@ -269,6 +269,9 @@ def test_eval_reports_the_hidden_tests_beside_the_visible_ones_and_warns_when_th
     assert out["eval/accuracy"] == 1.0 and out["eval/visible_accuracy"] == 1.0
     assert out["eval/hidden_accuracy"] == 0.5 and "warning" not in out
     assert trainer.warnings[-1].startswith("step 7: 100% of the answers pass their visible tests but 50% their hidden")
+    dump = (tmp_path / "run" / "samples" / "step_000007.md").read_text()
+    assert dump.count("\nprompt:") == 4 and "## 2 (score 1)\n\nprompt:\n\n```\ntask 1\n```" in dump
+    assert "def f(x):\n    return 1" in dump
 
 
 def _variant(cfg: RLConfig, **changes) -> RLConfig:
