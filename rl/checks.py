@@ -4,9 +4,15 @@ code run and end, how many answers hit the length cap, are empty or loop; each w
 and a few examples of each failure for a person to read.
 
     exit_checks(samples, texts, rollouts, details, dump) -> {"rows": {...}, "examples": {...}}
+    perturbed(sample, kind)                              -> the sample with its prompt reworded
+                                                            (spaces, prefix, suffix): same task
+    format_drop(name, plain, perturbed)                  -> a warning when accuracy falls with the format
 """
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 from opd.diagnostics import repeated_ngram_ratio
 
@@ -107,3 +113,31 @@ def samples_markdown(results: dict, models: list[str], domains: list[str]) -> st
     if len(lines) == 2:
         lines.append("No answer failed a check.")
     return "\n".join(lines) + "\n"
+
+
+# Rewordings that keep the task: a model that solved it answers them as it answers the plain
+# prompt; one that learned the prompt's exact form (the verifier's format) does not.
+PERTURBATIONS = {
+    "spaces": lambda p: re.sub(r" {2,}", " ", re.sub(r"\s*([-+*/=<>])\s*", r" \1 ", p)).strip(),
+    "prefix": lambda p: "Question: " + p,
+    "suffix": lambda p: p + "\n",
+}
+FORMAT_DROP = 0.1   # a fall in greedy accuracy larger than this is warned about
+
+
+def perturbed(sample, kind: str):
+    """`sample` with its prompt (a conversation: its last user message) reworded by `kind`."""
+    new = PERTURBATIONS[kind](sample.prompt)
+    if sample.messages is None:
+        return dataclasses.replace(sample, prompt=new)
+    last = max(i for i, m in enumerate(sample.messages) if m["role"] == "user")
+    msgs = [dict(m, content=new) if i == last else m for i, m in enumerate(sample.messages)]
+    return dataclasses.replace(sample, prompt=new, messages=msgs)
+
+
+def format_drop(kind: str, plain: float, reworded: float) -> str | None:
+    """A warning when greedy accuracy falls by more than FORMAT_DROP under rewording `kind`."""
+    if plain - reworded <= FORMAT_DROP:
+        return None
+    return (f"greedy accuracy falls from {plain:.3f} to {reworded:.3f} when the prompts are reworded ({kind}): the "
+            f"model may rely on the prompt's exact form rather than the task")

@@ -88,6 +88,10 @@ class ValidateConfig:
     seed: int = field(0, help="sampling seed")
     dump: int = field(3, help="examples of each failed check (rl/checks.py) written to OUT/samples.md per model "
                               "and domain", min=0)
+    perturb: list[Literal["spaces", "prefix", "suffix"]] = field(
+        default_factory=list, help="also answer each prompt reworded so the task stays (spaces around operators, a "
+                                   "'Question: ' prefix, a trailing newline; greedy) and report the accuracy beside "
+                                   "the plain prompts', warning when it falls by more than 0.1")
     out_dir: str = field("runs/validate", help="where report.md, report.json and samples.md go")
 
     def __post_init__(self):
@@ -101,6 +105,8 @@ class ValidateConfig:
         domains = [s.domain for s in self.sets]
         if len(set(domains)) != len(domains):   # the report is keyed by domain: one set would vanish
             raise ValueError(f"one held-out set per domain, got domains {domains}")
+        if self.perturb and not self.greedy:
+            raise ValueError("perturb compares greedy answers to the plain and the reworded prompts: set greedy: true")
         if self.grpo is not None and self.grpo.model not in names:
             raise ValueError(f"grpo.model {self.grpo.model!r} is not one of the models {names}")
         try:   # a value the sandbox cannot use failed only at the first code answer (a float memory_mb: all 0)
@@ -200,6 +206,14 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
                 res["greedy"] = accuracy(gs)
                 res["greedy_score"] = sum(gs) / len(gs)
                 res["example"] = {"prompt": samples[0].prompt[:200], "answer": g[0][:300]}
+                for kind in cfg.perturb:   # the same task, reworded: does the accuracy hold?
+                    reworded = [checks.perturbed(s, kind) for s in samples]
+                    g, _ = _answers(engine, tok, reworded, SamplingParams(temperature=0.0, n=1,
+                                                                          max_new_tokens=cfg.max_new_tokens), tools)
+                    acc = accuracy([v or 0.0 for v in verify_batch(reworded, g, workers=workers, **code_opts)])
+                    res[f"greedy/{kind}"] = acc
+                    if checks.format_drop(kind, res["greedy"], acc):
+                        res.setdefault("format_warnings", []).append(checks.format_drop(kind, res["greedy"], acc))
             out[domain] = res
             if bar is not None:
                 bar.update(len(samples))
@@ -255,6 +269,7 @@ def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> 
     out.mkdir(parents=True, exist_ok=True)
     domains = [s.domain for s in cfg.sets]
     cols = [f"pass@{k}" for k in cfg.k] + ["score"] + (["greedy", "greedy_score"] if cfg.greedy else []) \
+        + ([f"greedy/{kind}" for kind in cfg.perturb] if cfg.greedy else []) \
         + (["agent/turns", "agent/tool_calls"] if cfg.agent is not None else [])
     lines = ["# Validation report", "",
              f"{cfg.samples} samples per prompt at temperature {cfg.temperature}, max {cfg.max_new_tokens} new "
@@ -294,6 +309,10 @@ def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> 
     from opd.rl import checks
 
     names = [m.name for m in cfg.models]
+    reworded = [f"- **warning**, {m}, {d}: {w}" for m in names for d in domains
+                for w in results[m][d].get("format_warnings", [])]
+    if reworded:
+        lines += ["## Reworded prompts", "", *reworded, ""]
     hidden = [(m, d, results[m][d]["hidden"]) for m in names for d in domains if "hidden" in results[m][d]]
     if hidden:
         lines += ["## Hidden tests (no reward sees them)", "", "| model | domain | visible tests passed | hidden |",

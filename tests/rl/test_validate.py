@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from opd.config import from_dict
+from opd.config import ConfigError, from_dict
 from opd.rl import validate as V
 from opd.rollout import Rollout
 
@@ -169,6 +169,42 @@ def test_hidden_tests_are_reported_beside_the_visible_ones_with_a_warning(tmp_pa
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| X | code | 1.000 | 0.250 |" in md and "- **warning**, X, code: 100% of the answers" in md
     assert "**warning**, H" not in md
+
+
+def test_reworded_prompts_keep_the_task_and_a_model_that_learned_the_format_is_warned_about(tmp_path, monkeypatch,
+                                                                                              tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from opd.data import Sample
+    from opd.rl.checks import perturbed
+
+    assert perturbed(Sample(prompt="41-5="), "spaces").prompt == "41 - 5 ="
+    assert perturbed(Sample(prompt="41-5="), "prefix").prompt == "Question: 41-5="
+    chat = Sample(prompt="hi", messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}])
+    assert perturbed(chat, "suffix").messages == [{"role": "system", "content": "s"}, {"role": "user", "content": "hi\n"}]
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(4)]
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    robust = {}
+    for kind in ("", "spaces", "prefix"):   # answers every form of the prompt right
+        robust.update({perturbed(Sample(prompt=r["prompt"]), kind).prompt if kind else r["prompt"]: [r["answer"]]
+                       for r in rows})
+    brittle = {k: (v if "=" in k and " " not in k else ["?"]) for k, v in robust.items()}   # the plain form only
+    scripts = {"r": robust, "b": brittle}
+    monkeypatch.setattr(V, "_engine", lambda cfg, path: (ScriptedEngine(tok, scripts[path]), tok))
+    monkeypatch.setattr(V, "check_model_dir", lambda path, what: path)
+    cfg = from_dict({"models": [{"name": "R", "path": "r"}, {"name": "B", "path": "b"}],
+                     "sets": [{"domain": "math", "path": str(tmp_path / "math.jsonl")}], "samples": 1, "k": [1],
+                     "perturb": ["spaces", "prefix"], "out_dir": str(tmp_path / "out")}, V.ValidateConfig)
+    res = V.validate(cfg)["results"]
+    assert (res["R"]["math"]["greedy"], res["R"]["math"]["greedy/spaces"], res["R"]["math"]["greedy/prefix"]) == (1, 1, 1)
+    assert (res["B"]["math"]["greedy"], res["B"]["math"]["greedy/spaces"], res["B"]["math"]["greedy/prefix"]) == (1, 0, 0)
+    assert "format_warnings" not in res["R"]["math"] and len(res["B"]["math"]["format_warnings"]) == 2
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "| greedy/spaces | greedy/prefix |" in md and "(spaces): the model may rely on the prompt's exact form" in md
+    with pytest.raises(ConfigError, match="perturb compares greedy answers"):
+        from_dict({"models": [{"name": "R", "path": "r"}], "sets": [{"domain": "math", "path": "x"}], "greedy": False,
+                   "perturb": ["suffix"]}, V.ValidateConfig)
 
 
 def test_a_progress_bar_counts_the_prompts_of_every_model_and_set(tmp_path, monkeypatch, tiny_model_dir, capsys):
