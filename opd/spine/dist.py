@@ -177,14 +177,17 @@ def close_world() -> None:
 
 
 def shard_model(model: torch.nn.Module, world: World, *, mixed_precision: bool = False,
-                cpu_offload: bool = False) -> torch.nn.Module:
+                cpu_offload: bool = False, meta: bool = False) -> torch.nn.Module:
     """`model` sharded over the world with FSDP2: one group per decoder layer (its parameters are
     gathered for that layer's forward and backward only), then the root (embeddings, final norm,
     LM head). Each rank keeps its shard of its own copy, so the copies must be equal: loaded from
     one directory, and anything random (a LoRA adapter's init) drawn after the same seed. mixed_precision: compute in bf16, reduce gradients in fp32, keep the fp32 shards as
     the optimizer's master weights (GPUs). cpu_offload: shards and their optimizer state in CPU
-    memory. Gradients are summed, not averaged, across ranks (see the module docstring)."""
-    model.to(world.device)
+    memory. Gradients are summed, not averaged, across ranks (see the module docstring). meta:
+    the model was built on the meta device; its shards are allocated (uninitialised) on the
+    rank's device, for weights that arrive by broadcast (shards.broadcast_from_rank0)."""
+    if not meta:
+        model.to(world.device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
@@ -198,6 +201,8 @@ def shard_model(model: torch.nn.Module, world: World, *, mixed_precision: bool =
             # normalized over all ranks' tokens needs.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    if meta:
+        model.to_empty(device="cpu" if cpu_offload else world.device)
     return model
 
 

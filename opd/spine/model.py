@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from opd.checkpoint import rng_state, save_final_model, set_rng_state
 from opd.fingerprint import load_model_tokenizer
@@ -29,7 +29,7 @@ from opd.rollout.hf import HFRolloutEngine
 from opd.rollout.vllm import VLLMRolloutEngine   # imports vllm only when an engine is built
 from opd.spine.config import ModelConfig, RolloutConfig
 from opd.spine.dist import World, is_sharded, shard_model
-from opd.spine.shards import full_state_dict
+from opd.spine.shards import broadcast_from_rank0, full_state_dict
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,19 +59,26 @@ def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, tr
     off in train mode too (`disable_dropout`). A peft adapter directory is loaded onto its base
     and merged in. seed: the torch seed set before the weights exist (a LoRA adapter's init).
     tokenizer: one already loaded by `load_tokenizer`, else it is loaded here (`what` names the
-    config key in its errors). world: with several ranks the trained model is loaded whole on
-    each rank's CPU, then sharded (FSDP2) onto the rank's device; mixed_precision (None: on
-    CUDA) computes in bf16 with fp32 master shards and reductions; cpu_offload keeps the
-    shards in CPU memory."""
+    config key in its errors). world: with several ranks the trained model is sharded (FSDP2)
+    onto each rank's device; only rank 0 reads the weights (whole, on its CPU), the others build
+    the model on the meta device, with no storage, and receive their shards from it
+    (`shards.broadcast_from_rank0`); a peft adapter directory is read on every rank.
+    mixed_precision (None: on CUDA) computes in bf16 with fp32 master shards and reductions;
+    cpu_offload keeps the shards in CPU memory."""
     tokenizer = tokenizer or load_tokenizer(cfg.path, what)
     if seed is not None:
         torch.manual_seed(seed)
     dtype = TORCH_DTYPES[cfg.dtype]
-    if (Path(cfg.path) / "adapter_config.json").is_file():
+    sharded = train and world.sharded
+    adapter = (Path(cfg.path) / "adapter_config.json").is_file()
+    meta = sharded and world.rank != 0 and not adapter   # rank 0's weights arrive by broadcast
+    if adapter:
         model = AutoPeftModelForCausalLM.from_pretrained(str(cfg.path), dtype=dtype).merge_and_unload()
+    elif meta:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(cfg.path)), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(cfg.path), dtype=dtype)
-    sharded = train and world.sharded
     if not sharded:
         model.to(resolve_device(cfg.device))
     if not train:
@@ -86,8 +93,13 @@ def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, tr
     if not dropout:
         disable_dropout(model)
     if sharded:
-        shard_model(model, world, cpu_offload=cpu_offload,
+        # Rank 0's whole weights (LoRA's adapter too), kept past sharding to be broadcast; the
+        # other ranks allocate their shards only (to_empty) and receive them.
+        whole = model.state_dict() if world.rank == 0 else {}
+        shard_model(model, world, cpu_offload=cpu_offload, meta=meta,
                     mixed_precision=world.device.type == "cuda" if mixed_precision is None else mixed_precision)
+        broadcast_from_rank0(model, whole, world)
+        del whole
     model.train()
     return model, tokenizer
 

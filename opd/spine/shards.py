@@ -23,11 +23,13 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -98,6 +100,19 @@ def load_sharded(path: str | Path, *, model, optimizer=None, scheduler=None, wor
     if rng.is_file():   # resumed on more ranks than saved: the new ones start from their seeds
         ckpt_io.set_rng_state(torch.load(rng, weights_only=True))
     return json.loads((path / "state.json").read_text())
+
+
+def broadcast_from_rank0(model, whole: dict[str, torch.Tensor], world: World) -> None:
+    """Rank 0's weights (`whole`, its full state dict; {} on the other ranks) into every rank's
+    shards of `model`, and its buffers (a rotary embedding's inverse frequencies are not in the
+    state dict) into every rank's: what lets the ranks other than 0 build the model on the meta
+    device instead of each reading it whole (8 ranks x an 8B model in fp32: 256 GB of host
+    memory on one node). A collective."""
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    saved = set(model.state_dict())
+    for name, buf in model.named_buffers():
+        if name not in saved:
+            dist.broadcast(buf, src=0)
 
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:

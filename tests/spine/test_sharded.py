@@ -146,6 +146,23 @@ def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process | None
     return None
 
 
+@LORA_IN_TEST_ALL
+def test_only_rank_0_reads_the_weights_and_the_others_receive_their_shards(tmp_path, tiny_model_dir, lora):
+    # The ranks but 0 build the model on the meta device: 8 ranks x an 8B model in fp32 read
+    # whole would take 256 GB of host memory on one node.
+    out = tmp_path / "report"
+    worker = Path(__file__).with_name("sharded_load_worker.py")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(worker),
+                          str(tiny_model_dir), "lora" if lora else "full", str(out)], env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r0, r1 = (json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))
+    assert (r0["reads"], r1["reads"]) == (1, 0)
+    assert r0["weights_equal"]                                     # the shards hold the directory's weights
+    assert r0["buffers"] == r1["buffers"] and r0["buffers"]        # RoPE's inverse frequencies broadcast too
+    assert r0["logits"] == r1["logits"]
+
+
 def test_a_killed_rank_stops_the_run_naming_it_and_resume_continues_from_the_sharded_checkpoint(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)])
     base = ("tiny: {layers: 2, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}\ntrain: [{path: train.jsonl}]\n"
