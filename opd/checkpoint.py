@@ -218,6 +218,15 @@ def resume_changes(saved: dict | None, now: dict, fixed: tuple[str, ...], free: 
     return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in changed]
 
 
+def load_optimizer_blob(path: Path) -> dict:
+    """A checkpoint's optimizer.pt: {"optimizer", "scheduler", "rng"} (tensors and plain values)."""
+    try:   # tensors and plain containers only: unpickling could run code
+        return torch.load(path / "optimizer.pt", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path / 'optimizer.pt'} holds more than tensors and plain values (written by "
+                              f"an older version of opd, or not by opd): {str(e)[:200]}") from None
+
+
 def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
     """Load weights, optimizer, scheduler and RNG from `path`; return state.json's dict."""
     path = Path(path)
@@ -233,11 +242,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None, 
     with torch.no_grad():
         for n, w in weights.items():
             params[n].copy_(w)
-    try:   # tensors and plain containers only: unpickling could run code
-        blob = torch.load(path / "optimizer.pt", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path / 'optimizer.pt'} holds more than tensors and plain values (written by "
-                              f"an older version of opd, or not by opd): {str(e)[:200]}") from None
+    blob = load_optimizer_blob(path)
     if optimizer is not None and blob["optimizer"] is not None:
         optimizer.load_state_dict(blob["optimizer"])
     if scheduler is not None and blob["scheduler"] is not None:

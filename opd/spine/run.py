@@ -29,7 +29,7 @@ from opd.metrics import MetricsLogger, plot_metrics
 from opd.spine.dist import World, is_sharded
 from opd.spine.model import export_model
 from opd.spine.optim import align_schedule
-from opd.spine.shards import is_sharded_checkpoint, load_sharded, save_sharded
+from opd.spine.shards import is_sharded_checkpoint, load_sharded, load_whole_into_shards, save_sharded
 
 
 class RunDir:
@@ -80,10 +80,9 @@ class RunDir:
         if is_sharded_checkpoint(self.resume_from):
             state = load_sharded(self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
                                  world=self.world)
-        elif is_sharded(model):
-            raise CheckpointError(f"{self.resume_from} was written by one process; resume it with "
-                                  f"cluster.student.num_workers: 1 (sharded runs write checkpoints that resume on "
-                                  f"any number of ranks)")
+        elif is_sharded(model):   # written by one process: rank 0 reads it, the others receive their shards
+            state = load_whole_into_shards(self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler,
+                                           world=self.world)
         else:
             state = load_checkpoint(self.resume_from, model=model, optimizer=optimizer, scheduler=scheduler)
         if scheduler is not None:

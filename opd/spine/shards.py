@@ -25,11 +25,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -99,6 +101,39 @@ def load_sharded(path: str | Path, *, model, optimizer=None, scheduler=None, wor
     rng = path / "rng" / f"rank_{world.rank}.pt"
     if rng.is_file():   # resumed on more ranks than saved: the new ones start from their seeds
         ckpt_io.set_rng_state(torch.load(rng, weights_only=True))
+    return json.loads((path / "state.json").read_text())
+
+
+def load_whole_into_shards(path: str | Path, *, model, optimizer=None, scheduler=None, world: World) -> dict:
+    """A checkpoint written by one process (opd.checkpoint) into this rank's shards: rank 0 alone
+    reads its trained weights and optimizer state and broadcasts them (a collective), the
+    schedule and state.json go to every rank, and rank 0 takes the saved random generators
+    (the other ranks start from their seeds, as when a sharded run resumes on more ranks).
+    The optimizer state is saved by parameter index; the index is the trained parameters'
+    order, the same in the sharded model, so it is renamed to the names DCP's API takes."""
+    path = Path(path)
+    blob, weights = None, {}
+    if world.main:
+        weights = load_file(str(path / "trainable.safetensors"))
+        blob = ckpt_io.load_optimizer_blob(path)
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                  strict=False))
+    del weights
+    small = world.broadcast({"scheduler": blob["scheduler"], "has_optim": blob["optimizer"] is not None}
+                            if world.main else None)
+    if optimizer is not None and small["has_optim"]:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        full = {}
+        if world.main:
+            saved = blob["optimizer"]
+            full = {"state": {names[i]: v for i, v in saved["state"].items()},
+                    "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, full,
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if scheduler is not None and small["scheduler"] is not None:
+        scheduler.load_state_dict(small["scheduler"])
+    if world.main:
+        ckpt_io.set_rng_state(blob["rng"])
     return json.loads((path / "state.json").read_text())
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,6 +162,27 @@ def test_only_rank_0_reads_the_weights_and_the_others_receive_their_shards(tmp_p
     assert r0["weights_equal"]                                     # the shards hold the directory's weights
     assert r0["buffers"] == r1["buffers"] and r0["buffers"]        # RoPE's inverse frequencies broadcast too
     assert r0["logits"] == r1["logits"]
+
+
+def test_a_checkpoint_of_one_process_resumes_sharded_with_the_losses_of_one_process(tmp_path):
+    # Started on one device, continued on two: rank 0 reads the checkpoint, the other receives
+    # its shards of the weights and of AdamW's moments; the losses go on as one process's.
+    write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)])
+    base = ("tiny: {layers: 2, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}\ntrain: [{path: train.jsonl}]\n"
+            "batch_size: 4\nlr: 0.01\nwarmup_steps: 0\nlog_every: 1\ndevice: cpu\ncheckpoint_every: 5\n")
+    (tmp_path / "one.yaml").write_text("out_dir: one\nsteps: 12\n" + base)
+    assert opd("sft", "one.yaml", cwd=tmp_path).returncode == 0
+    shutil.copytree(tmp_path / "one", tmp_path / "two")
+    shutil.rmtree(tmp_path / "two" / "checkpoints" / "step_000010")   # resume from step 5
+    (tmp_path / "two" / "checkpoints" / "latest").unlink(missing_ok=True)
+    (tmp_path / "two.yaml").write_text("out_dir: two\nsteps: 12\nnum_workers: 2\n" + base)
+    resumed = opd("sft", "two.yaml", "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    one, two = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("one", "two"))
+    assert [r["step"] for r in two][-7:] == list(range(6, 13))
+    assert [r["loss"] for r in two][-7:] == pytest.approx([r["loss"] for r in one][5:], rel=1e-4)
+    wa, wb = (load_file(str(tmp_path / name / "model" / "model.safetensors")) for name in ("one", "two"))
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
 
 
 def test_a_killed_rank_stops_the_run_naming_it_and_resume_continues_from_the_sharded_checkpoint(tmp_path):
