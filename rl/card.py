@@ -83,6 +83,14 @@ def results(history: list[dict], warnings: list[str]) -> dict:
     if flat:
         out["all-equal groups, mean"] = sum(flat) / len(flat)
         out["all-equal groups, last step"] = flat[-1]
+    draws = [h["groups/draws"] for h in history if "groups/draws" in h]
+    if draws:   # what dynamic sampling cost: prompts sampled per prompt trained, and the time
+        drawn = [h["groups/flat_drawn"] for h in history if "groups/flat_drawn" in h]
+        rollout = [h["time/rollout"] + h.get("time/reward", 0.0) + h.get("time/resample", 0.0) for h in history
+                   if "time/rollout" in h]
+        out["dynamic sampling"] = (f"{sum(draws) / len(draws):.2f} draws of P prompts a step on average (max "
+                                   f"{max(draws):.0f}); {sum(drawn) / len(drawn):.0%} of the groups drawn were all-equal; "
+                                   f"sampling and scoring took {sum(rollout) / len(rollout):.2f} s a step")
     out["flat-group warnings"] = (f"{len(warnings)} printed" + (", the last 10 below"
                                   if len(warnings) > 10 else "")) if warnings else "none"
     for i, text in enumerate(warnings[-10:]):

@@ -199,6 +199,7 @@ class GRPOTrainer:
                         (samples_P, rollouts_B, rewards_B, parts), draw, cfg.algorithm.dynamic_sampling, world)
                     futures = rl_teachers.submit(self.teachers, cfg.teachers, rollouts_B, samples_P) \
                         if teachers else None
+                    drawn["time/resample"] = time.time() - t0 - t_rollout - t_reward   # the extra draws
                 # 3. group-relative advantages, over every rank's groups (batch_std's one std)
                 rewards_P_G, parts, every_rollout = self._all_ranks(rewards_B, parts, rollouts_B)
                 adv_B = world.shard(grpo.group_advantages(rewards_P_G, cfg.algorithm.advantage).flatten().tolist())

@@ -69,6 +69,8 @@ def test_demo_quick_runs_every_stage_and_caches(tmp_path):
     assert header.split("|")[2:4] == [" math ", " code "]
     val = json.loads((out / "validate" / "report.json").read_text())
     assert set(val["results"]) == {"base", "warmup-math", "warmup-code", "teacher-math", "teacher-code", "student-after"}
+    # the code set's hidden tests (no reward saw them) beside its visible ones, for every model
+    assert all(0 <= r["code"]["hidden"]["hidden_accuracy"] <= 1 for r in val["results"].values())
     assert (out / "sft_base" / "card.md").is_file() and (out / "merge" / "model" / "config.json").is_file()
     # nothing left listening on the teacher ports
     assert "serving teacher math" in first.stdout

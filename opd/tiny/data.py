@@ -5,6 +5,7 @@ Every sample is one JSONL row in the shape `opd.data` reads:
     math     {"prompt": "47+8=", "domain": "math", "answer": "55", "response": "55"}
     code     {"prompt": "f(x): triple x, add 4\n", "domain": "code",
               "tests": "assert f(0)==4\n...", "response": "f=lambda x:x*3+4"}
+             (held-out rows also "hidden_tests": "assert f(23)==73\nassert f(31)==97")
     general  {"prompt": "upper: cab\n", "domain": "general", "answer": "CAB", "response": "CAB"}
 
 Responses are short on purpose: the demo's byte-level model emits one byte per step, and
@@ -64,11 +65,16 @@ def _code_task(rng: random.Random) -> tuple[str, str, callable]:
 
 
 def code_sample(rng: random.Random) -> dict:
-    """A one-line function from a description; three asserts check it on distinct inputs."""
+    """A one-line function from a description; three asserts check it on distinct inputs, and
+    two more on inputs past that range are its hidden tests (no reward sees them; kept in the
+    held-out split only, where `opd validate` sets them beside the visible ones). They draw
+    nothing from `rng`: the rows are the ones drawn before they existed."""
     desc, expr, fn = _code_task(rng)
     xs = rng.sample(range(0, 20), 3)
     tests = "\n".join(f"assert f({x})=={fn(x)}" for x in xs)
-    return {"prompt": f"f(x): {desc}\n", "domain": "code", "tests": tests, "response": f"f=lambda x:{expr}"}
+    hidden = "\n".join(f"assert f({x})=={fn(x)}" for x in (23, 31))
+    return {"prompt": f"f(x): {desc}\n", "domain": "code", "tests": tests, "hidden_tests": hidden,
+            "response": f"f=lambda x:{expr}"}
 
 
 def general_sample(rng: random.Random) -> dict:
@@ -107,6 +113,8 @@ def make_split(domain: str, n_train: int, n_eval: int, seed: int) -> tuple[list[
         if tries > 100 * (n_train + 1):
             raise ValueError(f"{domain}: cannot draw {n_train} training prompts disjoint from the "
                              f"{n_eval} held-out ones; lower n_eval")
+    for row in train:   # hidden tests are for evaluation: a training set does not carry them
+        row.pop("hidden_tests", None)
     return train, held
 
 
