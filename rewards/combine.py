@@ -14,31 +14,39 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from opd.agent.calls import parse_calls
+from opd.agent.trajectory import Trajectory
 from opd.config import ConfigError
 from opd.rewards.code import code_options_used, code_reward_batch
 from opd.rewards.math import math_reward
 from opd.rewards.shaping import format_reward, length_penalty
 from opd.rewards.user import load_user_reward
 
-BatchFn = Callable[[list, list[str]], list[float]]
+# (samples, responses, trajectories: one opd.agent.trajectory.Trajectory per response) -> values
+BatchFn = Callable[[list, list[str], list], list[float]]
 
 
 def _per_item(fn: Callable, options: dict) -> BatchFn:
-    """fn(sample, response, **options) per item; options it does not take are refused here, at
-    start-up, rather than at the first step's rewards (or, for **kwargs, never)."""
+    """fn(sample, response, **options) per item, and its `trajectory` too when it takes one (the
+    whole multi-turn trajectory: opd.agent.trajectory); options it does not take are refused
+    here, at start-up, rather than at the first step's rewards (or, for **kwargs, never)."""
+    wants = "trajectory" in inspect.signature(fn).parameters
     try:
-        inspect.signature(fn).bind(None, "", **options)
+        inspect.signature(fn).bind(None, "", **({"trajectory": None} if wants else {}), **options)
     except TypeError:
-        params = list(inspect.signature(fn).parameters)[2:]
+        params = [p for p in list(inspect.signature(fn).parameters)[2:] if p != "trajectory"]
         raise ValueError(f"reward {getattr(fn, '__name__', fn)!r}: options {sorted(options)} do not fit; "
                          f"it takes {params or 'none'}") from None
-    return lambda samples, responses: [float(fn(s, r, **options)) for s, r in zip(samples, responses)]
+    if wants:
+        return lambda samples, responses, trajs: [float(fn(s, r, trajectory=t, **options))
+                                                  for s, r, t in zip(samples, responses, trajs)]
+    return lambda samples, responses, trajs: [float(fn(s, r, **options)) for s, r in zip(samples, responses)]
 
 
 def _options_used(fn: Callable, options: dict) -> dict:
     """The keyword options fn runs with: its defaults, then the configured ones."""
     defaults = {name: p.default for name, p in list(inspect.signature(fn).parameters.items())[2:]
-                if p.default is not inspect.Parameter.empty}
+                if p.default is not inspect.Parameter.empty and name != "trajectory"}
     return {**defaults, **options}
 
 
@@ -74,11 +82,16 @@ class CombinedReward:
     # label -> the options each function runs with, its defaults filled in (for the card)
     options: dict[str, dict] = field(default_factory=dict)
 
-    def __call__(self, samples: list, responses: list[str]) -> tuple[list[float], dict[str, list[float]]]:
+    def __call__(self, samples: list, responses: list[str],
+                 trajectories: list | None = None) -> tuple[list[float], dict[str, list[float]]]:
+        """`trajectories`: each response's whole trajectory (opd.agent.trajectory), for the reward
+        functions that take one; without them a response is a trajectory of one turn."""
+        if trajectories is None:
+            trajectories = [Trajectory([r], [], [parse_calls(r)]) for r in responses]
         total = [0.0] * len(responses)
         values: dict[str, list[float]] = {}
         for label, weight, fn in self.parts:
-            vals = fn(samples, responses)
+            vals = fn(samples, responses, trajectories)
             _check_finite(f"reward {label!r}", vals, responses)
             values[label] = vals
             total = [t + weight * v for t, v in zip(total, vals)]
@@ -110,7 +123,7 @@ def _reward_fn(spec, base_dir) -> tuple[BatchFn, dict]:
         return _per_item(math_reward, opts), _options_used(math_reward, opts)
     if spec.name == "code":
         used = code_options_used(opts)   # unknown options and bad values refused now
-        return (lambda samples, responses, o=opts: code_reward_batch(samples, responses, **o)), used
+        return (lambda samples, responses, trajs, o=opts: code_reward_batch(samples, responses, **o)), used
     if spec.name == "format":
         fn, used = _per_item(format_reward, opts), _options_used(format_reward, opts)
         _check_format(used)

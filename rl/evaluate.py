@@ -8,6 +8,7 @@ tests no reward sees beside the visible ones.
 
 from __future__ import annotations
 
+from opd.agent.trajectory import trajectory
 from opd.rewards import accuracy, hidden_gap, hidden_pass, verify_batch
 from opd.rl import agentic
 from opd.rollout import SamplingParams
@@ -26,7 +27,8 @@ def evaluate(tr, step: int = 0) -> dict:
     rollouts = tr.engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens,
                                                           n=1))
     texts = [tr.decode(r) for r in rollouts][:real]
-    total, _ = agentic.shaped(cfg, tr.reward(mine[:real], texts), rollouts[:real]) if texts else ([], {})
+    trajs = [trajectory(r, tr.tokenizer) for r in rollouts[:real]] if cfg.agent else None
+    total, _ = agentic.shaped(cfg, tr.reward(mine[:real], texts, trajs), rollouts[:real]) if texts else ([], {})
     # The code reward's own limits (timeout, memory, workers), as in training: with the
     # defaults, a solution that needs more would fail here only.
     code = next((r.options for r in cfg.rewards if r.name == "code"), {})

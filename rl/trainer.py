@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from opd.agent.trajectory import trajectory
 from opd.rl import agentic
 from opd.rl.batch import PaddedRollouts, collate
 from opd.rl.card import summary as summarize
@@ -279,7 +280,8 @@ class GRPOTrainer:
         """Each rollout's reward (with agent_shaping's terms) and the reward's parts."""
         texts_B = [self.decode(r) for r in rollouts_B]
         samples_B = [samples_P[r.prompt_index] for r in rollouts_B]
-        return agentic.shaped(self.cfg, self.reward(samples_B, texts_B), rollouts_B)
+        trajs = [trajectory(r, self.tokenizer) for r in rollouts_B] if self.cfg.agent else None
+        return agentic.shaped(self.cfg, self.reward(samples_B, texts_B, trajs), rollouts_B)
 
     def _all_ranks(self, rewards_B: list[float], parts: dict[str, list[float]], rollouts_B: list):
         """The step's rewards [P, G], reward parts and rollouts of every rank, in prompt order

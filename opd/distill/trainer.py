@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from opd.agent.trajectory import trajectory
 from opd.config import to_dict
 from opd.data import encode_prompt
 from opd.distill import agentic
@@ -225,7 +226,8 @@ class Trainer:
         rewards are all equal gets 0: no gradient, counted in groups/all_equal), or with
         `loss.reward_advantage: batch` against the step's other responses (the batch one group)."""
         texts = [ro.text(self.tok) for ro in batch.rollouts]
-        total, _ = self.reward([batch.samples[ro.prompt_index] for ro in batch.rollouts], texts)
+        trajs = [trajectory(ro, self.tok) for ro in batch.rollouts] if self.cfg.agent is not None else None
+        total, _ = self.reward([batch.samples[ro.prompt_index] for ro in batch.rollouts], texts, trajs)
         rewards_P_G = torch.tensor(total, dtype=torch.float32).view(-1, self.cfg.rollout.samples_per_prompt)
         batch.rewards = total
         if self.cfg.loss.reward_advantage == "batch":   # over the whole step: every rank's responses

@@ -307,6 +307,47 @@ def test_opd_rl_with_the_calculator_end_to_end(tmp_path, chat_model_dir, one_thr
     check_trajectories(rows, card, 3)
 
 
+TRAJECTORY_REWARD = """
+def used_tools(sample, text, trajectory):
+    # the whole trajectory, not its final turn: a calculator call whose result the model read
+    calls = [c for c in trajectory.tool_calls if c.name == "calculator"]
+    return len(calls) + 10 * any("156" in o for o in trajectory.observations)
+"""
+
+
+def test_a_reward_reads_the_whole_trajectory_its_tool_calls_and_their_results(tmp_path, chat_model_dir, one_thread):
+    from opd.rl.train import load_config
+    from opd.rl.trainer import GRPOTrainer
+
+    (tmp_path / "traj.py").write_text(TRAJECTORY_REWARD)
+    path = write_yaml(tmp_path, chat_model_dir, "hf", rewards=[{"name": "python", "path": "traj.py:used_tools"}],
+                      agent_shaping={"valid_call": 0.0, "failed_call": 0.0, "turn_limit": 0.0})
+    trainer = GRPOTrainer(load_config(path, steps=1), config_dir=tmp_path)
+    trainer.engine.engine = ToolCalling(trainer.engine.engine, trainer.model, trainer.tokenizer)
+    trainer.train()
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    # per group: sample 0 calls 12*13, reads 156 and calls again (cut by max_turns): 2 + 10; sample
+    # 1's call fails (1/0): 1; samples 2 and 3 answer without a call: 0. The final turns alone
+    # would give 1, 0, 0, 0.
+    assert row["reward/python:used_tools"] == pytest.approx((12 + 1 + 0 + 0) / 4)
+
+
+def test_a_trajectory_is_the_turns_the_observations_between_them_and_each_turns_calls(chat_model_dir):
+    from opd.agent.trajectory import trajectory
+    from opd.spine.model import load_tokenizer
+
+    tok = load_tokenizer(chat_model_dir)
+    turn1, seen, turn2 = (tok(t, add_special_tokens=False)["input_ids"] for t in (CALL_OK, "result: 156", "The answer is 156"))
+    ro = Rollout(prompt_ids=[1], response_ids=turn1 + seen + turn2, logprobs=[0.0] * 99, finish_reason="eos",
+                 mask=[1] * len(turn1) + [0] * len(seen) + [1] * len(turn2), meta={"turns": 2})
+    t = trajectory(ro, tok)
+    assert t.turns == [CALL_OK, "The answer is 156"] and t.observations == ["result: 156"]
+    assert [c.name for c in t.tool_calls] == ["calculator"] and t.calls[1] == []
+    assert t.tool_calls[0].arguments == {"expression": "12*13"} and t.meta == {"turns": 2}
+    one = trajectory(Rollout([1], turn2, [0.0] * len(turn2), "eos"), tok)   # one turn, no mask
+    assert one.turns == ["The answer is 156"] and one.observations == [] and one.calls == [[]]
+
+
 @pytest.mark.vllm   # ~30 s: in make test, since the issue's done-when names this run
 def test_opd_rl_with_the_calculator_on_the_vllm_engine(tmp_path, chat_model_dir, one_thread):
     pytest.importorskip("vllm")
