@@ -18,6 +18,10 @@
                         collapse shows as this falling towards 0
     kl@A-B              kl over the rows at response positions A..B (0-based, sampled tokens
                         counted): whether the teacher's signal decays along the response
+    teacher_entropy     per row, the teacher's entropy over the tokens it answered with (its
+                        top k, or the student's) and one bucket for the rest: a lower bound of
+                        its full entropy (merging tokens never raises entropy), nats. A teacher
+                        sure of everything (near 0) teaches what its samples would
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ def position_buckets(pos_N: torch.Tensor) -> dict[str, torch.Tensor]:
             out[f"{lo}+" if hi is None else f"{lo}-{hi - 1}"] = m
         lo = hi
     return out
+
+
+def bucket_entropy(logprobs_N_k: torch.Tensor, tail_logmass_N: torch.Tensor) -> torch.Tensor:
+    """fp32 [N]: -sum_j p_j log p_j over the k answered tokens and the tail bucket (exp(tail))."""
+    lp = torch.cat([logprobs_N_k.float(), tail_logmass_N.float()[:, None]], dim=1)
+    return -torch.where(torch.isfinite(lp), lp.exp() * lp, torch.zeros_like(lp)).sum(dim=1)
 
 
 def repeated_ngram_ratio(ids: list[int], n: int) -> float:

@@ -31,7 +31,7 @@ import time
 import torch
 
 from opd.data import encode_prompt
-from opd.diagnostics import topk_overlap
+from opd.diagnostics import bucket_entropy, topk_overlap
 from opd.distill.batch import Batch
 from opd.distill.stats import StepStats
 from opd.teachers.session import Answer, TeacherSet
@@ -165,7 +165,8 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
             overlap = None if ids is None else topk_overlap(diag_logits[local_i.to(diag_logits.device)], ids)
             topk = answers[t].topk
             tail = topk.tail_logmass[remote_i].exp() if topk is not None else None
-            stats.add_teacher_rows(t, row_domain, weighted, kl_rows, overlap, tail, lam, torch.tensor(pos))
+            entropy = bucket_entropy(topk.logprobs[remote_i], topk.tail_logmass[remote_i]) if topk is not None else None
+            stats.add_teacher_rows(t, row_domain, weighted, kl_rows, overlap, tail, lam, torch.tensor(pos), entropy)
         if batch.advantages is not None and packed.row_offsets[-1]:   # the reward's term, every row
             adv_N = torch.tensor([cfg.loss.reward_weight * batch.advantages[s]
                                   for s in seqs for _ in range(offsets[s + 1] - offsets[s])])

@@ -93,11 +93,12 @@ class StepStats:
 
     def add_teacher_rows(self, teacher: str, row_domain: list[str], weighted: torch.Tensor, kl: torch.Tensor,
                          overlap: torch.Tensor | None, tail: torch.Tensor | None, lam: dict[str, float],
-                         pos_N: torch.Tensor | None = None) -> None:
+                         pos_N: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> None:
         """One teacher's rows of a micro-batch: their domains, weighted loss (what the gradient
         saw), divergence, top-k overlap and (top-k answers) the teacher's tail mass; `lam` the
         domains' multipliers, divided out of the per-domain loss the normalizer follows; `pos_N`
-        each row's position in its response (the divergence per position bucket)."""
+        each row's position in its response (the divergence per position bucket); `entropy` the
+        teacher's bucket entropy per row (opd.diagnostics.bucket_entropy)."""
         contrib, kl = weighted.detach().cpu(), kl.detach().cpu()
         if tail is not None:
             _add_tail(self.tail, teacher, float(tail.sum()), len(tail))
@@ -110,6 +111,8 @@ class StepStats:
                 self.tally.add_rows(d, "topk_overlap", overlap[m])
             if tail is not None:
                 self.tally.add_rows(d, "teacher_tail_mass", tail[m])
+            if entropy is not None:
+                self.tally.add_rows(d, "teacher_entropy", entropy.cpu()[m])
             part = float(contrib[m].sum())
             self.domain_loss[d] = self.domain_loss.get(d, 0.0) + part / max(lam[d], 1e-12)
             self.tally.add_loss(d, part)

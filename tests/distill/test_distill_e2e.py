@@ -87,6 +87,7 @@ def test_heldout_kl_halves(setup, lora, mode, lr, steps, prompts):
     assert 0 <= rows[-1]["diag/gen/topk_overlap"] <= 1 and "diag/gen/eos_rate" in rows[-1]
     # The in-run signals: the sampled tokens' mean surprise, the divergence from the response's start.
     assert rows[-1]["entropy"] > 0 and rows[-1]["diag/gen/kl@0-15"] > 0
+    assert rows[-1].get("diag/gen/teacher_entropy", 0) > 0 if mode == "topk" else "diag/gen/teacher_entropy" not in rows[-1]
     assert result["evals"][-1]["eval/gen/kl@0-15"] > 0
     dump = (out / "samples" / f"step_{steps:06d}.md").read_text()   # the last evaluation's answers, to read
     assert dump.startswith(f"# Held-out answers at step {steps}") and dump.count("\nprompt:") == 4

@@ -1,5 +1,6 @@
 """Diagnostics against hand-computed values."""
 
+import pytest
 import torch
 
 from opd.diagnostics import DomainTally, repeated_ngram_ratio, response_stats, topk_overlap
@@ -98,3 +99,19 @@ def test_a_warning_when_held_out_kl_falls_while_accuracy_falls():
     assert h.warnings == []
     h.warn_kl_without_accuracy(10, {"eval/kl": 0.8, "eval/accuracy": 0.3, "eval/scored": 100})
     assert len(h.warnings) == 1 and "held-out KL fell (1 -> 0.8)" in h.warnings[0] and "since step 0" in h.warnings[0]
+
+
+def test_bucket_entropy_is_the_entropy_of_the_answered_tokens_and_one_tail_bucket():
+    import math
+
+    from opd.diagnostics import bucket_entropy
+
+    p = torch.tensor([[0.5, 0.25], [1.0, 0.0]])
+    tail = torch.tensor([math.log(0.25), float("-inf")])   # the second row: no tail at all
+    lp = torch.where(p > 0, p.log(), torch.full_like(p, float("-inf")))
+    h = bucket_entropy(lp, tail)
+    assert h[0].item() == pytest.approx(-(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)))
+    assert h[1].item() == 0.0
+    # a lower bound: merging the last two of four equal tokens into the tail bucket
+    full = -4 * 0.25 * math.log(0.25)
+    assert bucket_entropy(torch.log(torch.tensor([[0.25, 0.25]])), torch.tensor([math.log(0.5)])).item() < full
