@@ -344,10 +344,17 @@ class TeacherClient:
             self._unsend_all()
 
     def _unsend_all(self) -> None:
-        """The connection was lost: every request goes out again after the next WELCOME."""
+        """The connection was lost: every request goes out again after the next WELCOME, but a
+        prefill (a hint, 2.6), which is dropped: sent again it can reach the server after the
+        SCORE it announced, whose scoring consumed the entries it made, and leave entries no
+        SCORE reads (seen under load: a silent server replaced while prefills were in flight)."""
         self._verified = False
-        for call in self._calls.values():
-            call.sent = False
+        for call in list(self._calls.values()):
+            if call.kind == "prefill":
+                self._fail(call, TeacherError("DROPPED", "the connection was replaced; a prefill hint is not sent "
+                                                         "again"))
+            else:
+                call.sent = False
 
     def _on_command(self, what: str, call: _Call, now: float) -> None:
         if what == "submit":

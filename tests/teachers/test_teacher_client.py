@@ -459,3 +459,18 @@ def test_a_malformed_address_is_an_error_at_once_not_a_hang():
     with pytest.raises(TeacherError, match=r"BAD_ADDRESS: cannot connect to '127.0.0.1:5711' .*tcp://HOST:PORT"):
         TeacherClient("127.0.0.1:5711", timeout_s=2)
     assert time.monotonic() - t0 < 1
+
+
+def test_a_lost_connection_drops_prefill_hints_and_sends_the_scores_again():
+    # A prefill sent again after a reconnection can reach the server after the SCORE it
+    # announced and leave prompt-cache entries nobody reads: hints are dropped, requests kept.
+    from opd.teachers.client import _Call
+
+    client = object.__new__(TeacherClient)   # the decision alone, without the I/O thread
+    hint, score = _Call("prefill", rid=1, sent=True), _Call("topk", rid=2, sent=True)
+    client._calls, client._hellos, client._verified = {1: hint, 2: score}, [], True
+    client._unsend_all()
+    assert list(client._calls) == [2] and score.sent is False and not client._verified
+    with pytest.raises(TeacherError) as e:
+        hint.future.result(timeout=0)
+    assert e.value.code == "DROPPED"
