@@ -5,26 +5,23 @@ methods hand it commands through a queue and wait on futures, so a trainer threa
 keep several requests in flight (`submit_topk`) while it computes.
 
 Reliability, all inside the I/O thread:
-- every request has a deadline (`timeout_s` since its last sign of progress); the client
-  pings the server every `heartbeat_s` while it waits, so a dead server is noticed after
-  `3 * heartbeat_s` of silence even when `timeout_s` is long;
+- every request has a deadline (`timeout_s` since its last sign of progress); pings every
+  `heartbeat_s` while it waits notice a dead server after `3 * heartbeat_s` of silence;
 - every (re)connection starts with HELLO, and no request goes out on it before its
   WELCOME has been checked: a WELCOME with other fingerprints than the first one fails
   everything with FINGERPRINT_CHANGED rather than mixing two teachers. A lost connection
-  (seen by the socket monitor, e.g. a killed server) re-sends every outstanding request
-  after the next WELCOME; a timeout replaces the DEALER (a new connection) likewise;
-- BUSY (the server's in-flight budget is full) is retried after an exponential back-off
-  (up to `max_backoff_s`) for as long as `busy_timeout_s` (default `timeout_s`) from the first
-  BUSY: the budget frees as other requests end, which with full-vocabulary streams read by a
-  training step, or other runs sharing the server, can take much longer than a few back-offs;
+  (seen by the socket monitor, e.g. a killed server) re-sends every outstanding request but
+  prefill hints after the next WELCOME; a timeout replaces the DEALER likewise;
+- BUSY (the server's in-flight budget is full) is retried after an exponential back-off (up to
+  `max_backoff_s`) for `busy_timeout_s` (default `timeout_s`) from the first BUSY: full-vocabulary
+  streams or other runs sharing the server can hold the budget for longer than a few back-offs;
 - the other retryable ERRORs (SHUTTING_DOWN, INTERNAL) are retried after an exponential
   back-off, at most `retries` times; anything else raises `TeacherError(code, message)`;
 - full-vocabulary streams grant one CREDIT per chunk the caller has consumed, and resume
   after a reconnect by skipping rows they already delivered.
 
-What it returns and raises is in teachers/results.py, how a batch is packed, split and
-joined in teachers/batching.py; `TopKResult`, `FullChunk` and `TeacherError` import from
-here as well.
+What it returns and raises is in teachers/results.py (`TopKResult`, `FullChunk` and
+`TeacherError` import from here too), how a batch is packed, split and joined in teachers/batching.py.
 """
 
 from __future__ import annotations
@@ -345,14 +342,11 @@ class TeacherClient:
 
     def _unsend_all(self) -> None:
         """The connection was lost: every request goes out again after the next WELCOME, but a
-        prefill (a hint, 2.6), which is dropped: sent again it can reach the server after the
-        SCORE it announced, whose scoring consumed the entries it made, and leave entries no
-        SCORE reads (seen under load: a silent server replaced while prefills were in flight)."""
+        prefill hint, dropped: sent again it may land after its SCORE (docs/protocol.md)."""
         self._verified = False
         for call in list(self._calls.values()):
             if call.kind == "prefill":
-                self._fail(call, TeacherError("DROPPED", "the connection was replaced; a prefill hint is not sent "
-                                                         "again"))
+                self._fail(call, TeacherError("DROPPED", "connection replaced: a prefill hint is not sent again"))
             else:
                 call.sent = False
 
