@@ -212,8 +212,8 @@ def evaluate_model(cfg: ValidateConfig, path: str, sets: dict[str, list], bar=No
                                                                           max_new_tokens=cfg.max_new_tokens), tools)
                     acc = accuracy([v or 0.0 for v in verify_batch(reworded, g, workers=workers, **code_opts)])
                     res[f"greedy/{kind}"] = acc
-                    if checks.format_drop(kind, res["greedy"], acc):
-                        res.setdefault("format_warnings", []).append(checks.format_drop(kind, res["greedy"], acc))
+                    if warning := checks.format_drop(kind, res["greedy"], acc):
+                        res.setdefault("format_warnings", []).append(warning)
             out[domain] = res
             if bar is not None:
                 bar.update(len(samples))

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from opd.data import Sample, encode_prompt, load_jsonl, write_jsonl
 from opd.generate.config import GenerateConfig, Sampling, TeacherSource
-from opd.rewards import verify_batch
+from opd.rewards import correct, verify_batch
 from opd.rollout import SamplingParams
 from opd.rollout.hf import HFRolloutEngine
 from opd.rollout.vllm import VLLMRolloutEngine
@@ -48,8 +48,7 @@ class LocalSource:
         self.calls += 1
         out: list[list[tuple[str, int]]] = [[] for _ in samples]
         for r in self.engine.generate([encode_prompt(self.tok, x.chat) for x in samples], params):
-            ids = r.response_ids[:-1] if r.finish_reason == "eos" else r.response_ids   # the stop token is not text
-            out[r.prompt_index].append((self.tok.decode(ids, skip_special_tokens=True), len(r.response_ids)))
+            out[r.prompt_index].append((r.text(self.tok), len(r.response_ids)))
         return out
 
     def close(self) -> None:
@@ -142,7 +141,7 @@ def select(sample: Sample, answers: list[tuple[str, float | None]], cfg: Generat
     for text, score in answers:
         if score is None:
             counts["unverified"] += 1
-        elif f.keep == "correct" and score < 1.0:
+        elif f.keep == "correct" and not correct(score):
             counts["wrong"] += 1
             continue
         norm = " ".join(text.split())
@@ -164,7 +163,8 @@ def generate(cfg: GenerateConfig, cfg_path: Path, *, overwrite: bool = False, so
     out = (base / cfg.out).resolve()
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists: pass --overwrite to replace it (nothing was sampled)")
-    samples, _ = load_jsonl((base / cfg.prompts).resolve())
+    source_prompts = (base / cfg.prompts).resolve()
+    samples, _ = load_jsonl(source_prompts)
     samples = samples[:cfg.max_prompts] if cfg.max_prompts else samples
     t0 = time.time()
     opened = source is None
@@ -187,7 +187,7 @@ def generate(cfg: GenerateConfig, cfg_path: Path, *, overwrite: bool = False, so
                 for _, v in scored:
                     if v is not None:
                         p = passed.setdefault(s.domain or "all", [0, 0])
-                        p[0], p[1] = p[0] + int(v >= 1.0), p[1] + 1
+                        p[0], p[1] = p[0] + correct(v), p[1] + 1
                 kept = select(s, scored, cfg, counts)
                 none_kept += not kept
                 rows.extend(row(s, text, v, cfg.format) for text, v in kept)
@@ -205,7 +205,7 @@ def generate(cfg: GenerateConfig, cfg_path: Path, *, overwrite: bool = False, so
             "pass_rate": {d: p[0] / p[1] for d, p in sorted(passed.items())},
             "tokens_sampled": tokens, "wall_s": round(time.time() - t0, 2),
             "teacher": {k: v for k, v in vars(cfg.teacher).items() if v is not None},
-            "sampling": vars(cfg.sampling), "filter": vars(cfg.filter), "source_prompts": str((base / cfg.prompts).resolve())}
+            "sampling": vars(cfg.sampling), "filter": vars(cfg.filter), "source_prompts": str(source_prompts)}
     write_card(out, card)
     return card
 
