@@ -202,6 +202,9 @@ class HFBackend(TeacherBackend):
                 asked[-1].append((key, len(seq)))
                 if key not in self.prompt_cache:
                     todo[key] = (seq, s)
+        within = _continued_within(todo)
+        for key in within:
+            del todo[key]
         items = list(todo.values())
         base = [self.prompt_cache.lookup(seq, s, len(seq) - 1, count=False) for seq, s in items]
         lengths = [len(seq) for seq, _ in items]
@@ -231,7 +234,13 @@ class HFBackend(TeacherBackend):
                            torch.cat([e.hidden, hidden[j, :grow]])[s - e.start:])
                 if e.tokens > e.start:   # a response's earlier part: the longer entry holds all it did
                     self.prompt_cache.drop(key_of(seq[:e.tokens], s))
-        return [sum(n for key, n in mine if key in self.prompt_cache) for mine in asked]
+
+        def held(key: bytes) -> bool:   # itself, or as the first tokens of a longer one of this call
+            while key not in self.prompt_cache and key in within:
+                key = within[key]
+            return key in self.prompt_cache
+
+        return [sum(n for key, n in mine if held(key)) for mine in asked]
 
     def _shared_prefix(self, items: list[tuple[torch.Tensor, int]]) -> Entry | None:
         """The keys and values of the first tokens every (sequence, start) of `items` shares, computed
@@ -340,3 +349,24 @@ class HFBackend(TeacherBackend):
             lse = torch.logsumexp(z, dim=-1)
             token_lp = z.gather(1, targets[a:a + req.chunk_rows, None].to(z.device)).squeeze(1) - lse
             yield FullChunkAnswer(a, logits.to(out_dtype).cpu(), lse.cpu(), token_lp.cpu())
+
+
+def _continued_within(todo: dict[bytes, tuple[torch.Tensor, int]]) -> dict[bytes, bytes]:
+    """{key: a longer sequence's key} for each sequence of one prefill that a longer one of the same
+    call continues (same start, its first tokens). Hints queued behind a slow SCORE reach the
+    server together (a prompt, then its response at a quarter and at a half) and are computed in
+    one call; the shorter would be kept beside the longer, and since the SCORE reads and drops
+    only the longest, left in the cache for good. The longer one holds all of it."""
+    by_prompt: dict[bytes, list[bytes]] = {}
+    for key, (seq, s) in todo.items():
+        by_prompt.setdefault(key_of(seq[:s], s), []).append(key)
+    out = {}
+    for keys in by_prompt.values():   # one prompt's sequences: its samples at each length announced
+        keys.sort(key=lambda k: len(todo[k][0]))
+        for i, short in enumerate(keys):
+            seq = todo[short][0]
+            for long in keys[i + 1:]:
+                if len(todo[long][0]) > len(seq) and torch.equal(todo[long][0][:len(seq)], seq):
+                    out[short] = long
+                    break
+    return out

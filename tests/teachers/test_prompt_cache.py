@@ -111,6 +111,27 @@ def test_responses_announced_as_they_grow_continue_each_other(backends, batch, t
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=2e-5, rtol=0)
 
 
+def test_a_prompt_and_its_grown_responses_in_one_call_leave_nothing_after_the_score(backends, batch,
+                                                                                     tiny_teacher_dir):
+    # Under load the hints queue behind a slow SCORE and the server computes a prompt and its
+    # response at a quarter and at a half in one call. The shorter ones were kept beside the
+    # longest, which alone the SCORE reads and drops: 7 to 16 entries left per run in the trainer's
+    # prefill test on a loaded box. Each is now held as the first tokens of the longest.
+    plain, _ = backends
+    cached = HFBackend(tiny_teacher_dir, max_k=8, prompt_cache_tokens=256)
+    prompts, seqs, starts = batch
+    quarter, half = ([seq[:s + int(part * (len(seq) - s))] for seq, s in zip(seqs, starts)] for part in (0.25, 0.5))
+    held = cached.prefill([prefill(prompts), prefill(quarter, starts), prefill(half, starts)])
+    assert held == [26, sum(map(len, quarter)), sum(map(len, half))]   # each held, itself or within a longer one
+    # one entry per sequence as announced at a half (prompt 1's response, one token, is its prompt)
+    assert sorted(e.tokens for e in cached.prompt_cache._entries.values()) == sorted({len(h) for h in half})
+    want, got = plain.score_topk([request(seqs, starts)])[0], cached.score_topk([request(seqs, starts)])[0]
+    assert torch.equal(want.ids, got.ids) and cached.prompt_cache.hits == 4
+    for a, b in zip(want[1:], got[1:]):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    assert len(cached.prompt_cache) == 0 and cached.prompt_cache.tokens == 0
+
+
 def test_prompts_that_share_their_first_tokens_compute_them_once(backends, tiny_teacher_dir):
     # A chat template's system prompt and turn header start every prompt: announced together,
     # the shared tokens go through the body once, and each prompt continues them.
