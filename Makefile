@@ -9,12 +9,16 @@ export TOKENIZERS_PARALLELISM ?= false
 setup:
 	@bash scripts/setup_env.sh
 
+# Two pytest-xdist workers: a test file stays on one, vLLM's and Ray's tests share one
+# (tests/conftest.py); TEST_WORKERS=0 runs the suite in this process alone.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q -x --durations=15 tests
+	$(PY) -m pytest -q -x -n $(TEST_WORKERS) --durations=15 tests
 
 # Includes tests marked slow (beyond the CI budget).
 test-all: setup
-	$(PY) -m pytest -q -m "" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "" tests
 
 demo: setup
 	$(PY) scripts/demo.py $(DEMO_ARGS)

@@ -26,7 +26,7 @@ PIP="$VENV/bin/python -m pip install --disable-pip-version-check -q"
 COMMON=(
   "transformers==5.19.0" "triton==3.9.0" "ray==2.60.0" "peft==0.21.2" "pyzmq==27.3.0"
   "msgspec>=0.19" "safetensors>=0.4" "tokenizers>=0.21" "numpy>=1.26" "pyyaml>=6"
-  "tqdm>=4.66" "matplotlib>=3.8" "pytest>=8" "pytest-timeout>=2.3" "psutil>=5.9"
+  "tqdm>=4.66" "matplotlib>=3.8" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.6" "psutil>=5.9"
 )
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   $PIP vllm "${COMMON[@]}"
