@@ -1,7 +1,8 @@
 """The checks a practitioner reads before leaving a stage (the seeds' SFT-exit table), per model
 and domain, from the answers `opd validate` sampled: can the verifier read the answer, does the
-code run and end, how many answers hit the length cap, are empty or loop; each with a verdict,
-and a few examples of each failure for a person to read.
+code run and end, how many answers hit the length cap, are empty or loop, and (an agent's
+trajectories) do its tool calls parse and run, does it stop before the turn limit; each with a
+verdict, and a few examples of each failure for a person to read.
 
     exit_checks(samples, texts, rollouts, details, dump) -> {"rows": {...}, "examples": {...}}
     perturbed(sample, kind)                              -> the sample with its prompt reworded
@@ -25,6 +26,8 @@ CHECKS = {
     "length_capped": ("answers cut by max_new_tokens", "low", 0.05, 0.20),
     "empty": ("answers with no text", "low", 0.01, 0.05),
     "repeated": ("answers that loop (over half their 4-grams repeats)", "low", 0.01, 0.05),
+    "tool_calls_valid": ("agent: tool calls that parsed and ran, of all its calls", "high", 0.95, 0.80),
+    "turn_limit": ("agent: trajectories stopped by agent.max_turns before an answer", "low", 0.05, 0.20),
 }
 LOOP_NGRAM, LOOP_SHARE = 4, 0.5
 
@@ -50,6 +53,10 @@ def failures(text: str, rollout, status: str | None) -> list[str]:
         out.append("empty")
     if repeated_ngram_ratio(rollout.response_ids, LOOP_NGRAM) > LOOP_SHARE:
         out.append("repeated")
+    if rollout.meta.get("tool_failures"):   # an agent's trajectory (opd.agent.loop's meta)
+        out.append("tool_calls_valid")
+    if rollout.meta.get("turn_limit"):
+        out.append("turn_limit")
     return out
 
 
@@ -70,12 +77,16 @@ def exit_checks(samples: list, texts: list[str], rollouts: list, details: list[t
             if len(examples.setdefault(name, [])) < dump:
                 examples[name].append({"prompt": s.prompt[:500], "response": text[:1000], "score": score,
                                        "verifier": status, "finish": ro.finish_reason})
-    of = {"answer_extracted": math, "code_ran": code, "timeouts": code, "errors": code}
+    of = {"answer_extracted": math, "code_ran": code, "timeouts": code, "errors": code,
+          "turn_limit": sum("turns" in ro.meta for ro in rollouts)}
+    # per call, not per answer: an answer may call several times and fail one
+    of["tool_calls_valid"] = sum(ro.meta.get("tool_calls", 0) for ro in rollouts)
+    counts["tool_calls_valid"] = sum(ro.meta.get("tool_failures", 0) for ro in rollouts)
     rows = {}
     for name, (what, better, _, _) in CHECKS.items():
         total = of.get(name, n)
         if not total:
-            continue   # no math answers for answer_extracted, no code for the sandbox rows
+            continue   # no math answers for answer_extracted, no code for the sandbox rows, no agent
         bad = counts[name] / total
         value = 1.0 - bad if better == "high" else bad
         rows[name] = {"value": value, "verdict": verdict(name, value), "of": total, "what": what}

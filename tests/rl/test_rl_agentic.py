@@ -367,6 +367,7 @@ def test_validate_answers_as_an_agent(tmp_path, chat_model_dir, one_thread):
     result = validate(cfg)
     res = result["results"]["chat"]["math"]
     assert res["agent/turns"] >= 1.0 and "agent/tool_calls" in res
+    assert res["checks"]["rows"]["turn_limit"]["of"] == 4   # 2 prompts x 2 samples: the agent's exit checks
     assert "agent/turns" in (tmp_path / "val" / "report.md").read_text()
 
 

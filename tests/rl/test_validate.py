@@ -282,3 +282,28 @@ def test_cli_refuses_a_path_that_is_not_a_model_before_the_first_evaluation(tmp_
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "[opd validate] base" not in bad.stderr
     assert f"error: models['teacher'].path {tmp_path / 'ghost'}: no such directory" in bad.stderr
+
+
+def test_an_agents_tool_calls_are_checked_per_call_and_its_turn_limit_per_trajectory():
+    from opd.data import Sample
+    from opd.rl.checks import exit_checks
+    from opd.rollout.base import Rollout
+
+    metas = [{"turns": 3, "tool_calls": 4, "tool_failures": 1, "turn_limit": True},   # 1 bad call of 4
+             {"turns": 2, "tool_calls": 1, "tool_failures": 0, "turn_limit": False},
+             {"turns": 1, "tool_calls": 0, "tool_failures": 0, "turn_limit": False},
+             {"turns": 3, "tool_calls": 5, "tool_failures": 0, "turn_limit": True}]
+    rollouts = [Rollout(prompt_ids=[1], response_ids=[5, 6, 7], logprobs=[0.0] * 3, finish_reason="eos", meta=m)
+                for m in metas]
+    samples = [Sample(prompt=f"q{i}", answer="7") for i in range(4)]
+    out = exit_checks(samples, ["7"] * 4, rollouts, [(1.0, "answer")] * 4, dump=2)
+    rows = out["rows"]
+    assert rows["tool_calls_valid"]["of"] == 10 and rows["tool_calls_valid"]["value"] == pytest.approx(0.9)
+    assert rows["tool_calls_valid"]["verdict"] == "warn"     # 0.9: below 0.95, above 0.80
+    assert (rows["turn_limit"]["of"], rows["turn_limit"]["value"], rows["turn_limit"]["verdict"]) == (4, 0.5, "fail")
+    assert [e["prompt"] for e in out["examples"]["turn_limit"]] == ["q0", "q3"]
+    assert [e["prompt"] for e in out["examples"]["tool_calls_valid"]] == ["q0"]
+    # answers that are not trajectories have neither row
+    plain = [Rollout(prompt_ids=[1], response_ids=[5], logprobs=[0.0], finish_reason="eos") for _ in range(2)]
+    rows = exit_checks(samples[:2], ["7"] * 2, plain, [(1.0, "answer")] * 2, dump=1)["rows"]
+    assert "tool_calls_valid" not in rows and "turn_limit" not in rows
