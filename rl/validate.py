@@ -265,6 +265,25 @@ def teacher_shares(cfg: ValidateConfig, results: dict) -> dict:
     return {"metric": metric, "shares": shares}
 
 
+REGRESSION = 0.05   # a fall below the base model's accuracy on a domain larger than this is warned about
+
+
+def against_base(cfg: ValidateConfig, results: dict) -> dict:
+    """Each other model's accuracy on each domain less the (first) `role: base` model's: the seeds'
+    regression check (a general set among the domains shows what training cost outside its own),
+    with a warning past REGRESSION. Empty without a base model."""
+    metric = "greedy" if cfg.greedy else "pass@1"
+    base = next((m for m in cfg.models if m.role == "base"), None)
+    if base is None:
+        return {}
+    deltas = {m.name: {d: results[m.name][d][metric] - results[base.name][d][metric] for d in results[m.name]}
+              for m in cfg.models if m is not base}
+    warnings = [f"{name}, {d}: {metric} {results[name][d][metric]:.3f} against the base's "
+                f"{results[base.name][d][metric]:.3f} ({delta:+.3f})"
+                for name, per in deltas.items() for d, delta in per.items() if delta < -REGRESSION]
+    return {"base": base.name, "metric": metric, "deltas": deltas, "warnings": warnings}
+
+
 def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     domains = [s.domain for s in cfg.sets]
@@ -299,6 +318,12 @@ def write_report(cfg: ValidateConfig, results: dict, extra: dict, out: Path) -> 
             lines.append(f"- **{name}**: " + ", ".join(
                 f"{d}: {v:.0%} of the teacher" if v is not None else f"{d}: teacher scores 0" for d, v in per.items()))
         lines.append("")
+    base = extra.get("against_base")
+    if base:
+        lines += [f"## Against the base model {base['base']} ({base['metric']})", "",
+                  *(f"- **{name}**: " + ", ".join(f"{d}: {v:+.3f}" for d, v in per.items())
+                    for name, per in base["deltas"].items()),
+                  *(f"- **warning**, regression: {w}" for w in base["warnings"]), ""]
     if "grpo_check" in extra:
         g = extra["grpo_check"]
         verdict = "still rises" if g.get("reward_rose") else "does not rise"
@@ -351,7 +376,7 @@ def validate(cfg: ValidateConfig, base_dir: Path | None = None) -> dict:
             results[m.name] = evaluate_model(cfg, m.path, sets, bar=bar, base_dir=base_dir)
     finally:
         bar.close()
-    extra: dict[str, Any] = {"teacher_shares": teacher_shares(cfg, results)}
+    extra: dict[str, Any] = {"teacher_shares": teacher_shares(cfg, results), "against_base": against_base(cfg, results)}
     if grpo is not None:
         extra["grpo_check"] = grpo_check(cfg, *grpo)
     extra["seconds"] = time.time() - t0

@@ -307,3 +307,28 @@ def test_an_agents_tool_calls_are_checked_per_call_and_its_turn_limit_per_trajec
     plain = [Rollout(prompt_ids=[1], response_ids=[5], logprobs=[0.0], finish_reason="eos") for _ in range(2)]
     rows = exit_checks(samples[:2], ["7"] * 2, plain, [(1.0, "answer")] * 2, dump=1)["rows"]
     assert "tool_calls_valid" not in rows and "turn_limit" not in rows
+
+
+def test_each_model_is_compared_with_the_base_and_a_regression_is_warned_about(tmp_path, monkeypatch, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    (tmp_path / "math.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+3=", "answer": "5"}\n')
+    (tmp_path / "general.jsonl").write_text('{"prompt": "len: ab", "answer": "2"}\n{"prompt": "len: abc", "answer": "3"}\n')
+    base = {"1+1=": ["2"], "2+3=": ["4"], "len: ab": ["2"], "len: abc": ["3"]}      # math 0.5, general 1
+    tuned = {"1+1=": ["2"], "2+3=": ["5"], "len: ab": ["2"], "len: abc": ["7"]}     # math 1, general 0.5
+    monkeypatch.setattr(V, "_engine", lambda cfg, path: (ScriptedEngine(tok, {"b": base, "s": tuned}[path]), tok))
+    monkeypatch.setattr(V, "check_model_dir", lambda path, what: path)
+    cfg = from_dict({"models": [{"name": "B", "path": "b", "role": "base"}, {"name": "S", "path": "s", "role": "student"}],
+                     "sets": [{"domain": "math", "path": str(tmp_path / "math.jsonl")},
+                              {"domain": "general", "path": str(tmp_path / "general.jsonl")}],
+                     "samples": 1, "k": [1], "out_dir": str(tmp_path / "out")}, V.ValidateConfig)
+    res = V.validate(cfg)["against_base"]
+    assert res["base"] == "B" and res["metric"] == "greedy"
+    assert res["deltas"] == {"S": {"math": pytest.approx(0.5), "general": pytest.approx(-0.5)}}
+    assert res["warnings"] == ["S, general: greedy 0.500 against the base's 1.000 (-0.500)"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Against the base model B (greedy)" in md and "- **S**: math: +0.500, general: -0.500" in md
+    assert "- **warning**, regression: S, general" in md
+    # without a base model there is nothing to compare with
+    assert V.against_base(V.ValidateConfig(**{**vars(cfg), "models": cfg.models[1:]}), {}) == {}
