@@ -101,9 +101,8 @@ def run_opd(work: Path, student: Path, teacher: Path, data: Path, mode: str, ste
                       "routing": {"rules": [{"kind": "fallback", "teacher": "teacher"}]}},
             "rollout": {"prompts_per_step": batch, "max_new_tokens": new_tokens, "temperature": 1.0},
             "loss": {"trim": "none"},
-            # fused AdamW, as transformers' Trainer (so both TRL trainers) defaults to
-            "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "micro_batch_size": batch,
-                      "fused": True},
+            # AdamW at opd's defaults (fused, as transformers' Trainer, so both TRL trainers, has it)
+            "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "micro_batch_size": batch},
             "run": {"steps": steps, "out_dir": str(out), "pipeline": pipeline, "eval_every": 0,
                     "checkpoint_every": 0, "progress": False, "tensorboard": False},
         }

@@ -59,8 +59,9 @@ class SFTConfig:
     warmup_steps: int = field(10, help="linear warmup steps", min=0)
     schedule: Literal["cosine", "constant"] = field("cosine", help="learning-rate decay after warmup")
     grad_clip: float = field(1.0, help="clip the global gradient norm (0: off)", min=0.0)
-    fused: bool = field(False, help="AdamW's fused kernel where torch has it for the parameters (optim.fused of "
-                                    "opd train / opd rl): faster, the same update with other rounding")
+    fused: bool = field(True, help="AdamW's fused kernel where torch has it for the parameters (optim.fused of "
+                                   "opd train / opd rl): faster; false: foreach, the same update with other "
+                                   "rounding")
     max_length: int = field(128, help="truncate prompt+response to this many tokens", min=2)
     seed: int = field(0, help="data order and dropout seed")
     # logging

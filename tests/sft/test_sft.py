@@ -49,9 +49,9 @@ def test_config_needs_exactly_one_start():
     lr_at = lr_lambda(cfg.optim_config(), cfg.steps)   # the multiplier of cfg.lr at each step
     assert cfg.lr * lr_at(0) == pytest.approx(0.005) and cfg.lr * lr_at(2) == pytest.approx(0.01)
     assert cfg.lr * lr_at(9) < 0.001
-    assert not cfg.optim_config().fused   # foreach unless asked: the recorded runs' rounding
-    assert from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}], "tiny": {"layers": 1}, "fused": True},
-                     SFTConfig).optim_config().fused
+    assert cfg.optim_config().fused   # AdamW's fused kernel by default, as transformers' Trainer
+    assert not from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}], "tiny": {"layers": 1}, "fused": False},
+                         SFTConfig).optim_config().fused
 
 
 def test_short_run_lowers_eval_loss_and_saves_model(tmp_path, capsys):

@@ -62,7 +62,8 @@ def test_optim_fused_takes_adamws_fused_kernel_which_steps_as_foreach_does():
     cfg = OptimConfig(lr=0.01, weight_decay=0.1, grad_clip=1.0, fused=True)
     opt, _ = build_optimizer(model, cfg, steps=10)
     assert opt.defaults["fused"] is True
-    assert build_optimizer(twin, OptimConfig(), steps=1)[0].defaults["fused"] is None   # off by default
+    assert build_optimizer(twin, OptimConfig(), steps=1)[0].defaults["fused"] is True   # on by default
+    assert build_optimizer(twin, OptimConfig(fused=False), steps=1)[0].defaults["fused"] is None
     ref = torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.1, foreach=True)
     start = model[0].weight.detach().clone()
     for _ in range(5):
@@ -76,7 +77,7 @@ def test_optim_fused_takes_adamws_fused_kernel_which_steps_as_foreach_does():
     # a resume follows the config, not the kernel the checkpoint was saved with
     ref.load_state_dict(opt.state_dict())
     assert ref.param_groups[0]["fused"] is True   # a plain AdamW takes the saved kernel ...
-    again, _ = build_optimizer(twin, OptimConfig(), steps=1)
+    again, _ = build_optimizer(twin, OptimConfig(fused=False), steps=1)
     again.load_state_dict(opt.state_dict())
     assert again.param_groups[0]["fused"] is None and len(again.state) == 4   # ... build_optimizer's keeps its own
     # what the fused kernel does not take: integer tensors, a meta device, nothing at all
