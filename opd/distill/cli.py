@@ -43,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, run=replace(cfg.run, steps=args.steps))
     if args.out_dir is not None:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
+    from opd.cluster.cores import share_cores
+    share_cores(cfg.cluster)   # before torch is imported: libgomp reads it once
     # Imported here, not at the top: see opd.cli (`--help` needs no torch).
     from opd.distill.trainer import Trainer
     from opd.spine.dist import close_world, ranks_for

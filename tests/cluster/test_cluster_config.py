@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,16 @@ def test_retired_keys_are_refused_saying_why():
                                           "optim.grad_clip now"):
         from_dict({"model": {"path": "m"}, "data": {"train": "t.jsonl"}, "algorithm": {"max_grad_norm": 1.0}},
                   RLConfig)
+
+
+def test_a_trainer_that_forks_its_teachers_waits_passively_unless_the_user_chose(monkeypatch):
+    from opd.cluster.cores import share_cores
+
+    fork = from_dict({"mode": "fork", "teachers": [{"name": "t", "model": "m"}]}, ClusterConfig)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")   # recorded first, so that teardown restores what was there
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert share_cores(from_dict({"mode": "local"}, ClusterConfig)).startswith("unset")
+    assert "OMP_WAIT_POLICY" not in os.environ                     # teachers elsewhere: libgomp's default
+    assert share_cores(fork).startswith("PASSIVE") and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert share_cores(fork) == "ACTIVE" and os.environ["OMP_WAIT_POLICY"] == "ACTIVE"   # the user's stays
