@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from opd.cluster.cores import share_cores
 from opd.config import ConfigError, describe, positive_int
 from opd.distill.config import TrainConfig, load_train_config
 
@@ -43,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, run=replace(cfg.run, steps=args.steps))
     if args.out_dir is not None:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=str(args.out_dir)))
-    from opd.cluster.cores import share_cores
     share_cores(cfg.cluster)   # before torch is imported: libgomp reads it once
     # Imported here, not at the top: see opd.cli (`--help` needs no torch).
     from opd.distill.trainer import Trainer
