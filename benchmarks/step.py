@@ -253,7 +253,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads of opd's teacher server (unset: tiny --threads, small-real one fewer than the "
                         "cores, at least 1)")
     p.add_argument("--omp-wait-policy", choices=["passive", "active"], default=None,
-                   help="OMP_WAIT_POLICY of every process of every system; None: unset (libgomp spins)")
+                   help="OMP_WAIT_POLICY of every process of every system, TRL's too (forced PASSIVE slowed "
+                        "TRL from 56-62 to 45 tokens/s at small-real); None: each system's own (libgomp's "
+                        "default; opd train sets PASSIVE itself when it forks its teacher)")
     # Reading smaps_rollup of 2.5 GB processes every 50 ms took ~0.3 of a core from the systems
     p.add_argument("--memory-interval", type=float, default=None, help="seconds between PSS samples")
     p.add_argument("--teacher-launch", choices=["fork", "process"], default="fork",
