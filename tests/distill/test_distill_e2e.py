@@ -694,3 +694,26 @@ def test_a_batch_reward_advantage_needs_no_groups(setup):
     assert len(rows) == 3 and all("reward/mean" in r for r in rows)
     mixed = [r for r in rows if 0 < r["reward/mean"] < 1]   # a step whose rewards differ carries signal
     assert mixed and all(r["signal/reward"] > 0 for r in mixed)
+
+
+def test_a_whole_run_warns_when_heldout_kl_falls_while_accuracy_falls(setup):
+    # The verifier is scripted (every answer right at the first evaluation, wrong after it);
+    # the held-out KL is the run's own, which training towards the teacher lowers.
+    class Worsening(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.evaluations = 0
+
+            def verify(samples, texts):
+                self.evaluations += 1
+                return [1.0 if self.evaluations == 1 else 0.0] * len(texts)
+            self.verify = verify
+
+    out = setup["root"] / "kl_down_accuracy_down"
+    result = Worsening(_cfg(setup, "kl_down_accuracy_down", steps=8, **{"run.eval_every": 4})).run()
+    (e0, e4, e8) = result["evals"]
+    assert (e0["step"], e4["step"], e8["step"]) == (0, 4, 8)
+    assert e4["eval/kl"] < e0["eval/kl"] and (e0["eval/accuracy"], e4["eval/accuracy"]) == (1.0, 0.0)
+    warnings = json.loads((out / "card.json").read_text())["run"]["warnings"]
+    said = [w for w in warnings if "held-out KL fell" in w]
+    assert len(said) == 1 and said[0].startswith("step 4: held-out KL fell") and "since step 0" in said[0]
