@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from opd.card import write_card
+from opd.cluster.cores import wait_policy
 from opd.distill import agentic
 
 
@@ -115,7 +115,7 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
                  "skipped_malformed_lines": skipped_lines or "none",
                  "routing_rules": [r.kind for r in cfg.merge.routing.rules] or ["single teacher"]},
         "run": {"steps": steps, "seed": cfg.run.seed, "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
-                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp's default)"),
+                "omp_wait_policy": wait_policy(),
                 "ranks": f"{ranks} (FSDP2, each rank {cfg.rollout.prompts_per_step // ranks} prompts a step)"
                 if ranks > 1 else "1", **({"memory_per_rank_bytes": memory} if memory else {}),
                 "prompts_per_step": cfg.rollout.prompts_per_step, "grad_accum": cfg.optim.grad_accum,

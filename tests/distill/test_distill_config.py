@@ -1,6 +1,7 @@
 """The train config: every option documented, shown by --help, and present in the example."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 import typing
@@ -185,3 +186,36 @@ def test_settings_an_engine_cannot_take_are_refused_with_the_config():
     assert from_dict({**train, "student": {"path": "s", "lora": head}}, TrainConfig).student.lora.rank == 4
     assert from_dict({**rl, "model": {"path": "m", "lora": {"rank": 4}}, "rollout": {"engine": "vllm"}},
                      RLConfig).rollout.engine == "vllm"
+
+
+def test_opd_train_sets_the_passive_wait_policy_before_the_trainer_when_it_forks_its_teacher(
+        tmp_path, monkeypatch, tiny_model_dir):
+    # The CLI, not the Trainer, sets it (libgomp reads it when torch loads): the Trainer here is a
+    # recorder of the environment it was built in.
+    import opd.distill.trainer as T
+    from opd.cli import main
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, cfg, **kwargs):
+            seen.append((cfg.cluster.mode, os.environ.get("OMP_WAIT_POLICY")))
+
+        def run(self):
+            return {"evals": [], "step": 0, "out_dir": "x"}
+
+    monkeypatch.setattr(T, "Trainer", Recorder)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "")   # recorded first, so that teardown restores what was there
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1=", "domain": "math"}\n')
+    for mode in ("local", "fork"):
+        cfg = {"student": {"path": str(tiny_model_dir)},
+               "merge": {"teachers": [{"name": "t", "address": "tcp://127.0.0.1:*" if mode == "fork"
+                                       else "tcp://127.0.0.1:5999", "domains": ["math"]}],
+                         "datasets": [{"domain": "math", "path": str(tmp_path / "d.jsonl")}]},
+               "run": {"out_dir": str(tmp_path / mode)}}
+        if mode == "fork":
+            cfg["cluster"] = {"mode": "fork", "teachers": [{"name": "t", "model": str(tiny_model_dir)}]}
+        (tmp_path / f"{mode}.yaml").write_text(yaml.safe_dump(cfg))
+        assert main(["train", str(tmp_path / f"{mode}.yaml")]) == 0
+    assert seen == [("local", None), ("fork", "PASSIVE")]
