@@ -78,9 +78,10 @@ def exit_checks(samples: list, texts: list[str], rollouts: list, details: list[t
                 examples[name].append({"prompt": s.prompt[:500], "response": text[:1000], "score": score,
                                        "verifier": status, "finish": ro.finish_reason})
     of = {"answer_extracted": math, "code_ran": code, "timeouts": code, "errors": code,
-          "turn_limit": sum("turns" in ro.meta for ro in rollouts)}
-    # per call, not per answer: an answer may call several times and fail one
-    of["tool_calls_valid"] = sum(ro.meta.get("tool_calls", 0) for ro in rollouts)
+          "turn_limit": sum("turns" in ro.meta for ro in rollouts),
+          "tool_calls_valid": sum(ro.meta.get("tool_calls", 0) for ro in rollouts)}
+    # a share of the calls, not of the answers (an answer may call several times and fail one);
+    # the examples above are still the answers with a failed call
     counts["tool_calls_valid"] = sum(ro.meta.get("tool_failures", 0) for ro in rollouts)
     rows = {}
     for name, (what, better, _, _) in CHECKS.items():
