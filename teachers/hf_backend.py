@@ -366,7 +366,7 @@ def _continued_within(todo: dict[bytes, tuple[torch.Tensor, int]]) -> dict[bytes
         for i, short in enumerate(keys):
             seq = todo[short][0]
             for long in keys[i + 1:]:
-                if torch.equal(todo[long][0][:len(seq)], seq):   # longer, or the same key (deduplicated)
+                if torch.equal(todo[long][0][:len(seq)], seq):   # one as long would be the same key: longer
                     out[short] = long
                     break
     return out
