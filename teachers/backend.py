@@ -75,6 +75,52 @@ class ScoreRequest:
         return self.ids[self.offsets[b]:self.offsets[b + 1]]
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One validated SAMPLE request (protocol 2.7): B prompts, n responses each."""
+    request_id: int
+    ids: torch.Tensor           # int64 [T], the prompts concatenated
+    offsets: tuple[int, ...]    # [B + 1] into ids
+    n: int
+    max_new_tokens: int
+    temperature: float          # 0: greedy
+    top_p: float
+    seed: int
+    stop_ids: tuple[int, ...]   # (): the backend's own EOS ids
+    mode: str = "sample"
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """What it may hold in the server's in-flight budget: its prompts and every response at full length."""
+        return int(self.ids.numel()) + self.num_sequences * self.n * self.max_new_tokens
+
+    def row_offsets(self) -> list[int]:
+        return [0] * len(self.offsets)   # a SAMPLE answers no rows
+
+    def sequence(self, b: int) -> torch.Tensor:
+        return self.ids[self.offsets[b]:self.offsets[b + 1]]
+
+
+class SampleAnswer(NamedTuple):
+    """The B * n responses of one SAMPLE request, response j of prompt b at b * n + j."""
+    responses: list[list[int]]   # token ids, each ending after its first stop id or at max_new_tokens
+    finish: list[str]            # "stop" | "length"
+
+
+def cut_at_stop(ids: list[int], stop_ids, max_new_tokens: int) -> tuple[list[int], str]:
+    """A generated row as a response: through its first stop id (kept), else its first
+    max_new_tokens ids (what an engine padded a finished row with is dropped)."""
+    stops = set(stop_ids)
+    for i, t in enumerate(ids[:max_new_tokens]):
+        if t in stops:
+            return ids[:i + 1], "stop"
+    return ids[:max_new_tokens], "length"
+
+
 class TopKAnswer(NamedTuple):
     """All rows of one request (R rows). fp32 except ids."""
     ids: torch.Tensor            # int32 [R, k]
@@ -124,6 +170,11 @@ class TeacherBackend(abc.ABC):
     @abc.abstractmethod
     def score_full(self, req: ScoreRequest) -> Iterator[FullChunkAnswer]:
         """Stream one full-vocabulary request in chunks of `req.chunk_rows` rows."""
+
+    def sample(self, reqs: list[SampleRequest]) -> list[SampleAnswer]:
+        """Generate the responses of several SAMPLE requests (protocol 2.7; served where `modes`
+        lists "sample")."""
+        raise NotImplementedError(f"the {self.name} backend does not sample")
 
     def close(self) -> None:
         pass

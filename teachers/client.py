@@ -45,9 +45,9 @@ from opd.teachers.batching import (SplitBatch, answered_rows, check_batch, pack,
                                    split_by_tokens)
 from opd.teachers.keys import client_curve_keys
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
-                                   Ping, ProtocolError, Score, TopK, Welcome, decode, default_chunk_rows, encode,
-                                   send_frames, to_torch)
-from opd.teachers.results import FullChunk, TeacherError, TopKResult
+                                   Ping, ProtocolError, Sample, Samples, Score, TopK, Welcome, decode,
+                                   default_chunk_rows, encode, send_frames, to_torch)
+from opd.teachers.results import FullChunk, SampleResult, TeacherError, TopKResult
 
 # Callers import these from here too: the result types (teachers/results.py), _as_curve
 # (opd.train_teachers) and _pack (the tests, opd.bench.transport).
@@ -59,8 +59,8 @@ _END = object()
 
 @dataclass(eq=False)
 class _Call:
-    kind: str                          # "hello" | "topk" | "full" | "prefill"
-    score: Score | None = None
+    kind: str                          # "hello" | "topk" | "full" | "prefill" | "sample"
+    score: Score | Sample | None = None
     arrays: tuple = ()
     future: Future = field(default_factory=Future)
     chunks: queue.Queue | None = None  # full mode: FullChunk | exception | _END
@@ -165,6 +165,45 @@ class TeacherClient:
     def prefill(self, sequences: Sequence[Sequence[int]], starts: Sequence[int] | None = None) -> list[Future]:
         """Protocol 2.6: announce what SCOREs will soon carry (a hint; batching.prefill_parts)."""
         return [self._command("submit", _Call("prefill", *p)) for p in prefill_parts(self.info(), sequences, starts)]
+
+    def submit_sample(self, prompts: Sequence[Sequence[int]], *, n: int = 1, max_new_tokens: int = 64,
+                      temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                      stop_ids: Sequence[int] = ()) -> Future:
+        """Protocol 2.7: Future of a SampleResult, the teacher's n responses to each prompt (token
+        ids as it reads them: its chat template applied), response j of prompt b at b * n + j.
+        stop_ids: a response ends after the first (kept); none: the teacher's own EOS. Prompts
+        that would exceed max_tokens_per_request (every response counted at max_new_tokens) go
+        as several requests, one result; the same seed gives the same responses for one split."""
+        welcome = self.info()
+        if "sample" not in welcome.modes:
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher at {self.address} ({welcome.backend} backend, protocol "
+                                                      f"{tuple(welcome.version)}) does not sample: its modes are "
+                                                      f"{welcome.modes}; serve it with opd >= protocol 2.7")
+        per_prompt = n * max_new_tokens
+        lengths = [len(p) + per_prompt for p in prompts]
+        args = dict(n=int(n), max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
+                    seed=int(seed), stop_ids=[int(t) for t in stop_ids])
+        futures = [self._command("submit", _Call("sample", Sample(request_id=0, **args), pack(prompts[a:b])))
+                   for a, b in split_by_tokens(lengths, welcome.max_tokens_per_request)]
+        if len(futures) == 1:
+            return futures[0]
+        joined: Future = Future()
+
+        def join(_: Future) -> None:
+            if joined.done() or not all(f.done() for f in futures):
+                return
+            try:
+                parts = [f.result() for f in futures]
+            except BaseException as e:   # noqa: BLE001 - the caller's future carries it
+                joined.set_exception(e)
+                return
+            joined.set_result(SampleResult([r for p in parts for r in p.responses], [x for p in parts for x in p.finish]))
+        for f in futures:
+            f.add_done_callback(join)
+        return joined
+
+    def sample(self, prompts, **kwargs) -> SampleResult:
+        return self.submit_sample(prompts, **kwargs).result()
 
     def score_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
                    vocab_limit: int = 0, contexts=None, candidates=None, rows=None) -> TopKResult:
@@ -378,7 +417,7 @@ class TeacherClient:
         self._calls.pop(call.rid, None)
         call.rid = next(self._rids)
         call.score.request_id = call.rid
-        call.server_credit = call.score.window
+        call.server_credit = getattr(call.score, "window", 0)
         call.sent = self._verified and self._send(encode(call.score, call.arrays))
         self._calls[call.rid] = call
 
@@ -438,6 +477,11 @@ class TeacherClient:
                 return
             call.delivered_rows = msg.row_start + rows
             call.chunks.put(FullChunk(msg.row_start, *(to_torch(a, s.dtype) for a, s in zip(arrays, msg.tensors))))
+        elif isinstance(msg, Samples):
+            del self._calls[call.rid]
+            ids, offsets = (a.tolist() for a in arrays)
+            call.future.set_result(SampleResult([ids[a:b] for a, b in zip(offsets, offsets[1:])], list(msg.finish),
+                                                msg.stats))
         elif isinstance(msg, Done):   # the end of a full-mode stream, or a prefill's answer
             del self._calls[call.rid]
             if call.chunks is not None:

@@ -33,7 +33,8 @@ import torch
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint_of_dir
 from opd.lm_head import head_form
 from opd.rope import rope_groups
-from opd.teachers.backend import FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer
+from opd.teachers.backend import (FullChunkAnswer, SampleAnswer, SampleRequest, ScoreRequest, TeacherBackend, TopKAnswer,
+                                  cut_at_stop)
 from opd.teachers.prompt_cache import Entry, PromptCache, batched_cache, key_of, why_not
 
 MIN_SHARED = 8   # fewer shared first tokens than this in a prefill: each sequence computes its own
@@ -45,7 +46,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 class HFBackend(TeacherBackend):
     name = "hf"
-    modes = ("topk", "full")
+    modes = ("topk", "full", "sample")
     dtypes = ("float32", "bfloat16", "float16")
 
     def __init__(self, model_dir: str | Path, *, name: str = "teacher", max_k: int = 64,
@@ -349,6 +350,42 @@ class HFBackend(TeacherBackend):
             lse = torch.logsumexp(z, dim=-1)
             token_lp = z.gather(1, targets[a:a + req.chunk_rows, None].to(z.device)).squeeze(1) - lse
             yield FullChunkAnswer(a, logits.to(out_dtype).cpu(), lse.cpu(), token_lp.cpu())
+
+    # ---- samples (protocol 2.7) ----------------------------------------------------------
+
+    @torch.no_grad()
+    def sample(self, reqs: list[SampleRequest]) -> list[SampleAnswer]:
+        return [self._sample(req) for req in reqs]
+
+    def _sample(self, req: SampleRequest) -> SampleAnswer:
+        """transformers' `generate` over the prompts left-padded, each repeated n times (greedy
+        allows no num_return_sequences > 1), from torch's generator seeded with req.seed (the
+        caller's generator state left as it was). top_k off: a model's generation_config
+        default (often 50) would sample another distribution."""
+        prompts = [req.sequence(b) for b in range(req.num_sequences) for _ in range(req.n)]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+        stop = list(req.stop_ids) or self._eos_ids()
+        how = dict(do_sample=False) if req.temperature == 0 else \
+            dict(do_sample=True, temperature=req.temperature, top_p=req.top_p, top_k=0)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(req.seed)
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      max_new_tokens=req.max_new_tokens,
+                                      eos_token_id=stop or None, pad_token_id=stop[0] if stop else 0, **how)
+        responses, finish = zip(*(cut_at_stop(row, stop, req.max_new_tokens) for row in out[:, width:].tolist()))
+        return SampleAnswer(list(responses), list(finish))
+
+    def _eos_ids(self) -> list[int]:
+        """The model's own end-of-sequence ids (its generation config's, else its config's)."""
+        for cfg in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(cfg, "eos_token_id", None)
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+        return []
 
 
 def _continued_within(todo: dict[bytes, tuple[torch.Tensor, int]]) -> dict[bytes, bytes]:

@@ -14,6 +14,8 @@ Conversation (DEALER -> ROUTER, ROUTER -> DEALER):
                               -> CHUNK ... CHUNK DONE          (mode "full", streamed)
                               -> DONE(cached)                  (mode "prefill", 2.6)
                               -> ERROR(code, retryable)        (anything wrong, or BUSY)
+    SAMPLE(request)           -> SAMPLES(responses, stats)     (2.7: the teacher answers prompts)
+                              -> ERROR(code, retryable)
     CREDIT(request, n)           the client may receive n more CHUNKs of that request
     CANCEL(request)           -> ERROR(CANCELLED)
     PING                      -> PONG                          (heartbeats, both ways)
@@ -59,6 +61,15 @@ first tokens of its sequence (with the same s_b) on; the answer is the same up t
 rounding. DONE says how many of their tokens are held (`cached`). A hint: a server may evict
 an entry before it is read.
 
+Sample (2.7, SAMPLE): the teacher generates. Tensors ids int32 [T] and offsets int32 [B + 1]
+are B prompts as the teacher reads them (the client applies the chat template); the answer,
+SAMPLES, holds n responses per prompt, response j of prompt b numbered b * n + j, as ids int32
+[total] and offsets int32 [B * n + 1], each ending after its first stop id (kept) or at
+max_new_tokens (`finish` says which). What a run measures a teacher's pass rate with
+(`routing.refresh_every`), and what `opd generate` samples a served teacher with. A WELCOME
+whose `modes` lists "sample" answers it; a 2.6 server cannot decode it (MALFORMED), and the
+2.7 client refuses to send it to a server whose modes do not list it.
+
 Full-vocabulary answer: CHUNKs of consecutive rows, `logits` [rows, V] in the requested
 dtype (temperature NOT applied to these raw logits; `lse` is of logits / T) and fp32
 `lse` [rows] and `token_logprob` [rows], so neither side holds [all rows x V] at once.
@@ -75,7 +86,7 @@ import msgspec
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = (2, 6)  # major mismatch is refused at HELLO; minor is informational
+PROTOCOL_VERSION = (2, 7)  # major mismatch is refused at HELLO; minor is informational
 # 2.0: TOPK carries the DONE statistics itself (one message less per top-k request, +20 %
 # positions/s at top-64 in `opd bench transport`); a 1.x client would wait for a DONE.
 # 2.1: WELCOME says max_positions (a 2.0 server's decodes as 0: not said).
@@ -88,6 +99,8 @@ PROTOCOL_VERSION = (2, 6)  # major mismatch is refused at HELLO; minor is inform
 # the field but not its tensor (MALFORMED); the 2.5 client does not send it to one.
 # 2.6: SCORE mode "prefill" (prompts to keep for the SCOREs that follow) and WELCOME.prompt_cache_tokens.
 # A 2.5 server refuses the mode (MALFORMED); the 2.6 client sends it only where the WELCOME offers a cache.
+# 2.7: SAMPLE -> SAMPLES (the teacher generates) and "sample" in WELCOME.modes; a 2.6 server
+# cannot decode it (MALFORMED), so the 2.7 client sends it only where the modes list it.
 
 # Bounds checked before any allocation.
 MAX_HEADER_BYTES = 1 << 20        # 1 MiB of msgpack header
@@ -156,7 +169,7 @@ class Welcome(_Msg, tag="welcome"):
     tokenizer_fingerprint: str
     vocab_size: int                     # rows of the answer's vocabulary (the LM head's)
     max_k: int
-    modes: list[str]                    # subset of ("topk", "full")
+    modes: list[str]                    # subset of ("topk", "full", "sample")
     dtypes: list[str]                   # logit dtypes available in full mode
     max_tokens_per_request: int
     max_inflight_tokens: int
@@ -218,6 +231,26 @@ class Done(_Msg, tag="done"):
     cached: int = 0                     # prefill (2.6): tokens of its prompts the server holds
 
 
+class Sample(_Msg, tag="sample"):
+    """tensors: ids int32 [total prompt tokens], offsets int32 [B + 1]: the prompts as the
+    teacher reads them (2.7)."""
+    request_id: int
+    n: int = 1                          # responses per prompt
+    max_new_tokens: int = 64
+    temperature: float = 1.0            # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0                       # the same request and seed: the same responses (one backend, one machine)
+    stop_ids: list[int] = []            # a response ends after the first of these; []: the teacher's own EOS
+
+
+class Samples(_Msg, tag="samples"):
+    """tensors: ids int32 [total response tokens], offsets int32 [B * n + 1]; response j of
+    prompt b is number b * n + j (2.7)."""
+    request_id: int
+    finish: list[str]                   # [B * n] "stop" (a stop id ended it, kept) | "length"
+    stats: "Done"
+
+
 class Error(_Msg, tag="error"):
     request_id: int                     # -1 when the request id could not be read
     code: ErrorCode
@@ -242,7 +275,7 @@ class Pong(_Msg, tag="pong"):
     t: float = 0.0
 
 
-Message = Union[Hello, Welcome, Score, TopK, Chunk, Done, Error, Credit, Cancel, Ping, Pong]
+Message = Union[Hello, Welcome, Score, TopK, Chunk, Done, Sample, Samples, Error, Credit, Cancel, Ping, Pong]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

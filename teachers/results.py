@@ -1,5 +1,6 @@
 """What `TeacherClient` hands back and raises: `TopKResult` (one top-k answer for a whole
-batch), `FullChunk` (one chunk of a full-vocabulary stream) and `TeacherError`.
+batch), `FullChunk` (one chunk of a full-vocabulary stream), `SampleResult` (a teacher's
+responses) and `TeacherError`.
 Importable from opd.teachers.client (and opd.teachers) as before."""
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class TopKResult:
     token_logprob: "torch.Tensor"  # fp32 [R]
     lse: "torch.Tensor"            # fp32 [R]
     row_offsets: list[int]
+    stats: Done | None = None
+
+
+@dataclass
+class SampleResult:
+    """A SAMPLE's answer (protocol 2.7): B * n responses, response j of prompt b at b * n + j."""
+    responses: list[list[int]]     # token ids, each ending after its stop id (kept) or at max_new_tokens
+    finish: list[str]              # "stop" | "length"
     stats: Done | None = None
 
 

@@ -3,8 +3,8 @@
 Two threads. The socket thread owns the ROUTER and runs one loop of numbered steps:
     1. poll    the ROUTER and the worker's inproc pipe (a short timeout, so SIGTERM and
                silent peers are noticed)
-    2. read    every waiting message; dispatch on its type; validate SCOREs into
-               ScoreRequests (teachers/validate.py); answer PING, HELLO, CREDIT, CANCEL
+    2. read    every waiting message; dispatch on its type; validate SCOREs and SAMPLEs into
+               Score/SampleRequests (teachers/validate.py); answer PING, HELLO, CREDIT, CANCEL
                and every ERROR (bad input, BUSY, SHUTTING_DOWN) at once
     3. batch   hand the accepted requests to the worker in one go
     4. send    forward the worker's answers (TOPK, CHUNK, DONE, ERROR) to their peers
@@ -37,9 +37,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from opd.teachers.backend import TeacherBackend
-from opd.teachers.protocol import (PROTOCOL_VERSION, Cancel, Credit, ErrorCode, Hello, Ping, Pong, ProtocolError, Score,
-                                   Welcome, decode, encode, error, send_frames)
-from opd.teachers.validate import score_request
+from opd.teachers.protocol import (PROTOCOL_VERSION, Cancel, Credit, ErrorCode, Hello, Ping, Pong, ProtocolError, Sample,
+                                   Score, Welcome, decode, encode, error, send_frames)
+from opd.teachers.validate import sample_request, score_request
 from opd.teachers.worker import Job, ServerWorker
 
 log = logging.getLogger("opd.teachers.server")
@@ -216,7 +216,7 @@ class TeacherServer(ServerWorker):
                                     f"client speaks protocol {tuple(msg.version)}, server {PROTOCOL_VERSION}; "
                                     f"major versions must match")
             self._send(peer, encode(self.welcome()))
-        elif isinstance(msg, Score):
+        elif isinstance(msg, (Score, Sample)):
             job = self._admit(peer, msg, arrays, now)
             if job is not None:
                 accepted.append(job)
@@ -232,17 +232,19 @@ class TeacherServer(ServerWorker):
             self._refuse(peer, getattr(msg, "request_id", -1), ErrorCode.BAD_REQUEST,
                          f"{type(msg).__name__.upper()} is sent by servers, not clients")
 
-    def _admit(self, peer: bytes, msg: Score, arrays, now: float) -> Job | None:
+    def _admit(self, peer: bytes, msg: Score | Sample, arrays, now: float) -> Job | None:
         rid = msg.request_id
         if self._draining.is_set():
             return self._refuse(peer, rid, ErrorCode.SHUTTING_DOWN, "server is draining; use another replica")
+        check = score_request if isinstance(msg, Score) else sample_request
         try:
-            req = score_request(msg, arrays, self.backend, self.limits.max_tokens_per_request)
+            req = check(msg, arrays, self.backend, self.limits.max_tokens_per_request)
         except ProtocolError as e:
             return self._refuse(peer, rid, e.code, str(e))
         except Exception as e:  # a check that tripped over the input is still a bad request
-            return self._refuse(peer, rid, ErrorCode.MALFORMED, f"invalid SCORE: {type(e).__name__}: {e}")
-        job = Job(peer, req, now, credit=msg.window)
+            return self._refuse(peer, rid, ErrorCode.MALFORMED,
+                                f"invalid {type(msg).__name__.upper()}: {type(e).__name__}: {e}")
+        job = Job(peer, req, now, credit=getattr(msg, "window", 0))
         with self._cv:
             if job.key in self._jobs:
                 return self._refuse(peer, rid, ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")

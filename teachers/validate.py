@@ -15,10 +15,11 @@ import math
 import numpy as np
 import torch
 
-from opd.teachers.backend import ScoreRequest, TeacherBackend
-from opd.teachers.protocol import LOGIT_DTYPES, MAX_CHUNK_BYTES, ErrorCode, ProtocolError, Score
+from opd.teachers.backend import SampleRequest, ScoreRequest, TeacherBackend
+from opd.teachers.protocol import LOGIT_DTYPES, MAX_CHUNK_BYTES, ErrorCode, ProtocolError, Sample, Score
 
 MAX_WINDOW = 64               # CHUNKs a client may ask to receive before its first CREDIT
+MAX_SAMPLES = 64              # responses per prompt a SAMPLE may ask for
 
 
 def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
@@ -130,6 +131,52 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
             fail(ErrorCode.BAD_REQUEST, f"window = {msg.window} must lie in [1, {MAX_WINDOW}]")
 
     return req
+
+
+def sample_request(msg: Sample, arrays: list[np.ndarray], backend: TeacherBackend,
+                   max_tokens_per_request: int) -> SampleRequest:
+    """A SAMPLE (protocol 2.7) as a SampleRequest: prompts within the model's positions and the
+    request within max_tokens_per_request counting every response at full length."""
+    rid = msg.request_id
+
+    def fail(code: ErrorCode, text: str):
+        raise ProtocolError(code, text, rid)
+
+    if rid < 0:
+        fail(ErrorCode.BAD_REQUEST, f"request_id must be >= 0 (-1 marks unreadable ids), got {rid}")
+    if "sample" not in backend.modes:
+        fail(ErrorCode.UNSUPPORTED, f"this {backend.name} backend does not sample (its modes: {backend.modes})")
+    if len(arrays) != 2:
+        fail(ErrorCode.MALFORMED, f"a SAMPLE carries 2 tensors (ids, offsets), got {len(arrays)}")
+    ids, offsets = arrays
+    B = len(offsets) - 1
+    if B < 1:
+        fail(ErrorCode.MALFORMED, "a SAMPLE needs at least one prompt")
+    offs, lengths = _ragged(ids, offsets, B, "ids", fail)
+    if min(lengths) < 1:
+        fail(ErrorCode.BAD_REQUEST, f"prompt {lengths.index(min(lengths))} is empty")
+    if not 1 <= msg.n <= MAX_SAMPLES:
+        fail(ErrorCode.BAD_REQUEST, f"n = {msg.n} must lie in [1, {MAX_SAMPLES}]")
+    if msg.max_new_tokens < 1:
+        fail(ErrorCode.BAD_REQUEST, f"max_new_tokens must be >= 1, got {msg.max_new_tokens}")
+    if not (math.isfinite(msg.temperature) and msg.temperature >= 0):
+        fail(ErrorCode.BAD_REQUEST, f"temperature must be finite and >= 0 (0: greedy), got {msg.temperature}")
+    if not 0 < msg.top_p <= 1:
+        fail(ErrorCode.BAD_REQUEST, f"top_p must lie in (0, 1], got {msg.top_p}")
+    if max(lengths) + msg.max_new_tokens > backend.max_positions:
+        fail(ErrorCode.TOO_LONG, f"a prompt of {max(lengths)} tokens + max_new_tokens {msg.max_new_tokens} exceeds "
+                                 f"the {backend.max_positions} positions the model takes")
+    total = sum(lengths) + B * msg.n * msg.max_new_tokens
+    if total > max_tokens_per_request:
+        fail(ErrorCode.TOO_LONG, f"{B} prompts x {msg.n} responses of up to {msg.max_new_tokens} tokens make {total} "
+                                 f"tokens, max_tokens_per_request is {max_tokens_per_request}")
+    for name, values in (("token ids", ids), ("stop ids", np.asarray(msg.stop_ids, dtype=np.int64))):
+        if len(values) and not 0 <= int(values.min()) <= int(values.max()) < backend.vocab_size:
+            fail(ErrorCode.BAD_TOKEN, f"{name} must lie in [0, {backend.vocab_size}); "
+                                      f"got min {int(values.min())}, max {int(values.max())}")
+    return SampleRequest(request_id=rid, ids=torch.from_numpy(ids.astype(np.int64)), offsets=tuple(offs), n=int(msg.n),
+                         max_new_tokens=int(msg.max_new_tokens), temperature=float(msg.temperature),
+                         top_p=float(msg.top_p), seed=int(msg.seed), stop_ids=tuple(int(t) for t in msg.stop_ids))
 
 
 def _row_mask(mask: np.ndarray, counts: list[int], fail) -> tuple[tuple[torch.Tensor, ...], list[int]]:

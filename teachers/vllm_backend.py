@@ -66,8 +66,8 @@ import torch
 
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint_of_dir
 from opd.vllm_args import engine_options
-from opd.teachers.backend import (FullChunkAnswer, ScoreRequest, TeacherBackend, TopKAnswer,
-                                  tail_logmass_from_topk)
+from opd.teachers.backend import (FullChunkAnswer, SampleAnswer, SampleRequest, ScoreRequest, TeacherBackend,
+                                  TopKAnswer, tail_logmass_from_topk)
 
 HF_BACKEND_HINT = "use a teacher started with `opd serve-teacher --backend hf`, which answers it exactly"
 # SamplingParams.extra_args key of a sequence scored at given ids: (first array row, k, int32
@@ -166,7 +166,7 @@ def _given_prompt_logprobs(runner, step, hidden_states, num_scheduled_tokens):
 
 class VLLMBackend(TeacherBackend):
     name = "vllm"
-    modes = ("topk",)
+    modes = ("topk", "sample")
     supports_temperature = False  # prompt log-probs ignore the sampling temperature
     exact_lse = False             # vLLM does not expose the log-sum-exp: answers carry NaN
     dtypes = ()
@@ -340,6 +340,35 @@ class VLLMBackend(TeacherBackend):
 
     def score_full(self, req: ScoreRequest) -> Iterator[FullChunkAnswer]:
         raise ValueError(self.unsupported(req) or "the vLLM backend has no full-vocabulary mode")
+
+    def sample(self, reqs: list[SampleRequest]) -> list[SampleAnswer]:
+        """Every prompt of every request in one `LLM.generate` call, each with its request's
+        SamplingParams (n, seed: vLLM's per-request generator), over the whole vocabulary."""
+        from vllm import SamplingParams   # lazy, as in __init__
+        from vllm.inputs import TokensPrompt
+
+        if self._head_rows != self.vocab_size:   # a vocab_limit request cut the head: sample from all of it
+            self.llm.collective_rpc("keep_head_rows", args=(self.vocab_size,))
+            self._head_rows = self.vocab_size
+        prompts, params = [], []
+        for req in reqs:
+            # Greedy takes n = 1 in vLLM: a prompt is then asked n times (the same answer n times).
+            greedy = req.temperature == 0
+            sp = SamplingParams(n=1 if greedy else req.n, temperature=req.temperature, top_p=req.top_p,
+                                max_tokens=req.max_new_tokens, seed=req.seed,
+                                stop_token_ids=list(req.stop_ids) or None, detokenize=False)
+            for b in range(req.num_sequences):
+                for _ in range(req.n if greedy else 1):
+                    prompts.append(TokensPrompt(prompt_token_ids=req.sequence(b).tolist()))
+                    params.append(sp)
+        outs = iter(self.llm.generate(prompts, params, use_tqdm=False))
+        answers = []
+        for req in reqs:   # vLLM's finish_reason: "stop" (a stop id or the model's EOS, kept) or "length"
+            done = [c for _ in range(req.num_sequences * (req.n if req.temperature == 0 else 1))
+                    for c in next(outs).outputs]
+            answers.append(SampleAnswer([list(c.token_ids) for c in done],
+                                        ["stop" if c.finish_reason == "stop" else "length" for c in done]))
+        return answers
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -1,8 +1,8 @@
 """The teacher server's worker thread, the half of `TeacherServer` (teachers/server.py) that
 owns the backend.
 
-It groups pending top-k requests (or prompts to prefill, 2.6) into one backend call up to
-`batch_tokens`, and steps
+It groups pending top-k requests (or prompts to prefill, 2.6, or to sample, 2.7) into one
+backend call up to `batch_tokens`, and steps
 full-vocabulary streams one CHUNK per credit, alternating the two. It never touches the
 ROUTER (zmq sockets are not thread-safe): answers go to the socket thread over an outbox
 deque, with a one-byte wake on an inproc PAIR (skipped while one is pending). A `Job` is
@@ -18,20 +18,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
-from opd.teachers.backend import ScoreRequest, TeacherBackend
-from opd.teachers.protocol import Chunk, Done, ErrorCode, TopK, encode, error
+from opd.teachers.backend import SampleRequest, ScoreRequest, TeacherBackend
+from opd.teachers.protocol import Chunk, Done, ErrorCode, Samples, TopK, encode, error
 
 log = logging.getLogger("opd.teachers.server")   # the server's logger: one name for both threads
 
 
 @dataclass(eq=False)
 class Job:
-    """One accepted SCORE request, from admission until its last answer is queued."""
+    """One accepted SCORE (or SAMPLE) request, from admission until its last answer is queued."""
 
     peer: bytes
-    req: ScoreRequest
+    req: ScoreRequest | SampleRequest
     arrived: float
     credit: int = 0                       # full mode: CHUNKs the worker may still send
     cancelled: bool = False
@@ -99,7 +100,7 @@ class ServerWorker:
             job = self._pending.popleft()
             self._streams.append(job)
             return "start", job
-        mode, group, tokens = self._pending[0].req.mode, [], 0   # "topk" or "prefill": alike ones together
+        mode, group, tokens = self._pending[0].req.mode, [], 0   # "topk", "prefill", "sample": alike ones together
         while self._pending and self._pending[0].req.mode == mode:
             n = self._pending[0].req.num_tokens
             if group and tokens + n > self.limits.batch_tokens:
@@ -122,12 +123,12 @@ class ServerWorker:
                         return
                 kind, what = work
                 try:
-                    if kind in ("topk", "prefill"):
+                    if kind in ("topk", "prefill", "sample"):
                         self._compute_group(out, what, kind)
                     else:
                         self._step_stream(out, what, start=kind == "start")
                 except Exception as e:  # never let one request kill the worker
-                    for job in what if kind in ("topk", "prefill") else [what]:
+                    for job in what if kind in ("topk", "prefill", "sample") else [what]:
                         if job.key in self._jobs:
                             job.stream = None
                             self._internal(out, job, e)
@@ -168,7 +169,8 @@ class ServerWorker:
         return error(job.req.request_id, job.cancel_code, why)
 
     def _compute_group(self, out, group: list[Job], mode: str) -> None:
-        """One backend call for a group of top-k requests (TOPK answers) or of prefills (DONE)."""
+        """One backend call for a group of top-k requests (TOPK answers), of prefills (DONE) or of
+        samples (SAMPLES)."""
         started = time.monotonic()
         for job in group:
             job.started = started
@@ -177,7 +179,8 @@ class ServerWorker:
             if job.cancelled:    # cancelled before the call
                 self._done(out, job, self._cancelled(job))
         try:
-            call = self.backend.score_topk if mode == "topk" else self.backend.prefill
+            call = {"topk": self.backend.score_topk, "prefill": self.backend.prefill,
+                    "sample": self.backend.sample}[mode]
             answers = call([j.req for j in live]) if live else []
         except Exception as e:
             for job in live:
@@ -191,6 +194,11 @@ class ServerWorker:
                 stats = self._stats(job)
                 stats.cached = ans
                 self._done(out, job, stats)
+            elif mode == "sample":  # ans: a SampleAnswer, its responses flattened with their offsets
+                ids = np.array([t for r in ans.responses for t in r], dtype="<i4")
+                offsets = np.cumsum([0, *map(len, ans.responses)]).astype("<i4")
+                self._done(out, job, Samples(request_id=job.req.request_id, finish=list(ans.finish),
+                                             stats=self._stats(job)), (ids, offsets))
             else:
                 self._done(out, job, TopK(request_id=job.req.request_id, row_offsets=job.row_offsets,
                                           stats=self._stats(job)), tuple(ans))

@@ -103,7 +103,7 @@ def test_unsupported_requests_name_the_hf_backend(vllm_teacher_backend):
     for reason in (full, hot):
         assert reason and "--backend hf" in reason
     assert "full" in full and "temperature" in hot
-    assert vllm_teacher_backend.modes == ("topk",)
+    assert vllm_teacher_backend.modes == ("topk", "sample")
     with pytest.raises(ValueError, match="temperature"):
         vllm_teacher_backend.score_topk([_request(3, seqs, starts, k=4, temperature=0.5)])
 

@@ -16,7 +16,7 @@ def _check_over_the_wire(client, expected_fingerprint: str, reference, narrow_re
     from opd.teachers.client import TeacherError
 
     info = client.info()
-    assert info.backend == "vllm" and info.modes == ["topk"]
+    assert info.backend == "vllm" and info.modes == ["topk", "sample"]
     assert info.tokenizer_fingerprint == expected_fingerprint
     # A student head of 100 rows (protocol 2.3): the distribution over the first 100 columns; the
     # plain request after it widens the engine again (the session's engine is shared).
@@ -28,6 +28,16 @@ def _check_over_the_wire(client, expected_fingerprint: str, reference, narrow_re
     with pytest.raises(TeacherError) as past:       # SEQS[0] holds ids up to 69
         client.score_topk(SEQS, STARTS, k=8, vocab_limit=60)
     assert past.value.code == "BAD_TOKEN"
+    # SAMPLE (2.7), right after the narrow request: over the whole head again. Greedy responses
+    # are the engine's own top-1 at every position; a seed gives the same samples twice.
+    greedy = client.sample(SEQS, n=2, max_new_tokens=6, temperature=0.0, stop_ids=[])
+    assert len(greedy.responses) == 4 and greedy.responses[0] == greedy.responses[1]
+    for b, seq in enumerate(SEQS):
+        resp = greedy.responses[2 * b]
+        top1 = client.score_topk([seq + resp], [len(seq)], k=1).ids[:, 0].tolist()
+        assert resp == top1[:len(resp)] and (greedy.finish[2 * b] == "stop" or len(resp) == 6)
+    hot = [client.sample(SEQS, n=3, max_new_tokens=8, temperature=1.0, seed=5, stop_ids=[]) for _ in range(2)]
+    assert hot[0].responses == hot[1].responses and max(t for r in hot[0].responses for t in r) >= 100
     got = client.score_topk(SEQS, STARTS, k=8)
     assert got.row_offsets == [0, 20, 25]
     torch.testing.assert_close(got.logprobs, reference.logprobs, atol=1e-5, rtol=0)
