@@ -31,7 +31,7 @@ MAY_IMPORT = {
     "opd.spine": ("opd.rollout", "opd.kernels"),   # the sampled tokens' log-probs (spine.rows.token_logprobs)
     "opd.cluster": ("opd.teachers", "opd.rollout", "opd.spine"),
     "opd.sft": ("opd.spine", "opd.agent"),
-    "opd.generate": ("opd.spine", "opd.rollout", "opd.rewards"),   # a teacher's samples as SFT data   # tools: the schemas an agentic rollout renders its prompts with
+    "opd.generate": ("opd.spine", "opd.rollout", "opd.rewards", "opd.teachers"),   # a teacher's samples as SFT data   # tools: the schemas an agentic rollout renders its prompts with
     # opd rl and opd train share the client side of the teacher servers (opd.teachers.session)
     # and the verifiers (opd.rewards); neither imports the other
     "opd.rl": ("opd.rollout", "opd.agent", "opd.spine", "opd.cluster", "opd.kernels", "opd.routing.config", "opd.teachers",

@@ -10,15 +10,19 @@ from opd.config import check_device, field
 
 @dataclass(frozen=True)
 class TeacherSource:
-    engine: Literal["hf", "vllm", "http"] = field(
-        "hf", help="hf: transformers on this machine; vllm: a vLLM engine on this machine; http: an "
+    engine: Literal["hf", "vllm", "served", "http"] = field(
+        "hf", help="hf: transformers on this machine; vllm: a vLLM engine on this machine; served: an `opd "
+                   "serve-teacher` server (protocol 2.7), the same teacher a run distills from; http: an "
                    "OpenAI-compatible endpoint (/v1/chat/completions), a text-only teacher")
-    model: str | None = field(None, help="hf / vllm: local model directory (relative to the config file)")
+    model: str | None = field(None, help="hf / vllm: local model directory (relative to the config file); served: "
+                                         "a directory with the served model's tokenizer, which renders the prompts "
+                                         "(checked against the server's tokenizer fingerprint)")
+    address: str | None = field(None, help="served: the teacher server, e.g. tcp://127.0.0.1:5601")
     url: str | None = field(None, help="http: the endpoint's base URL, e.g. http://127.0.0.1:8000/v1")
     api_model: str | None = field(None, help="http: the model name the endpoint serves (its `model` field)")
     api_key_env: str | None = field(None, help="http: environment variable holding the API key (sent as a "
                                                "Bearer token; none: no key)")
-    timeout_s: float = field(120.0, help="http: seconds to wait for one answer", min=1.0)
+    timeout_s: float = field(120.0, help="http, served: seconds to wait for one answer", min=1.0)
     device: str = field("auto", help="hf: torch device (auto: cuda when available)")
     dtype: Literal["float32", "bfloat16", "float16"] = field("float32", help="hf / vllm: weights' dtype")
     vllm_max_model_len: int = field(2048, help="vllm: longest prompt + response it holds", min=16)
@@ -27,6 +31,11 @@ class TeacherSource:
         if self.engine in ("hf", "vllm") and not self.model:
             raise ValueError(f"teacher.engine {self.engine} samples a local model: set teacher.model (a model "
                              f"directory)")
+        if self.engine == "served" and not (self.address and self.model):
+            raise ValueError("teacher.engine served needs teacher.address (the `opd serve-teacher` server) and "
+                             "teacher.model (a directory with its tokenizer, to render the prompts)")
+        if self.engine != "served" and self.address:
+            raise ValueError(f"teacher.address is for engine served, not {self.engine}")
         if self.engine == "http" and not (self.url and self.api_model):
             raise ValueError("teacher.engine http needs teacher.url (e.g. http://127.0.0.1:8000/v1) and "
                              "teacher.api_model (the name the endpoint serves)")

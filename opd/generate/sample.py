@@ -4,8 +4,10 @@
     generate(cfg, cfg_path, overwrite)   -> the card (also written as OUT.card.json / .card.md)
 
 Sources: `LocalSource` samples a model with a rollout engine (hf or vLLM; the prompt rendered
-with the tokenizer's chat template, as every loop renders it); `HTTPSource` asks an
-OpenAI-compatible /chat/completions endpoint for n choices, a few prompts at a time.
+with the tokenizer's chat template, as every loop renders it); `ServedSource` asks an `opd
+serve-teacher` server (protocol 2.7 SAMPLE), the prompts rendered here with its tokenizer;
+`HTTPSource` asks an OpenAI-compatible /chat/completions endpoint for n choices, a few prompts
+at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from opd.data import Sample, encode_prompt, load_jsonl, write_jsonl
+from opd.fingerprint import tokenizer_fingerprint
 from opd.generate.config import GenerateConfig, Sampling, TeacherSource
 from opd.rewards import correct, verify_batch
 from opd.rollout import SamplingParams
@@ -29,6 +32,7 @@ from opd.rollout.hf import HFRolloutEngine
 from opd.rollout.vllm import VLLMRolloutEngine
 from opd.spine.config import ModelConfig
 from opd.spine.model import load_policy, load_tokenizer
+from opd.teachers.client import TeacherClient, TeacherError
 
 
 class EndpointError(RuntimeError):
@@ -53,6 +57,42 @@ class LocalSource:
 
     def close(self) -> None:
         self.engine.close()
+
+
+class ServedSource:
+    """An `opd serve-teacher` server: each batch of prompts rendered with the teacher's chat
+    template and tokenized here (its tokenizer, checked against the server's fingerprint), and
+    sampled in the server's process (protocol 2.7), n each, ending at the teacher's own EOS."""
+
+    def __init__(self, teacher: TeacherSource, tokenizer, sampling: Sampling):
+        self.tok, self.s, self.calls = tokenizer, sampling, 0
+        self.client = TeacherClient(teacher.address, timeout_s=teacher.timeout_s, name="opd-generate")
+        try:
+            welcome = self.client.info()
+        except TeacherError as e:
+            self.client.close()
+            raise EndpointError(f"teacher server {teacher.address} is unusable ({e}); start it with "
+                                f"`opd serve-teacher` or fix teacher.address") from None
+        if welcome.tokenizer_fingerprint != tokenizer_fingerprint(tokenizer):
+            self.client.close()
+            raise EndpointError(f"teacher.model {teacher.model} has another tokenizer than the server at "
+                                f"{teacher.address} ({welcome.model_id}): its prompts would be read as other tokens")
+
+    def answer(self, samples: list[Sample]) -> list[list[tuple[str, int]]]:
+        s = self.s
+        try:
+            out = self.client.sample([encode_prompt(self.tok, x.chat) for x in samples], n=s.n,
+                                     max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                     seed=s.seed * 1_000_003 + self.calls)
+        except TeacherError as e:
+            raise EndpointError(f"teacher server {self.client.address} failed: {e}") from None
+        self.calls += 1
+        texts = [(self.tok.decode(ids[:-1] if f == "stop" else ids, skip_special_tokens=True), len(ids))
+                 for ids, f in zip(out.responses, out.finish)]
+        return [texts[i * s.n:(i + 1) * s.n] for i in range(len(samples))]
+
+    def close(self) -> None:
+        self.client.close()
 
 
 class HTTPSource:
@@ -114,6 +154,8 @@ def open_source(teacher: TeacherSource, base: Path, sampling: Sampling):
         return HTTPSource(teacher, sampling)
     path = str((base / teacher.model).resolve()) if not Path(teacher.model).is_absolute() else teacher.model
     tok = load_tokenizer(path, "teacher.model")
+    if teacher.engine == "served":
+        return ServedSource(teacher, tok, sampling)
     if teacher.engine == "vllm":
         engine = VLLMRolloutEngine(path, seed=sampling.seed, dtype=teacher.dtype,
                                    max_model_len=teacher.vllm_max_model_len)
@@ -215,7 +257,9 @@ def write_card(out: Path, card: dict) -> None:
     stem = out.with_suffix("")
     Path(f"{stem}.card.json").write_text(json.dumps(card, indent=1))
     t = card["teacher"]
-    who = f"{t['api_model']} at {t['url']}" if t["engine"] == "http" else f"{t['model']} ({t['engine']})"
+    who = (f"{t['api_model']} at {t['url']}" if t["engine"] == "http" else
+           f"the server at {t['address']} (its tokenizer: {t['model']})" if t["engine"] == "served" else
+           f"{t['model']} ({t['engine']})")
     s, f = card["sampling"], card["filter"]
     lines = [f"# Teacher samples: {out.name}", "",
              f"- teacher: {who}",

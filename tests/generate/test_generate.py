@@ -186,3 +186,34 @@ def test_the_vllm_engine_answers_n_per_prompt_as_a_local_source(vllm_rollout_eng
     assert card["responses_sampled"] == 8 and card["teacher"]["engine"] == "vllm"
     assert len(load_jsonl(tmp_path / "v.jsonl")[0]) == card["rows"]
     assert vllm_rollout_engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))   # still open
+
+
+def test_a_served_teacher_answers_as_the_same_model_sampled_here(tmp_path, tiny_teacher_dir, tiny_model_dir):
+    # Greedy answers of the served teacher (protocol 2.7) are those of the same model in this
+    # process; a server whose tokenizer differs from teacher.model's is refused before sampling.
+    from opd.config import load_yaml
+    from opd.generate.config import GenerateConfig
+    from opd.generate.sample import EndpointError, generate
+    from opd.teachers.hf_backend import HFBackend
+    from opd.teachers.server import serving_in_thread
+
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(5)])
+    same = "sampling: {n: 1, temperature: 0.0, max_new_tokens: 6, batch_size: 2}\nfilter: {keep: all, dedup: false}\n"
+    (tmp_path / "here.yaml").write_text(f"teacher: {{model: {tiny_teacher_dir}, device: cpu}}\nprompts: prompts.jsonl\n"
+                                        f"out: here.jsonl\n{same}")
+    generate(load_yaml(tmp_path / "here.yaml", GenerateConfig), tmp_path / "here.yaml")
+    with serving_in_thread(HFBackend(tiny_teacher_dir, max_k=8)) as server:
+        (tmp_path / "served.yaml").write_text(
+            f"teacher: {{engine: served, address: '{server.address}', model: {tiny_teacher_dir}}}\n"
+            f"prompts: prompts.jsonl\nout: served.jsonl\n{same}")
+        card = generate(load_yaml(tmp_path / "served.yaml", GenerateConfig), tmp_path / "served.yaml")
+        assert card["rows"] == 5 and card["teacher"]["engine"] == "served"
+        assert (tmp_path / "served.jsonl").read_text() == (tmp_path / "here.jsonl").read_text()
+        # The tiny student's byte tokenizer is the teacher's too; a chat tokenizer is another.
+        from opd.tiny import build_tiny_model
+        chat = build_tiny_model(tmp_path / "chat", seed=0, chat=True)
+        (tmp_path / "other.yaml").write_text(f"teacher: {{engine: served, address: '{server.address}', model: {chat}}}\n"
+                                             f"prompts: prompts.jsonl\nout: other.jsonl\n{same}")
+        with pytest.raises(EndpointError, match="another tokenizer"):
+            generate(load_yaml(tmp_path / "other.yaml", GenerateConfig), tmp_path / "other.yaml")
+    assert not (tmp_path / "other.jsonl").exists()
