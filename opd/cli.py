@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                      "n per prompt, verifier-filtered, deduplicated"),
     "serve-teacher": ("opd.teachers.serve", "serve a frozen teacher model over ZeroMQ (top-k or full-vocabulary answers)"),
     "keys": ("opd.teachers.keys", "generate CURVE key pairs that authenticate and encrypt teacher traffic"),
+    "store": ("opd.store.cli", "score sequences once with a teacher server into a teacher logit store that opd train "
+                               "replays with no teacher running"),
     "train": ("opd.distill.cli", "on-policy distillation of a student from live teacher servers (single or multi-teacher)"),
     "probe": ("opd.distill.probe", "before a run: initial KL, top-k overlap and tail mass between a student and a teacher"),
     "route": ("opd.routing.cli", "fit or inspect the domain router (text classifier) of a merge config"),
@@ -79,7 +81,7 @@ _FILE_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileEx
 _USER_ERRORS = {"opd.config": "ConfigError", "opd.data": "DataError", "opd.checkpoint": "CheckpointError",
                 "opd.spine.optim": "TrainError", "opd.routing.router": "RoutingError",
                 "opd.routing.checks": "TeacherCheckError", "opd.teachers.client": "TeacherError",
-                "opd.fingerprint": "ModelDirError", "opd.generate.sample": "EndpointError"}
+                "opd.fingerprint": "ModelDirError", "opd.generate.sample": "EndpointError", "opd.store.shards": "StoreError"}
 
 
 def _user_error(e: BaseException) -> bool:

@@ -72,6 +72,8 @@ def _convert(tp: Any, node: yaml.Node, source: str, key: str) -> Any:
         args = get_args(tp)
         if isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null") and type(None) in args:
             return None
+        if len([a for a in args if a is not type(None)]) == 1:   # `X | None`: X's own message (file:line, key)
+            return _convert(next(a for a in args if a is not type(None)), node, source, key)
         errors = []
         for a in args:
             if a is type(None):

@@ -32,12 +32,14 @@ MAY_IMPORT = {
     "opd.cluster": ("opd.teachers", "opd.rollout", "opd.spine"),
     "opd.sft": ("opd.spine", "opd.agent"),
     "opd.generate": ("opd.spine", "opd.rollout", "opd.rewards", "opd.teachers"),   # a teacher's samples as SFT data   # tools: the schemas an agentic rollout renders its prompts with
+    # the teacher logit store: a teacher's answers scored once (its client), on sequences sampled by the student
+    "opd.store": ("opd.teachers", "opd.rollout", "opd.spine", "opd.routing.config"),
     # opd rl and opd train share the client side of the teacher servers (opd.teachers.session)
     # and the verifiers (opd.rewards); neither imports the other
     "opd.rl": ("opd.rollout", "opd.agent", "opd.spine", "opd.cluster", "opd.kernels", "opd.routing.config", "opd.teachers",
                "opd.rewards"),
     "opd.distill": ("opd.kernels", "opd.teachers", "opd.rollout", "opd.agent", "opd.routing", "opd.spine", "opd.cluster",
-                    "opd.rewards"),
+                    "opd.rewards", "opd.store"),
     "opd.benchmarks": ("*",),
     "opd.cli": ("*",),
 }
@@ -61,6 +63,7 @@ LAZY = {
                             ("opd.sft.cli", "opd.sft.trainer"))
        for m in (trainer, "opd.spine.dist")},
     **{("opd.generate.cli", "opd.generate.sample"): "`--help` and a refused config answer without torch"},
+    ("opd.store.cli", "opd.store.write"): "`--help` and a refused config answer without torch",
     **{("opd.rl.validate", m): "`opd validate --help` and a refused config answer without torch (5 s of imports)"
        for m in ("opd.rl.trainer", "opd.rollout.hf", "opd.rollout.vllm", "opd.spine.model", "opd.rl.checks")},
 }

@@ -29,7 +29,8 @@ from opd.agent.config import AgentConfig
 from opd.spine import config as spine
 from opd.cluster.config import ClusterConfig
 from opd.config import check_vllm_lora, field, load_yaml, near
-from opd.routing.config import MergeConfig, TeacherClientSettings
+from opd.routing.config import DatasetSpec, MergeConfig, TeacherClientSettings
+from opd.store.config import StoredSource
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class RunConfig(spine.RunConfig):
 @dataclass(frozen=True)
 class TrainConfig:
     student: spine.ModelConfig = field(help="the model being trained")
-    merge: MergeConfig = field(help="teachers, prompt sets, routing, SFT mix, domain weights")
+    merge: MergeConfig | None = field(None, help="teachers, prompt sets, routing, SFT mix, domain weights (leave "
+                                                "it out with `store`: the store is the teacher and the data)")
     rollout: RolloutConfig = field(default_factory=RolloutConfig, help="student sampling")
     loss: LossConfig = field(default_factory=LossConfig, help="normalization, trimming, kernel path")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer and schedule")
@@ -115,6 +117,9 @@ class TrainConfig:
     agent: AgentConfig | None = field(None, help="multi-turn rollouts: the student calls tools and reads their "
                                                  "answers; only its own tokens are trained and scored "
                                                  "(docs/agentic.md); unset: one turn per rollout")
+    store: StoredSource | None = field(None, help="train against a teacher logit store written by `opd store`, no "
+                                                  "teacher running: its sequences (off-policy, fixed) and its "
+                                                  "answers, on the same {top-k, tail} objective (docs/teachers.md)")
 
     def response_budget(self) -> tuple[str, int]:
         """(its key, tokens): the room a prompt must leave after it within the positions of the
@@ -124,6 +129,7 @@ class TrainConfig:
         return "rollout.max_new_tokens", self.rollout.max_new_tokens
 
     def __post_init__(self):
+        self._stored()
         names = [t.name for t in self.merge.teachers]
         if any(t.model == "self" for t in self.cluster.teachers):   # the student's start, served frozen
             object.__setattr__(self, "cluster", replace(self.cluster, teachers=[
@@ -175,6 +181,30 @@ class TrainConfig:
                                  "the student with cluster.mode local or fork, teachers at their addresses")
 
 
+    def _stored(self) -> None:
+        """With `store`, `merge` is the store's one teacher (named "store") and its sequences; what
+        needs live teachers or sampling is refused."""
+        if self.store is None:
+            if self.merge is None:
+                raise ValueError("`merge` (the teachers and prompt sets) is required, or `store` (a teacher logit "
+                                 "store written by `opd store`)")
+            return
+        merge = MergeConfig(teachers=[self.store.teacher_spec("store")],
+                            datasets=[DatasetSpec(domain="stored", path=self.store.path)])
+        if self.merge is not None and self.merge != merge:
+            raise ValueError("give `store` or `merge`, not both: a store is the run's teacher and its data")
+        object.__setattr__(self, "merge", merge)
+        refused = [key for key, on in (("rewards", bool(self.rewards)), ("agent", self.agent is not None),
+                                       ("run.max_staleness", self.run.max_staleness is not None),
+                                       ("cluster.teachers", bool(self.cluster.teachers)),
+                                       ("cluster.mode ray", self.cluster.mode == "ray"),
+                                       ("cluster.student.num_workers > 1", self.cluster.student.num_workers > 1))
+                   if on]
+        if refused:
+            raise ValueError(f"store: trains on stored sequences with no teacher running and nothing sampled; "
+                             f"remove {', '.join(refused)}")
+
+
 def resolve_paths(cfg: TrainConfig, base_dir: str | Path) -> TrainConfig:
     """Make every relative path of `cfg` relative to `base_dir` (the config file's folder)."""
     base = Path(base_dir)
@@ -187,7 +217,8 @@ def resolve_paths(cfg: TrainConfig, base_dir: str | Path) -> TrainConfig:
         sft=replace(merge.sft, path=near(base, merge.sft.path)) if merge.sft else None,
     )
     cluster = replace(cfg.cluster, teachers=[replace(t, model=near(base, t.model)) for t in cfg.cluster.teachers])
-    return replace(cfg, student=replace(cfg.student, path=near(base, cfg.student.path)), merge=merge,
+    store = replace(cfg.store, path=near(base, cfg.store.path)) if cfg.store is not None else None
+    return replace(cfg, student=replace(cfg.student, path=near(base, cfg.student.path)), merge=merge, store=store,
                    teacher_client=replace(cfg.teacher_client,
                                           curve_secret_key=near(base, cfg.teacher_client.curve_secret_key)),
                    run=replace(cfg.run, out_dir=near(base, cfg.run.out_dir)), cluster=cluster)

@@ -50,6 +50,7 @@ from opd.distill.launch import RunTeachers
 from opd.distill.loss import sft_mix, train_batch
 from opd.distill.prompts import load_prompts
 from opd.distill.stats import History, StepStats
+from opd.distill.stored import open_store
 from opd.distill import memory as full_mode
 from opd.teachers.session import TeacherSet
 from opd.fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -125,7 +126,10 @@ class Trainer:
         self.cfg = cfg = world.main_first(lambda: self.launched.start(cfg))
         self.run_dir.config = to_dict(cfg)
         cluster = self.launched.cluster
-        self.teachers = TeacherSet(
+        # With `store`, the answers and the sequences are a store's (opd.distill.stored): no teacher runs.
+        self.store = open_store(cfg.store, cfg.merge.teachers[0], self.student_fp, cfg.run.seed) \
+            if cfg.store is not None else None
+        self.teachers = self.store.teachers if self.store is not None else TeacherSet(
             cfg.merge.teachers, cfg.teacher_client, self.student_fp, cfg.student.path, full_dtype=cfg.loss.full_dtype,
             cluster=cluster, on_ray={t.name for t in cfg.cluster.teachers} if cluster is not None else set(),
             check_memory=lambda vocab, n: full_mode.check_full_memory(cfg, vocab, full_mode.mem_available(), teachers=n))
@@ -141,7 +145,7 @@ class Trainer:
         self.student_model_fp = model_fingerprint(cfg.student.path)
         teacher_positions = {t: self.teachers.welcome(t).max_positions for t in self.teachers.specs}
         self.tools = agentic.schemas(cfg, self.tok, self.base_dir)   # None: single-turn rollouts
-        self.prompts = load_prompts(cfg, self.tok, self.base_dir,
+        self.prompts = self.store.prompts if self.store is not None else load_prompts(cfg, self.tok, self.base_dir,
                                     getattr(self.model.config, "max_position_embeddings", 0) or 0,
                                     {t: n for t, n in teacher_positions.items() if n > 0}, self.tools)
         self.history.warnings += self.prompts.warnings
@@ -156,7 +160,7 @@ class Trainer:
         self.normalizer = DomainLossNormalizer(cfg.merge.normalize, cfg.merge.normalize_momentum)
         self.multipliers: dict[str, float] = {}
         self.prefetch = Prefetcher(self._sample_batch, self._submit,
-                                   enabled=cfg.run.pipeline and cfg.run.max_staleness is None)
+                                   enabled=cfg.run.pipeline and cfg.run.max_staleness is None and cfg.store is None)
         state = self.run_dir.restore(self.model, self.optimizer, self.scheduler)
         self._restore(state)
         self.engine = agentic.wrap(cfg, make_engine(cfg.rollout, cfg.student, self.model, self.tok, seed=cfg.run.seed,
@@ -262,6 +266,10 @@ class Trainer:
         (of this rank's share of the prompts, drawing what one process would draw for them)
         with `engine` (the run's), whose weights are of `version` (the trained ones)."""
         r, world = self.cfg.rollout, self.world
+        if self.store is not None:   # the next stored sequences, prompts_per_step x samples_per_prompt: none sampled
+            self.batches += 1
+            return self.store.batches.batch(self.batches - 1, r.prompts_per_step * r.samples_per_prompt, self.version,
+                                            self.stop_ids)
         samples = world.shard(self.prompts.sampler.sample(r.prompts_per_step))
         share = (world.rank * len(samples) * r.samples_per_prompt, r.prompts_per_step * r.samples_per_prompt) \
             if world.sharded else None
