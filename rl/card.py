@@ -42,7 +42,8 @@ def write_grpo_card(out: Path, c, *, reward: dict, train_report, resumes: list[d
         "rewards": reward,
         "sampling": {"engine": c.rollout.engine, "temperature": c.rollout.temperature, "top_p": c.rollout.top_p,
                      "max_new_tokens": c.rollout.max_new_tokens,
-                     **({"rollout actors (Ray)": c.rollout.actors} if c.cluster.mode == "ray" else {})},
+                     **({"rollout actors (Ray)": c.rollout.actors} if c.cluster.mode == "ray"
+                        and not c.cluster.ranks_on_ray else {})},
         "data": {"train": c.data.train, "train samples": train_report.loaded,
                  "skipped lines": train_report.skipped, "eval": c.data.eval or "(none)"},
         "optimizer": {"AdamW lr": c.optim.lr, "weight decay": c.optim.weight_decay,

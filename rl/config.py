@@ -109,22 +109,23 @@ class AgentShaping:
 @dataclass(frozen=True)
 class RLClusterConfig(ClusterConfig):
     """`opd train`'s cluster section (opd.cluster.ClusterConfig, so RayCluster takes it as it
-    is) with the help `opd rl --help` prints: opd rl has no teachers and one training process,
-    so `mode: fork` (opd train starts its teachers) is refused, and so are teachers and more
-    than one student worker (RLConfig.__post_init__)."""
+    is) with the help `opd rl --help` prints: opd rl has no teachers, so `mode: fork` (opd train
+    starts its teachers) is refused, and so are teachers (RLConfig.__post_init__)."""
     mode: Literal["local", "fork", "ray"] = field(
         "local", help="local: rollouts sampled in this process (rollout.engine); ray: rollout.actors Ray actors "
-                      "sample them (hf engine), the new weights pushed to them after each step. fork is opd "
-                      "train's (it starts the teachers) and is refused: opd rl has none")
+                      "sample them (hf engine), the new weights pushed to them after each step, or with "
+                      "student.num_workers > 1 the policy's ranks are Ray actors. fork is opd train's (it starts "
+                      "the teachers) and is refused: opd rl has none")
     bind: Literal["auto", "loopback", "node_ip"] = field(
         "auto", help="opd train's teacher servers only; not used by opd rl")
     teachers: list[TeacherReplicas] = field(default_factory=list,
                                             help="opd train's teacher replicas; opd rl has no teachers: leave it "
                                                  "empty (refused otherwise)")
     student: StudentWorkers = field(default_factory=StudentWorkers,
-                                    help="the ranks the policy is sharded over (cluster.mode local; on Ray "
-                                         "rollout.actors sets the rollout actors and the policy trains in one "
-                                         "process)")
+                                    help="the ranks the policy is sharded over (FSDP2); with mode ray and "
+                                         "num_workers 1 rollout.actors samples and the policy trains in one "
+                                         "process, with num_workers > 1 the ranks are Ray actors, each sampling "
+                                         "from its shards (rollout.actors unused)")
     request_timeout_s: float = field(120.0, help="opd train's teacher replica pools; not used by opd rl", min=0.1)
     recheck_s: float = field(2.0, help="opd train's teacher replica pools; not used by opd rl", min=0.05)
 
@@ -189,18 +190,17 @@ class RLConfig:
         spine.check_sharded_sampling(ranks, "data.prompts_per_step", self.data.prompts_per_step, self.rollout.engine)
         if self.cluster.mode != "ray":
             return
+        if self.cluster.teachers:
+            raise ValueError("cluster.teachers: opd rl has no teachers; leave the list empty")
+        if ranks > 1:   # the policy's ranks are Ray actors, each sampling from its shards as under torchrun
+            return
         if self.model.lora is not None:
             raise ValueError("cluster.mode ray: rollout actors hold full models and load full weights; "
-                             "LoRA (model.lora) is not supported there, use cluster.mode local")
+                             "LoRA (model.lora) is not supported there, use cluster.mode local (or shard the "
+                             "policy over Ray ranks: cluster.student.num_workers > 1)")
         if self.rollout.engine != "hf":
             raise ValueError(f"cluster.mode ray: rollout actors run the hf engine, not rollout.engine "
                              f"{self.rollout.engine!r}")
-        if self.cluster.teachers:
-            raise ValueError("cluster.teachers: opd rl has no teachers; leave the list empty")
-        if ranks != 1:
-            raise ValueError("cluster.mode ray: the policy trains in one process, num_workers must be 1 "
-                             "(rollout.actors sets the rollout actors; sharded policies run with cluster.mode "
-                             "local)")
 
     def _check_agent(self, ranks: int) -> None:
         """What `agent` cannot be combined with, said before anything loads."""

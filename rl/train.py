@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from opd.cluster.ranks import launcher
 from opd.config import ConfigError, describe, load_yaml, near, positive_int
 from opd.rl.config import RLConfig
 
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from opd.rl.trainer import GRPOTrainer
     from opd.spine.dist import close_world, ranks_for
     shards = cfg.cluster.student
-    world = ranks_for(shards.num_workers, args._argv, cfg.model.device, shards.backend, shards.collective_timeout_s)
+    world = ranks_for(shards.num_workers, args._argv, cfg.model.device, shards.backend, shards.collective_timeout_s,
+                      launcher(cfg.cluster, cfg.model.device))
     if world is None:   # the ranks this process started have run
         print(f"run folder: {cfg.run.out_dir} (metrics.jsonl, plots/, card.md, model/; {shards.num_workers} ranks)")
         return 0

@@ -162,7 +162,9 @@ class GRPOTrainer:
                  "changed": self.run_dir.changed}]
         self.teachers = rl_teachers.connect(cfg, self.tokenizer) if cfg.teachers else None
         self.cluster, self._ray_started = None, False
-        self.engine = agentic.wrap(cfg.agent, self.start_ray_engine() if cfg.cluster.mode == "ray" else make_engine(
+        # Rollout actors serve one training process; sharded ranks (Ray's too) sample from their shards.
+        actors = cfg.cluster.mode == "ray" and not world.sharded
+        self.engine = agentic.wrap(cfg.agent, self.start_ray_engine() if actors else make_engine(
             cfg.rollout, cfg.model, self.model, self.tokenizer, seed=cfg.run.seed, world=world),
             self.tools, self.tokenizer, getattr(self.model, "generation_config", None))
 

@@ -1,7 +1,9 @@
-"""Placement of a run's processes: teacher replicas and rollout actors on Ray.
+"""Placement of a run's processes: teacher replicas, rollout actors and the student's ranks on Ray.
 
     config.py    ClusterConfig, TeacherReplicas, StudentWorkers (the `cluster:` section)
-    session.py   RayCluster: connect to Ray, start teacher groups, hand out their pools
+    connect.py   connect: join or start the Ray cluster a `cluster:` section names
+    session.py   RayCluster: start teacher groups, hand out their pools
+    ranks.py     RankActor / launch: a sharded student's ranks as Ray actors in a placement group
     teachers.py  TeacherReplica / TeacherGroup: supervised `opd serve-teacher` actors
     pool.py      ReplicaPool: one teacher's replicas behind TeacherClient's API
     rollout.py   RolloutWorker / RolloutPool / PoolEngine: sampling on Ray actors

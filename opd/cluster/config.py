@@ -5,13 +5,13 @@ and the student's ranks run.
     TeacherReplicas  one teacher's `opd serve-teacher` processes: model, backend, replicas,
                      resources, placement strategy, supervision
     StudentWorkers   the student's ranks: how many the model is sharded over (FSDP2), in
-                     which precision, offloaded or not
+                     which precision, offloaded or not, and with mode ray where Ray places them
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 from opd.config import field
 
@@ -55,14 +55,11 @@ class TeacherReplicas:
 
 @dataclass(frozen=True)
 class StudentWorkers:
-    # Ray placement of the ranks was configurable before any rank existed, and never read.
-    RETIRED: ClassVar[dict[str, str]] = {
-        k: "the ranks are placed by torchrun (one per GPU of each node, docs/multi_machine.md), not by Ray; "
-           "delete it" for k in ("num_cpus_per_worker", "num_gpus_per_worker", "strategy")}
+    # --- how many ranks, in which precision
     num_workers: int = field(1, help="ranks the student (or policy) is sharded over with FSDP2; more than 1 "
-                                     "starts them with torchrun's launcher on this machine (or run the command "
-                                     "under torchrun), each rank sampling and training on its share of every "
-                                     "step", min=1)
+                                     "starts them (torchrun's launcher on this machine, or Ray actors with "
+                                     "cluster.mode ray; or run the command under torchrun), each rank sampling "
+                                     "and training on its share of every step", min=1)
     mixed_precision: Literal["auto", "bf16", "none"] = field(
         "auto", help="sharded: bf16: compute in bf16 with fp32 master shards and fp32 gradient reduction; none: "
                      "in the weights' dtype; auto: bf16 on CUDA, none on the CPU")
@@ -71,6 +68,20 @@ class StudentWorkers:
         "auto", help="torch.distributed backend; auto: nccl with GPUs, gloo without")
     collective_timeout_s: float = field(300.0, help="a collective waiting longer than this fails the step",
                                         min=1.0)
+    # --- cluster.mode ray: where Ray places the ranks (one placement-group bundle per rank)
+    num_cpus_per_worker: float = field(1.0, help="cluster.mode ray: CPUs reserved per rank", min=0.0)
+    num_gpus_per_worker: float | None = field(
+        None, help="cluster.mode ray: GPUs reserved per rank; null: 1 when the Ray cluster has GPUs and the "
+                   "student's device is not cpu, else 0", min=0.0)
+    strategy: Strategy = field("PACK", help="cluster.mode ray: placement-group strategy across the ranks; PACK "
+                                            "fills a node before the next, STRICT_PACK keeps them on one node")
+    placement_timeout_s: float = field(600.0, help="cluster.mode ray: how long to wait for the cluster to "
+                                                   "reserve every rank's bundle", min=1.0)
+
+    def __post_init__(self):
+        if self.num_cpus_per_worker == 0 and self.num_gpus_per_worker == 0:
+            raise ValueError("num_cpus_per_worker and num_gpus_per_worker are both 0: a rank's placement-group "
+                             "bundle must reserve something (Ray refuses an empty bundle)")
 
     def precision(self) -> bool | None:
         """load_policy's mixed_precision: None (auto) decides by the device."""
@@ -113,11 +124,23 @@ class ClusterConfig:
         bad = [(t.name, g) for t in self.teachers for g in t.gpus if g < 0]
         if bad:
             raise ValueError(f"cluster.teachers gpus are CUDA device indices (0, 1, ...), got {bad}")
+        if self.ranks_on_ray and self.teachers:
+            # Only rank 0 starts what cluster.mode starts (the trainer's main_first); the other
+            # ranks would have no pool of these replicas.
+            raise ValueError(f"cluster.teachers {names} with the student's ranks on Ray (mode ray, "
+                             f"student.num_workers {self.student.num_workers}) is not supported yet: serve those "
+                             f"teachers yourself (opd serve-teacher, or a run of their own) and give their "
+                             f"addresses in merge.teachers")
         if self.mode == "fork":
             many = [t.name for t in self.teachers if t.replicas != 1]
             if many:
                 raise ValueError(f"cluster.mode fork starts one server per teacher; set replicas: 1 for {many} "
                                  f"(several replicas need cluster.mode ray)")
+
+    @property
+    def ranks_on_ray(self) -> bool:
+        """The student's ranks run as Ray actors (opd/cluster/ranks.py), not under torchrun."""
+        return self.mode == "ray" and self.student.num_workers > 1
 
     def teacher(self, name: str) -> TeacherReplicas:
         for t in self.teachers:

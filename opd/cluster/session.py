@@ -22,21 +22,10 @@ and fork never need it) and importing it takes about a second.
 from __future__ import annotations
 
 from opd.cluster.config import ClusterConfig
+from opd.cluster.connect import connect
 from opd.cluster.pool import ReplicaPool
 from opd.cluster.rollout import RolloutPool
 from opd.cluster.teachers import TeacherGroup
-
-
-def connect(cfg: ClusterConfig) -> None:
-    """Connect this process to Ray as `cfg` says (idempotent)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if cfg.address is None:
-        ray.init(num_cpus=cfg.num_cpus, namespace=cfg.namespace, include_dashboard=False)
-    else:
-        ray.init(address=cfg.address, namespace=cfg.namespace)
 
 
 class RayCluster:

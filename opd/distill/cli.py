@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from opd.cluster.cores import share_cores
+from opd.cluster.ranks import launcher
 from opd.config import ConfigError, describe, positive_int
 from opd.distill.config import TrainConfig, load_train_config
 
@@ -49,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from opd.distill.trainer import Trainer
     from opd.spine.dist import close_world, ranks_for
     shards = cfg.cluster.student
-    world = ranks_for(shards.num_workers, args._argv, cfg.student.device, shards.backend, shards.collective_timeout_s)
+    world = ranks_for(shards.num_workers, args._argv, cfg.student.device, shards.backend, shards.collective_timeout_s,
+                      launcher(cfg.cluster, cfg.student.device))
     if world is None:   # the ranks this process started have run
         print(f"done: {cfg.run.steps} steps on {shards.num_workers} ranks; run directory {cfg.run.out_dir}")
         return 0

@@ -176,9 +176,6 @@ class TrainConfig:
             if self.merge.sft is not None and self.merge.sft.batch_size % ranks:
                 raise ValueError(f"merge.sft.batch_size {self.merge.sft.batch_size} does not divide among "
                                  f"cluster.student.num_workers {ranks} ranks")
-            if self.cluster.mode == "ray":
-                raise ValueError("cluster.mode ray with cluster.student.num_workers > 1 is not supported yet: shard "
-                                 "the student with cluster.mode local or fork, teachers at their addresses")
 
 
     def _stored(self) -> None:

@@ -7,8 +7,9 @@
     shard_model(model)     FSDP2 (`fully_shard`) on every decoder layer, then on the root;
                            gradients are SUMMED across ranks, so a loss whose terms are
                            normalized over every rank's tokens gives one process's gradient
-    ranks_for(n, argv)     the World of a command asked to run on n ranks: torchrun's when it
-                           started us, else `launch` starts them and returns None
+    ranks_for(n, argv)     the World of a command asked to run on n ranks: torchrun's (or Ray's,
+                           opd.cluster.ranks) when it started us, else `launch` (or Ray's
+                           launcher) starts them and returns None
     launch(argv, n)        run `python -m opd.cli ARGV` on n local ranks with torchrun's
                            launcher; a rank that dies stops the others, and the error names it
     World.sum / gather / broadcast / all_true
@@ -134,7 +135,7 @@ def init_world(device: str = "auto", backend: str = "auto", timeout_s: float = 3
     NCCL there and gloo on the CPU (`backend` to choose); a collective that waits longer than
     timeout_s fails. Without torchrun: a world of one, unsharded (the loops resolve `device`
     themselves)."""
-    if "RANK" not in os.environ:   # not started by torchrun
+    if "RANK" not in os.environ:   # not started by torchrun (or as a rank on Ray, the same variables)
         return World()
     size, rank, local = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available() and not device.startswith("cpu")
@@ -147,14 +148,15 @@ def init_world(device: str = "auto", backend: str = "auto", timeout_s: float = 3
 
 
 def ranks_for(num_workers: int, argv: list[str], device: str = "auto", backend: str = "auto",
-              timeout_s: float = 300.0) -> World | None:
-    """The World a command runs in. Started by torchrun (WORLD_SIZE set), it is torchrun's: its
-    size must be num_workers unless that is 1 (the default). Otherwise, with num_workers > 1,
-    this process starts `opd ARGV` on num_workers ranks (`launch`) and returns None once they
-    are done: the caller has nothing left to do."""
+              timeout_s: float = 300.0, launcher=None) -> World | None:
+    """The World a command runs in. Started by torchrun or as a rank on Ray (WORLD_SIZE set), it
+    is that launcher's: its size must be num_workers unless that is 1 (the default). Otherwise,
+    with num_workers > 1, this process starts `opd ARGV` on num_workers ranks with `launcher`
+    (argv, n) (opd.cluster.ranks: Ray actors) or, when it is None, torchrun's (`launch`), and
+    returns None once they are done: the caller has nothing left to do."""
     size = int(os.environ.get("WORLD_SIZE", "0"))
     if not size and num_workers > 1:
-        launch(argv, num_workers)
+        (launcher or launch)(argv, num_workers)
         return None
     if size and num_workers > 1 and size != num_workers:
         raise TrainError(f"torchrun started {size} ranks, the config asks for {num_workers} "

@@ -69,10 +69,39 @@ def test_fork_mode_gives_a_teacher_its_own_gpus():
         from_dict({"mode": "fork", "teachers": [{"name": "a", "model": "m", "gpus": [-1]}]}, ClusterConfig)
 
 
+def test_the_students_ranks_on_ray_are_configured_and_refused_with_their_key():
+    cfg = from_dict({"mode": "ray", "student": {"num_workers": 2, "strategy": "STRICT_PACK",
+                                                "num_gpus_per_worker": 1}}, ClusterConfig)
+    assert cfg.ranks_on_ray and cfg.student.strategy == "STRICT_PACK" and cfg.student.num_cpus_per_worker == 1.0
+    assert not from_dict({"mode": "ray"}, ClusterConfig).ranks_on_ray                  # one process: no ranks
+    assert not from_dict({"student": {"num_workers": 2}}, ClusterConfig).ranks_on_ray   # torchrun's
+    with pytest.raises(ConfigError, match="'student.strategy' expects one of"):
+        from_dict({"mode": "ray", "student": {"num_workers": 2, "strategy": "TIGHT"}}, ClusterConfig)
+    with pytest.raises(ConfigError, match="must reserve something"):
+        from_dict({"student": {"num_cpus_per_worker": 0, "num_gpus_per_worker": 0}}, ClusterConfig)
+    # Only rank 0 starts what cluster.mode starts: the other ranks would have no pool of these.
+    with pytest.raises(ConfigError, match="cluster.teachers \\['a'\\] with the student's ranks on Ray"):
+        from_dict({"mode": "ray", "student": {"num_workers": 2}, "teachers": [{"name": "a", "model": "m"}]},
+                  ClusterConfig)
+
+
+def test_ray_ranks_get_torchruns_variables_and_see_their_nodes_gpus():
+    from opd.cluster.ranks import rank_envs
+
+    cpu = rank_envs([{"node": "a", "ip": "10.0.0.1", "gpus": []}, {"node": "b", "ip": "10.0.0.2", "gpus": []},
+                     {"node": "a", "ip": "10.0.0.1", "gpus": []}], master=("10.0.0.1", 29500))
+    assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in cpu] == [("0", "0", "2"), ("1", "0", "1"),
+                                                                                   ("2", "1", "2")]
+    assert all(e["WORLD_SIZE"] == "3" and (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("10.0.0.1", "29500")
+               and "CUDA_VISIBLE_DEVICES" not in e for e in cpu)
+    # Ray hands rank 0 GPU 3 and rank 1 GPU 1 of node a, and GPU 10 of node b to rank 2: each sees its
+    # node's ranks' GPUs in order, and LOCAL_RANK indexes its own among them (cuda:LOCAL_RANK).
+    gpu = rank_envs([{"node": "a", "ip": "x", "gpus": ["3"]}, {"node": "a", "ip": "x", "gpus": ["1"]},
+                     {"node": "b", "ip": "y", "gpus": ["10"]}], master=("x", 1))
+    assert [(e["CUDA_VISIBLE_DEVICES"], e["LOCAL_RANK"]) for e in gpu] == [("1,3", "1"), ("1,3", "0"), ("10", "0")]
+
+
 def test_retired_keys_are_refused_saying_why():
-    with pytest.raises(ConfigError, match="key 'student.strategy' is no longer read here: the ranks are placed by "
-                                          "torchrun"):
-        from_dict({"student": {"num_workers": 2, "strategy": "PACK"}}, ClusterConfig)
     from opd.rl.config import RLConfig
 
     with pytest.raises(ConfigError, match="key 'algorithm.max_grad_norm' is no longer read here: it is "

@@ -116,6 +116,18 @@ def test_unsupported_ray_combinations_are_config_errors(tmp_path, change, words)
         from_dict(cfg, RLConfig)
 
 
+def test_with_the_policys_ranks_on_ray_it_samples_from_its_shards_so_lora_is_allowed(tmp_path):
+    # The refusals above are the rollout actors'; ranks on Ray sample as torchrun's ranks do.
+    cfg = write_config(tmp_path, "model")
+    cfg["model"]["lora"] = {"rank": 4}
+    cfg["cluster"]["student"] = {"num_workers": 2}
+    rl = from_dict(cfg, RLConfig)
+    assert rl.cluster.ranks_on_ray and rl.model.lora.rank == 4
+    cfg["rollout"]["engine"] = "vllm"   # the shards sample with the hf engine, as under torchrun
+    with pytest.raises(ConfigError, match="rollout.engine hf"):
+        from_dict(cfg, RLConfig)
+
+
 def test_rollout_actors_hold_the_policy_in_its_dtype(tmp_path, tiny_model_dir, ray_cluster):
     # They loaded fp32 whatever model.dtype said: against a bf16 policy the first ratio was off
     # 1 before any update (up to exp(0.12) on a peaked model).

@@ -3,8 +3,9 @@
 `opd sft`, `opd rl` and `opd train` run with num_workers 2 (the command starts the ranks with
 torchrun's launcher) and with 1, both as subprocesses with one OpenMP thread, on the tiny
 model; after 3 optimizer steps the losses and the weights agree within fp32 tolerance, and
-each rank holds about half of one process's weights, gradients and optimizer state. A rank
-killed mid-run stops the job naming it, and --resume continues from the sharded checkpoint.
+each rank holds about half of one process's weights, gradients and optimizer state. `opd rl` and
+`opd train` also run their 2 ranks as Ray actors (cluster.mode ray), with torchrun's numbers. A
+rank killed mid-run stops the job naming it, and --resume continues from the sharded checkpoint.
 Prompts of equal length keep the ranks' padding the one process's.
 """
 
@@ -38,30 +39,48 @@ def opd(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def both(command: str, cwd: Path, yaml_text: str) -> dict[int, Path]:
-    """Run `opd COMMAND` on 1 and on 2 ranks; {ranks: run directory}."""
+# The ranks as Ray actors (cluster.mode ray) on a local Ray cluster the command starts itself.
+ON_RAY = "{mode: ray, address: null, num_cpus: 2, student: {num_workers: 2}}"
+LABEL = {1: "1 process", 2: "2 torchrun ranks", "ray": "2 Ray actors"}
+
+
+def both(command: str, cwd: Path, yaml_text: str, ray: bool = False) -> dict[int | str, Path]:
+    """Run `opd COMMAND` on 1 and on 2 ranks (torchrun's launcher) and, with `ray`, on 2 Ray
+    actors ("ray"); {ranks: run directory}. The template's {cluster} is the cluster section."""
     out = {}
-    for ranks in (1, 2):
+    for ranks in (1, 2) + (("ray",) if ray else ()):
         path = cwd / f"run{ranks}.yaml"
-        path.write_text(yaml_text.format(out=f"out{ranks}", ranks=ranks))
+        cluster = ON_RAY if ranks == "ray" else f"{{student: {{num_workers: {ranks}}}}}"
+        path.write_text(yaml_text.format(out=f"out{ranks}", ranks=2 if ranks == "ray" else ranks, cluster=cluster))
+        t0 = time.monotonic()
         r = opd(command, path, cwd=cwd)
         assert r.returncode == 0, r.stderr[-3000:]
+        assert ("2 ranks on Ray" in r.stdout) == (ranks == "ray"), r.stdout[-3000:]   # not torchrun's, and back
+        print(f"\n{cwd.name}: opd {command}, {LABEL[ranks]}: {time.monotonic() - t0:.1f} s")
         out[ranks] = cwd / f"out{ranks}"
     return out
 
 
-def assert_same_run(runs: dict[int, Path], keys: tuple[str, ...], tol: float = 1e-4) -> None:
-    one, two = ([r for r in read_metrics(runs[n] / "metrics.jsonl") if "loss" in r] for n in (1, 2))
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
-    for a, b in zip(one, two):
-        for k in keys:
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
-    wa, wb = (load_file(str(runs[n] / "model" / "model.safetensors")) for n in (1, 2))
-    assert wa.keys() == wb.keys()
-    gap = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-    print(f"\n{runs[2].parent.name}: largest weight difference, 2 ranks vs 1 process: {gap:.2e}")
-    assert gap < tol, gap
-    assert (runs[2] / "checkpoints" / "step_000003" / "dcp").is_dir()   # sharded, resumable on any rank count
+def assert_same_run(runs: dict[int | str, Path], keys: tuple[str, ...], tol: float = 1e-4) -> None:
+    """Each sharded run's losses and final weights are one process's (and Ray's ranks torchrun's)."""
+    metrics = {n: [r for r in read_metrics(runs[n] / "metrics.jsonl") if "loss" in r] for n in runs}
+    weights = {n: load_file(str(runs[n] / "model" / "model.safetensors")) for n in runs}
+    for n in [n for n in runs if n != 1]:
+        assert [r["step"] for r in metrics[1]] == [r["step"] for r in metrics[n]] == [1, 2, 3]
+        for a, b in zip(metrics[1], metrics[n]):
+            for k in keys:
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (n, a["step"], k)
+        assert weights[1].keys() == weights[n].keys()
+        gap = max(float((weights[1][k] - weights[n][k]).abs().max()) for k in weights[1])
+        print(f"\n{runs[n].parent.name}: largest weight difference, {LABEL[n]} vs 1 process: {gap:.2e}; "
+              f"losses {[round(r['loss'], 7) for r in metrics[n]]} vs {[round(r['loss'], 7) for r in metrics[1]]}")
+        assert gap < tol, gap
+        assert (runs[n] / "checkpoints" / "step_000003" / "dcp").is_dir()   # sharded, resumable on any rank count
+    if "ray" in runs:   # the same ranks doing the same sums in the same order: torchrun's numbers
+        gap = max(float((weights[2][k] - weights["ray"][k]).abs().max()) for k in weights[2])
+        assert gap <= 1e-6, gap
+        for a, b in zip(metrics[2], metrics["ray"]):
+            assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-6, abs=1e-9)
 
 
 def card_run(out: Path) -> dict:
@@ -104,9 +123,10 @@ def test_opd_rl_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, lora):
           "algorithm: {{epochs: 2, kl_beta: 0.01, advantage: batch_std}}\n"
           "rewards: [{{name: python, path: 'digits.py:digits'}}]\noptim: {{lr: 0.01}}\n"
           "run: {{steps: 3, checkpoint_every: 3, out_dir: {out}, progress: false, tensorboard: false}}\n"
-          "cluster: {{student: {{num_workers: {ranks}}}}}\n"))
+          "cluster: {cluster}\n"), ray=not lora)
     assert_same_run(runs, ("loss", "kl", "reward/mean", "entropy", "grad_norm"))
-    assert "2 (FSDP2, each rank 2 prompts a step)" in (runs[2] / "card.md").read_text()
+    for n in set(runs) - {1}:
+        assert "2 (FSDP2, each rank 2 prompts a step)" in (runs[n] / "card.md").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +151,11 @@ def test_opd_train_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, teacher
         "  sft: {{path: sft.jsonl, batch_size: 2, lambda_sft: 0.1}}\n"
         "rollout: {{prompts_per_step: 4, max_new_tokens: 6}}\noptim: {{lr: 0.003, micro_batch_size: 1}}\n"
         "run: {{steps: 3, out_dir: {out}, progress: false, tensorboard: false, checkpoint_every: 3}}\n"
-        "cluster: {{student: {{num_workers: {ranks}}}}}\n"))
+        "cluster: {cluster}\n"), ray=not lora)
     assert_same_run(runs, ("loss", "kl", "sft_loss", "grad_norm", "teacher_tail_mass"))
-    evals = [[r["eval/kl"] for r in read_metrics(runs[n] / "metrics.jsonl") if "eval/kl" in r] for n in (1, 2)]
-    assert evals[1] == pytest.approx(evals[0], rel=1e-4)
+    evals = {n: [r["eval/kl"] for r in read_metrics(runs[n] / "metrics.jsonl") if "eval/kl" in r] for n in runs}
+    for n in set(runs) - {1}:
+        assert evals[n] == pytest.approx(evals[1], rel=1e-4)
 
 
 def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process | None:
