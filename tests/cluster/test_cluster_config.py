@@ -33,6 +33,25 @@ def test_example_config_loads():
     assert train.cluster == cfg
 
 
+def test_the_sharded_example_is_a_cluster_section_of_opd_train_and_opd_rl_with_its_ranks_on_ray():
+    from opd.distill.config import TrainConfig
+    from opd.rl.config import RLConfig
+
+    path = EXAMPLE.with_name("cluster_ray_sharded.yaml")
+    cfg = load_yaml(path, ClusterConfig)
+    assert cfg.ranks_on_ray and (cfg.student.num_workers, cfg.student.num_gpus_per_worker) == (16, 1.0)
+    import yaml
+
+    section = yaml.safe_load(path.read_text())
+    train = from_dict({"student": {"path": "s"}, "cluster": section, "rollout": {"prompts_per_step": 32},
+                       "merge": {"teachers": [{"name": "math", "address": "tcp://10.0.0.9:5601"}],
+                                 "datasets": [{"domain": "math", "path": "m.jsonl"}]}}, TrainConfig)
+    assert train.cluster == cfg
+    rl = from_dict({"model": {"path": "m"}, "data": {"train": "t.jsonl", "prompts_per_step": 16},
+                    "cluster": section}, RLConfig)
+    assert rl.cluster.ranks_on_ray
+
+
 def test_bad_cluster_configs_are_refused():
     with pytest.raises(ConfigError, match="student.num_workers"):
         from_dict({"mode": "ray", "student": {"num_workers": 0}}, ClusterConfig)
