@@ -22,6 +22,24 @@ Mode = Literal["topk", "student_topk", "full", "sampled"]
 
 
 @dataclass(frozen=True)
+class CrossSpec:
+    """A teacher with another tokenizer (`tokenizer: cross`; opd.teachers.align, docs/teachers.md)."""
+    tokenizer_path: str | None = field(None, help="the teacher's tokenizer (its model directory): the client tokenizes "
+                                                  "the response and the teacher's prompt with it, and its fingerprint "
+                                                  "must be the server's; default: this teacher's cluster.teachers model")
+    match: Literal["prefix", "exact"] = field(
+        "prefix", help="which teacher ids the exact part maps to a student id: exact: those whose text is a student "
+                       "token; prefix: also the others, to the student's first token of their text (their mass is "
+                       "the student's next token's: exact for a byte-level student)")
+    exact: float = field(1.0, help="weight of the exact part: the divergence (beta) over the teacher's top-k ids "
+                                   "mapped to student ids, plus one bucket", min=0.0)
+    uld: float = field(1.0, help="weight of the ULD part: sorted-probability L1 over the ids the other side lacks",
+                       min=0.0)
+    span: float = field(1.0, help="weight of the sampled-token part: each aligned span's log-prob difference as a "
+                                  "reverse-KL advantage", min=0.0)
+
+
+@dataclass(frozen=True)
 class TeacherSpec:
     name: str = field(help="teacher name, used in rules, metrics and the training card")
     address: str = field(help="ZeroMQ address of its `opd serve-teacher`, e.g. tcp://127.0.0.1:5555")
@@ -46,8 +64,18 @@ class TeacherSpec:
                       "batch: the mean estimate over the batch's other sequences (unbiased, less noise); none: "
                       "nothing, the plain estimator")
     curve_server_key: str | None = field(None, help="server public key file when the teacher uses CURVE")
+    tokenizer: Literal["same", "cross"] = field(
+        "same", help="same: the student's tokenizer (checked at the handshake); cross: its own, the response "
+                     "retokenized and its answers aligned back over text spans (mode topk; `cross` sets it up)")
+    cross: CrossSpec = field(default_factory=CrossSpec, help="tokenizer: cross: the teacher's tokenizer and the "
+                                                             "weights of the loss's three parts")
 
     def __post_init__(self):
+        if self.tokenizer == "cross" and self.mode != "topk":
+            raise ValueError(f"teacher {self.name!r}: tokenizer cross needs mode topk (its top k over its own "
+                             f"vocabulary and its log-probs of its own tokens), got mode {self.mode}")
+        if self.tokenizer == "cross" and not (self.cross.exact or self.cross.uld or self.cross.span):
+            raise ValueError(f"teacher {self.name!r}: cross.exact, cross.uld and cross.span are all 0: nothing to train")
         if not self.address.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"teacher {self.name!r}: address {self.address!r} needs its transport, "
                              f"e.g. tcp://127.0.0.1:5555 or ipc:///tmp/teacher.sock")

@@ -16,13 +16,17 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from transformers import AutoConfig
 
 from opd.errors import TrainError
+from opd.fingerprint import tokenizer_fingerprint
 from opd.kernels import TopKTeacher
+from opd.teachers.align import CrossAnswer, load_cross
 from opd.teachers.batching import answered_rows, row_masks, scored_lengths
 from opd.teachers.client import TeacherClient, TeacherError, _as_curve
 from opd.teachers.welcome import check_welcome
@@ -197,14 +201,16 @@ def teacher_curve(client, key: str, i: int, spec):
     return (secret, spec.curve_server_key)
 
 
-def _check_welcome(key: str, i: int, spec, where: str, welcome, student_fingerprint: str, student_path: str) -> None:
-    problems = check_welcome(spec, welcome, student_fingerprint, at=where)
+def _check_welcome(key: str, i: int, spec, where: str, welcome, student_fingerprint: str, student_path: str,
+                   teacher_fingerprint: str | None = None) -> None:
+    problems = check_welcome(spec, welcome, student_fingerprint, at=where,
+                             teacher_tokenizer_fingerprint=teacher_fingerprint)
     if problems:
         raise TrainError(f"{key}[{i}] ({spec.name}), student {student_path}: " + "; ".join(problems))
 
 
 def connect_teachers(specs: list, s, student_fingerprint: str, student_path: str, *, key: str,
-                     cluster=None, on_ray: set[str] = frozenset()) -> dict:
+                     cluster=None, on_ray: set[str] = frozenset(), fingerprints: dict | None = None) -> dict:
     """One client per teacher spec, checked before any compute: reachable, same tokenizer, able
     to answer the configured mode and k (`s`: the teacher_client settings; `key`: where the config
     lists the teachers, for messages). A teacher named in `on_ray` (cluster.mode: ray) gets the
@@ -222,7 +228,7 @@ def connect_teachers(specs: list, s, student_fingerprint: str, student_path: str
                     raise TrainError(f"teacher {spec.name!r} on the Ray cluster is unusable ({e})") from None
                 out[spec.name] = (pool, welcome)
                 _check_welcome(key, i, spec, f"replicas {pool.live_addresses()}", welcome, student_fingerprint,
-                               student_path)
+                               student_path, (fingerprints or {}).get(spec.name))
                 continue
             # A short-lived client with a short timeout answers "reachable?" quickly; the working
             # client below retries patiently during training.
@@ -238,7 +244,8 @@ def connect_teachers(specs: list, s, student_fingerprint: str, student_path: str
                                  f"(waited teacher_client.connect_timeout_s = {s.connect_timeout_s}s){hint}") from None
             finally:
                 check.close()
-            _check_welcome(key, i, spec, spec.address, welcome, student_fingerprint, student_path)
+            _check_welcome(key, i, spec, spec.address, welcome, student_fingerprint, student_path,
+                           (fingerprints or {}).get(spec.name))
             client = TeacherClient(spec.address, timeout_s=s.timeout_s, retries=s.retries, curve=curve,
                                    backoff_s=s.backoff_s, name=f"opd-train:{spec.name}")
             out[spec.name] = (client, client.info())
@@ -277,6 +284,19 @@ def _vocab_limits(specs: dict, welcome, student_path: str) -> tuple[dict[str, in
     return limits, notes
 
 
+def _load_cross(specs: list, student_tokenizer, key: str) -> dict:
+    """The tokenizers of the `tokenizer: cross` teachers (opd.teachers.align), loaded before any connection."""
+    if student_tokenizer is None:
+        cross = [t.name for t in specs if getattr(t, "tokenizer", "same") == "cross"]
+        if cross:
+            raise TrainError(f"{key} {cross}: tokenizer cross is supported by opd train only")
+        return {}
+    try:
+        return load_cross(specs, student_tokenizer)
+    except ValueError as e:
+        raise TrainError(f"{key}: {e}") from None
+
+
 class TeacherSet:
     """The run's teachers: specs, checked clients and their WELCOMEs.
 
@@ -284,17 +304,23 @@ class TeacherSet:
     teacher_client settings; key: where the config lists them (messages); full_dtype: the dtype
     full-mode logits travel in; cluster, on_ray: a Ray cluster and the teachers it serves;
     check_memory(vocab_size, teachers) -> a note or None (raises TrainError): the caller's
-    check of what its full-mode teachers' logits will hold."""
+    check of what its full-mode teachers' logits will hold. student_tokenizer: needed by
+    `tokenizer: cross` teachers (opd.teachers.align; `cross`: theirs, by name)."""
+
+    cross: Mapping = MappingProxyType({})   # {name: CrossTokenizers}; set by __init__ (tests build bare sets)
 
     def __init__(self, specs: list, client, student_fingerprint: str, student_path: str, *,
                  key: str = "merge.teachers", full_dtype: str = "float32", cluster=None,
-                 on_ray: set[str] = frozenset(), check_memory=None):
+                 on_ray: set[str] = frozenset(), check_memory=None, student_tokenizer=None):
         self.full_dtype = full_dtype
         self.specs = {t.name: t for t in specs}
+        self.cross = _load_cross(specs, student_tokenizer, key)
         self.clients = connect_teachers(specs, client, student_fingerprint, student_path, key=key,
-                                        cluster=cluster, on_ray=on_ray)
+                                        cluster=cluster, on_ray=on_ray,
+                                        fingerprints={n: tokenizer_fingerprint(c.teacher) for n, c in self.cross.items()})
         self._open_tokens = {name: 0 for name in self.specs}   # full mode: tokens of streams not yet ended
-        self.vocab_limit, self.vocab_notes = _vocab_limits(self.specs, self.welcome, student_path)
+        self.vocab_limit, self.vocab_notes = _vocab_limits({n: s for n, s in self.specs.items() if n not in self.cross},
+                                                           self.welcome, student_path)
         full = [name for name, spec in self.specs.items() if spec.mode == "full"]
         self.memory_note = None   # a full-mode run that may take over half the memory: said, and in the card
         if full and check_memory is not None:
@@ -307,6 +333,10 @@ class TeacherSet:
     def welcome(self, name: str):
         return self.clients[name][1]
 
+    def tokenizer(self, name: str, student_tokenizer):
+        """The tokenizer teacher `name` reads: its own (`tokenizer: cross`), else the student's."""
+        return self.cross[name].teacher if name in self.cross else student_tokenizer
+
     @property
     def has_full(self) -> bool:
         """A teacher answers in full mode (its streams hold the server's budget until read)."""
@@ -317,9 +347,10 @@ class TeacherSet:
         student's prompt, + the response so far from `starts`; None: prompts alone), so that a
         teacher with a prompt cache computes them while the student samples. A hint: a failed one
         is logged, and the SCOREs are answered alike. Not sent to a Ray replica pool, where the
-        replica that scores them is not known yet."""
+        replica that scores them is not known yet, nor to a cross-tokenizer teacher (these are the
+        student's ids)."""
         client = self.clients[teacher][0]
-        if not isinstance(client, TeacherClient):
+        if not isinstance(client, TeacherClient) or teacher in self.cross:
             return
         try:
             futures = client.prefill(sequences, starts)
@@ -336,9 +367,20 @@ class TeacherSet:
         contexts [B]: the teacher's own prompts; candidates int32 [rows, k]: the ids it answers
         (mode student_topk). Both from opd.distill.context.teacher_inputs. rows [B] (protocol 2.5):
         per sequence, which of its len - start response rows to answer (0/1); the answer's rows are
-        then those (candidates one per such row). None: every row, and a request as before 2.5."""
+        then those (candidates one per such row). None: every row, and a request as before 2.5.
+        A `tokenizer: cross` teacher scores its own tokens of the response after `contexts` (its
+        prompt in its tokens): a Future of a CrossAnswer over the student's rows (opd.teachers.align)."""
         spec, client = self.specs[teacher], self.clients[teacher][0]
         t0 = time.perf_counter()
+        if teacher in self.cross:
+            def submit(seqs, st):
+                return client.submit_topk(seqs, st, spec.k, temperature=spec.temperature)
+            try:
+                return self.cross[teacher].request(submit, sequences, starts, contexts)
+            except TeacherError as e:
+                failed: Future = Future()
+                failed.set_exception(e)
+                return failed
         if spec.mode == "full":
             offsets = [0]
             for n in answered_rows(sequences, starts, row_masks(sequences, starts, rows)):
@@ -419,7 +461,7 @@ class TeacherSet:
     def topk_ids(self, spec, answer: Answer, idx: torch.Tensor) -> torch.Tensor | None:
         """The teacher's top-k ids at answer rows `idx` (for the overlap diagnostic); None in mode
         student_topk, whose answer is at the student's ids and never names the teacher's own."""
-        if spec.mode == "student_topk":
+        if spec.mode == "student_topk" or isinstance(answer, CrossAnswer):
             return None
         if answer.topk is not None:
             return answer.topk.ids[idx.to(answer.topk.ids.device)]

@@ -12,15 +12,25 @@ def _needed_mode(spec) -> str:
     return "topk" if spec.mode in ("sampled", "student_topk") else spec.mode
 
 
-def check_welcome(spec, welcome, student_tokenizer_fingerprint: str, at: str | None = None) -> list[str]:
+def check_welcome(spec, welcome, student_tokenizer_fingerprint: str, at: str | None = None,
+                  teacher_tokenizer_fingerprint: str | None = None) -> list[str]:
     """Problems of one teacher's WELCOME against its spec and the student's tokenizer.
-    at: where it answered, when not spec.address (a pool of replicas)."""
+    at: where it answered, when not spec.address (a pool of replicas). A `tokenizer: cross`
+    teacher's must be the fingerprint of its cross.tokenizer_path (teacher_tokenizer_fingerprint;
+    None: not checked here, the light `opd route check`)."""
     where = f"teacher {spec.name!r} at {at or spec.address}"
     problems = []
-    if welcome.tokenizer_fingerprint != student_tokenizer_fingerprint:
+    if getattr(spec, "tokenizer", "same") == "cross":
+        if teacher_tokenizer_fingerprint is not None and welcome.tokenizer_fingerprint != teacher_tokenizer_fingerprint:
+            problems.append(f"{where}: tokenizer fingerprint {welcome.tokenizer_fingerprint} differs from its "
+                            f"cross.tokenizer_path's {teacher_tokenizer_fingerprint} ({spec.cross.tokenizer_path}): "
+                            f"the response would be retokenized with another tokenizer than the server reads "
+                            f"(the server loaded {welcome.model_id})")
+    elif welcome.tokenizer_fingerprint != student_tokenizer_fingerprint:
         problems.append(f"{where}: tokenizer fingerprint {welcome.tokenizer_fingerprint} differs from the "
                         f"student's {student_tokenizer_fingerprint}; a teacher must use the student's tokenizer "
-                        f"(vocabulary, special tokens and chat template; the server loaded {welcome.model_id})")
+                        f"(vocabulary, special tokens and chat template; the server loaded {welcome.model_id}), "
+                        f"or be declared `tokenizer: cross` (docs/teachers.md)")
     mode = _needed_mode(spec)
     if mode not in welcome.modes:
         problems.append(f"{where}: mode {spec.mode!r} needs {mode!r}, the server offers {list(welcome.modes)}")

@@ -17,6 +17,20 @@ def divergence_words(beta: float) -> str:
     return f"generalized JSD with beta={beta:g} (between forward and reverse KL)"
 
 
+def _cross_facts(t, parts: dict) -> dict:
+    """A `tokenizer: cross` teacher: what it reads, and its loss's three parts over the run
+    (parts: {"cross/<teacher>/<part>": [weighted |value| summed, rows]}; opd.distill.cross)."""
+    mine = {k.rsplit("/", 1)[1]: v for k, v in parts.items() if k.startswith(f"cross/{t.name}/")}
+    total = sum(v[0] for v in mine.values())
+    return {"tokenizer": f"cross-tokenizer: its own ({t.cross.tokenizer_path}); the response retokenized, its "
+                         f"answers aligned to the student's rows over text spans",
+            "sees": (f"its own prompt, context {t.context!r}," if t.context else "the sample's prompt")
+                    + " rendered with its own chat template in its own tokens, then the student's response as text",
+            "cross_parts": {p: {"weight": getattr(t.cross, p), "mean_per_row": v[0] / v[1] if v[1] else 0.0,
+                                "share": v[0] / total if total else 0.0} for p, v in mine.items()}
+            or "not measured"}
+
+
 def _teacher_facts(cfg, t, welcome, tail: list[float], share: float, student_fingerprint: str) -> dict:
     """tail: [sum of the teacher's tail mass over the rows trained on, rows]; student_fingerprint:
     the model fingerprint of the student's start (a teacher with it is a frozen copy)."""
@@ -55,12 +69,13 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
                      eval_prompts: int, evals: list[dict], warnings: list[str], steps: int,
                      skipped_lines: dict | None = None, trimmed: list[int] | None = None, ranks: int = 1,
                      memory: dict | None = None, importance: list[float] | None = None,
-                     agent: list[float] | None = None) -> None:
+                     agent: list[float] | None = None, cross: dict | None = None) -> None:
     """card.md + card.json in `out`. `student`: model/tokenizer fingerprints and trained parameter count;
     `trimmed`: [response tokens trimmed after the answer, response tokens sampled] over the run;
     `skipped_lines`: {file: {loaded, skipped, first}} for files with malformed lines skipped;
     `importance`: [sum of the importance ratios, their max, rows cut by the correction, rows];
-    `agent`: the run's trajectory sums (opd.agent.totals.sums), stated with `cfg.agent`."""
+    `agent`: the run's trajectory sums (opd.agent.totals.sums), stated with `cfg.agent`;
+    `cross`: the cross-tokenizer teachers' parts over the run (History.cross, opd.distill.cross)."""
     total = sum(teacher_samples.values()) or 1.0
     st = staleness or [0]
     lora = cfg.student.lora
@@ -70,9 +85,10 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
             "training": (f"LoRA r={lora.rank} alpha={lora.alpha} on {', '.join(lora.target_modules)} "
                          f"dropout={lora.dropout} (checkpoints hold the adapter alone)") if lora
             else "full fine-tuning"},
-        **{f"teacher {t.name}": _teacher_facts(cfg, t, welcomes[t.name], tail_mass.get(t.name) or [0.0, 0],
-                                               teacher_samples.get(t.name, 0.0) / total,
-                                               student["model_fingerprint"])
+        **{f"teacher {t.name}": {**_teacher_facts(cfg, t, welcomes[t.name], tail_mass.get(t.name) or [0.0, 0],
+                                                  teacher_samples.get(t.name, 0.0) / total,
+                                                  student["model_fingerprint"]),
+                                   **(_cross_facts(t, cross or {}) if t.tokenizer == "cross" else {})}
            for t in cfg.merge.teachers},
         "trajectories": {
             "source": f"sampled by the student being trained ({cfg.rollout.engine} engine"

@@ -137,6 +137,7 @@ class TrainConfig:
         extra = [t.name for t in self.cluster.teachers if t.name not in names]
         if extra:
             raise ValueError(f"cluster.teachers {extra} are not teachers of merge.teachers ({names})")
+        self._cross_teachers()
         # The sampled-token estimate (log S(x) - log T(x)) grad log S(x) is unbiased for reverse KL only
         # when x is drawn from the S it scores: the teacher's temperature, no nucleus cut.
         r = self.rollout
@@ -201,6 +202,27 @@ class TrainConfig:
             raise ValueError(f"store: trains on stored sequences with no teacher running and nothing sampled; "
                              f"remove {', '.join(refused)}")
 
+    def _cross_teachers(self) -> None:
+        """tokenizer: cross teachers (opd.teachers.align): their tokenizer, by default their forked
+        model's; what they cannot be combined with yet."""
+        models = {t.name: t.model for t in self.cluster.teachers}
+        teachers = []
+        for t in self.merge.teachers:
+            if t.tokenizer == "cross" and t.cross.tokenizer_path is None:
+                if t.name not in models:
+                    raise ValueError(f"merge.teachers {t.name!r}: tokenizer cross needs cross.tokenizer_path (the "
+                                     f"teacher's tokenizer or model directory), or the teacher in cluster.teachers")
+                t = replace(t, cross=replace(t.cross, tokenizer_path=models[t.name]))
+            teachers.append(t)
+        object.__setattr__(self, "merge", replace(self.merge, teachers=teachers))
+        cross = [t.name for t in teachers if t.tokenizer == "cross"]
+        if cross and self.agent is not None:
+            raise ValueError(f"merge.teachers {cross}: tokenizer cross with `agent` is not supported yet (a "
+                             f"trajectory's tool observations would need aligning too)")
+        if cross and self.loss.fused_linear:
+            raise ValueError(f"merge.teachers {cross}: tokenizer cross needs the student's logits of a span's first "
+                             f"rows; set loss.fused_linear to false")
+
 
 def resolve_paths(cfg: TrainConfig, base_dir: str | Path) -> TrainConfig:
     """Make every relative path of `cfg` relative to `base_dir` (the config file's folder)."""
@@ -208,7 +230,9 @@ def resolve_paths(cfg: TrainConfig, base_dir: str | Path) -> TrainConfig:
     merge = cfg.merge
     merge = replace(
         merge,
-        teachers=[replace(t, curve_server_key=near(base, t.curve_server_key)) for t in merge.teachers],
+        teachers=[replace(t, curve_server_key=near(base, t.curve_server_key),
+                          cross=replace(t.cross, tokenizer_path=near(base, t.cross.tokenizer_path)))
+                  for t in merge.teachers],
         datasets=[replace(d, path=near(base, d.path), eval_path=near(base, d.eval_path))
                   for d in merge.datasets],
         sft=replace(merge.sft, path=near(base, merge.sft.path)) if merge.sft else None,

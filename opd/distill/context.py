@@ -51,10 +51,13 @@ def support_k(specs) -> int:
 def teacher_prompts(spec, tokenizer, samples: list[Sample], prompts: list[list[int]],
                     tools: list[dict] | None = None) -> list[list[int]]:
     """What teacher `spec` sees before each sample's response: its context (a context teacher),
-    else the student's prompt (`prompts`, token ids)."""
-    if spec.context is None:
+    else the student's prompt (`prompts`, token ids); a `tokenizer: cross` teacher either in its
+    own tokens and chat template (`tokenizer` is then the teacher's)."""
+    cross = getattr(spec, "tokenizer", "same") == "cross"
+    if spec.context is None and not cross:
         return prompts
-    return [encode_prompt(tokenizer, render(spec, s), tools=tools) for s in samples]
+    return [encode_prompt(tokenizer, render(spec, s) if spec.context is not None else s.chat, tools=tools)
+            for s in samples]
 
 
 def teacher_inputs(spec, tokenizer, samples: list[Sample], rollouts: list, keep: list[int],
@@ -64,7 +67,7 @@ def teacher_inputs(spec, tokenizer, samples: list[Sample], rollouts: list, keep:
     context teacher; rendered with the agent's tool schemas `tools`, as the student's prompt is),
     `candidates` int32 [rows, k] (mode student_topk; rows in request order)."""
     out: dict = {}
-    if spec.context is not None:
+    if spec.context is not None or getattr(spec, "tokenizer", "same") == "cross":
         out["contexts"] = teacher_prompts(spec, tokenizer, samples, [], tools)
     if spec.mode == "student_topk":
         masks = masks or [None] * len(rollouts)

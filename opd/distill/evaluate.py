@@ -19,6 +19,7 @@ from opd.diagnostics import DomainTally, topk_overlap
 from opd.distill import agentic
 from opd.distill.batch import Batch, trimmed
 from opd.distill.context import support_k
+from opd.distill.cross import cross_loss
 from opd.distill.loss import common_vocabulary
 from opd.kernels import distill_loss
 from opd.rewards import accuracy as share_correct
@@ -123,9 +124,13 @@ def _divergences(tr, batch: Batch, answers: dict, real: int, tally: DomainTally)
                     continue
                 rows = logits[packed.row_offsets[j]:packed.row_offsets[j] + n]
                 idx = torch.arange(first_row[t][s], first_row[t][s] + n)
-                rows, teacher = common_vocabulary(rows, ans.teacher_rows(idx, rows.device))
-                kl = distill_loss(rows, teacher, beta=spec.divergence_beta, temperature=spec.temperature,
-                                  reduction="none")
+                if getattr(spec, "tokenizer", "same") == "cross":   # its three parts' divergence rows
+                    targets = packed.targets_N[packed.row_offsets[j]:packed.row_offsets[j] + n]
+                    kl = cross_loss(spec, rows, ans, idx, targets)[1]
+                else:
+                    rows, teacher = common_vocabulary(rows, ans.teacher_rows(idx, rows.device))
+                    kl = distill_loss(rows, teacher, beta=spec.divergence_beta, temperature=spec.temperature,
+                                      reduction="none")
                 domain = batch.route_of(s).domain
                 tally.add_rows(domain, "kl", kl)
                 tally.add_rows_by_position(domain, "kl", kl, torch.arange(n))

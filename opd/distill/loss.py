@@ -33,6 +33,7 @@ import torch
 from opd.data import encode_prompt
 from opd.diagnostics import bucket_entropy, topk_overlap
 from opd.distill.batch import Batch
+from opd.distill.cross import cross_loss
 from opd.distill.stats import StepStats
 from opd.teachers.session import Answer, TeacherSet
 from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
@@ -51,6 +52,8 @@ def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.T
     segments: where each sequence's rows start in `rows` (sampled mode with gamma > 0: each
     token's advantage discounts its sequence's later tokens' terms into it). baseline [n]:
     sampled mode, subtracted from each row's estimate before it is an advantage."""
+    if getattr(spec, "tokenizer", "same") == "cross":   # another vocabulary: its answer aligned to these rows
+        return cross_loss(spec, rows, answer, idx, targets, impl)
     t2 = spec.temperature ** 2 if spec.scale_by_t2 else 1.0
     if spec.mode == "sampled":
         device = rows[0].device if isinstance(rows, tuple) else rows.device
@@ -182,6 +185,9 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
     if answers is None:   # every response trimmed to nothing: the answers are collected all the same
         answers = _wait(teachers, batch, stats)
     stats.wait_s += teachers.finish(answers)   # full mode: the time blocked on streamed rows
+    for t, a in answers.items():   # a cross-tokenizer teacher's three parts (opd.distill.cross)
+        for part, (total, n) in getattr(a, "parts", {}).items():
+            stats.add_signal(f"cross/{t}/{part}", total, n)
     stats.latencies += [a.latency_s for a in answers.values()]
 
 

@@ -207,6 +207,7 @@ class History:
     importance: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])  # [sum, max, cut, rows]
     trimmed: list[int] = field(default_factory=lambda: [0, 0])   # [response tokens trimmed, sampled]
     agent: list[float] = field(default_factory=lambda: agentic.zeros())   # opd.agent.totals' sums, the run's
+    cross: dict[str, list[float]] = field(default_factory=dict)   # "cross/<teacher>/<part>" -> [sum, rows]
     evals: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     quiet: bool = False                         # a rank other than 0: keeps the warnings, prints none
@@ -225,6 +226,9 @@ class History:
             self.teacher_samples[t] = self.teacher_samples.get(t, 0.0) + w
         for t, (total, rows) in stats.tail.items():
             _add_tail(self.tail_mass, t, total, rows)
+        for k, (total, rows) in stats.signal.items():   # a cross-tokenizer teacher's parts (opd.distill.cross)
+            if k.startswith("cross/"):
+                _add_tail(self.cross, k, total, rows)
 
     def warn(self, msg: str) -> None:
         if not self.quiet:
@@ -258,7 +262,7 @@ class History:
 
     def state(self) -> dict:
         return {"teacher_samples": self.teacher_samples, "tail_mass": self.tail_mass, "staleness": self.staleness,
-                "importance": self.importance, "trimmed": self.trimmed, "agent": self.agent, "evals": self.evals,
+                "importance": self.importance, "trimmed": self.trimmed, "agent": self.agent, "cross": self.cross, "evals": self.evals,
                 "warnings": self.warnings}
 
     def load_state(self, state: dict) -> None:
@@ -269,5 +273,6 @@ class History:
         self.importance = list(state.get("importance", [0.0, 0.0, 0.0, 0.0]))
         self.trimmed = list(state.get("trimmed", [0, 0]))
         self.agent = list(state.get("agent", agentic.zeros()))
+        self.cross = {k: list(v) for k, v in state.get("cross", {}).items()}
         self.evals = state["evals"]
         self.warnings = state["warnings"] + [w for w in self.warnings if w not in state["warnings"]]

@@ -132,7 +132,8 @@ class Trainer:
         self.teachers = self.store.teachers if self.store is not None else TeacherSet(
             cfg.merge.teachers, cfg.teacher_client, self.student_fp, cfg.student.path, full_dtype=cfg.loss.full_dtype,
             cluster=cluster, on_ray={t.name for t in cfg.cluster.teachers} if cluster is not None else set(),
-            check_memory=lambda vocab, n: full_mode.check_full_memory(cfg, vocab, full_mode.mem_available(), teachers=n))
+            check_memory=lambda vocab, n: full_mode.check_full_memory(cfg, vocab, full_mode.mem_available(), teachers=n),
+            student_tokenizer=tokenizer)
         for note in [self.teachers.memory_note, *self.teachers.vocab_notes]:
             if note:
                 self.history.warn(note)
@@ -320,8 +321,8 @@ class Trainer:
         with the rows it scores, protocol 2.5)."""
         for t, (sequences, starts, rows) in batch.requests().items():
             seqs = batch.members[t]   # what the teacher sees besides them, and where it looks (protocol 2.4)
-            extra = teacher_inputs(self.teachers.specs[t], self.tok, [batch.samples[batch.rollouts[s].prompt_index]
-                                                                      for s in seqs],
+            extra = teacher_inputs(self.teachers.specs[t], self.teachers.tokenizer(t, self.tok),
+                                   [batch.samples[batch.rollouts[s].prompt_index] for s in seqs],
                                    [batch.rollouts[s] for s in seqs], [batch.keep[s] for s in seqs], rows,
                                    self.tools)
             if rows is not None:   # a single-turn request stays what a 2.4 server reads
@@ -458,7 +459,7 @@ class Trainer:
             teacher_samples=h.teacher_samples, tail_mass=h.tail_mass, staleness=h.staleness,
             prompts={d: len(v) for d, v in self.prompts.datasets.items()},
             eval_prompts=len(self.prompts.eval_samples), evals=h.evals, warnings=h.warnings + self.launched.events,
-            steps=self.steps_done,
+            steps=self.steps_done, cross=h.cross,
             skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
                            for p, r in self.prompts.reports.items() if r.skipped},
             trimmed=h.trimmed, ranks=self.world.size, memory=memory, importance=h.importance, agent=h.agent)

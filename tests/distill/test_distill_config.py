@@ -54,6 +54,8 @@ def test_example_config_loads_and_covers_every_option():
     present |= set(_yaml_keys(yaml.safe_load((ROOT / "configs" / "agentic_train.yaml").read_text())))
     # `store:` replaces `merge`: its keys are spelled out in the stored-mode example
     present |= set(_yaml_keys(yaml.safe_load((ROOT / "configs" / "train_stored.yaml").read_text())))
+    # a teacher's `cross:` (tokenizer: cross): spelled out in the cross-tokenizer example
+    present |= set(_yaml_keys(yaml.safe_load((ROOT / "configs" / "train_cross_tokenizer.yaml").read_text())))
     # dict-valued fields (domain_weights, pass_rates) have user keys below them; ignore those
     absent = [k for k, _ in _fields(TrainConfig) if k not in present]
     assert absent == []
