@@ -87,13 +87,23 @@ def launch(argv: list[str], cluster: ClusterConfig, device: str = "auto", module
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     spec, n = cluster.student, cluster.student.num_workers
-    started = connect(cluster)
+    try:
+        started = connect(cluster)
+    except (ConnectionError, RuntimeError) as e:
+        raise TrainError(f"cluster.mode ray: could not join or start Ray (cluster.address "
+                         f"{cluster.address!r}): {e}") from None
     pg, actors = None, []
     try:
         gpus = spec.num_gpus_per_worker
         if gpus is None:   # auto: a GPU per rank where there are GPUs and the student may use them
             gpus = 1.0 if not device.startswith("cpu") and ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
         bundle = {k: v for k, v in {"CPU": spec.num_cpus_per_worker, "GPU": gpus}.items() if v}
+        have = ray.cluster_resources()
+        short = {k: (n * v, have.get(k, 0)) for k, v in bundle.items() if n * v > have.get(k, 0)}
+        if short and started:   # a cluster this run started stays the size it has: no use waiting
+            raise TrainError(f"cluster.mode ray: {n} ranks x {bundle} need more than the local Ray cluster this run "
+                             f"started has ({', '.join(f'{k} {need:g} > {got:g}' for k, (need, got) in short.items())}"
+                             f"): raise cluster.num_cpus, or lower num_workers or num_cpus_per_worker")
         pg = placement_group([dict(bundle)] * n, strategy=spec.strategy)
         ready, _ = ray.wait([pg.ready()], timeout=spec.placement_timeout_s)
         if not ready:

@@ -76,3 +76,16 @@ def test_a_killed_rank_is_named_and_the_waiting_one_is_stopped(ray_cluster, caps
     assert not thread.is_alive()
     assert failure["error"].startswith("rank 1 of 2 failed (its Ray actor's process died"), failure
     assert_nothing_left(ray_cluster, pids)   # rank 0 stopped, not left sleeping
+
+
+def test_ranks_that_cannot_fit_the_local_cluster_the_run_starts_are_refused_at_once(monkeypatch):
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    cfg = from_dict({"mode": "ray", "num_cpus": 1, "student": {"num_workers": 2}}, ClusterConfig)
+    t0 = time.monotonic()
+    with pytest.raises(TrainError, match=r"2 ranks x \{'CPU': 1.0\} need more than the local Ray cluster this run "
+                                         r"started has \(CPU 2 > 1\)"):
+        launch(["--help"], cfg)
+    assert time.monotonic() - t0 < 60            # not placement_timeout_s (600 s)
+    assert not ray.is_initialized()              # the session it started is shut down
