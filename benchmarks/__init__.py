@@ -9,6 +9,7 @@
     opd bench self-distill  a self teacher shown the answer vs SFT on it, held-out accuracy
     opd bench long       every recipe on answers 16 to 256 tokens long: CPU-s to 80 % of the teacher
     opd bench sampled-noise  the sampled-token update against the exact reverse KL: bias and noise
+    opd bench store      a teacher logit store: bytes per token; replay steps/s against a live teacher
     opd bench all        the three, plus runs/bench/summary.md
 
 Benchmarks are not tests: they report numbers, they do not assert them.
@@ -34,6 +35,8 @@ SUBJECTS = {
                                              "distillation, OPD, GRPO, TRL, accuracy against CPU-s")),
     "sampled-noise": ("opd.benchmarks.sampled_noise", ("one batch's sampled-token update against the exact "
                                                        "reverse KL's: bias, cosine, signal-to-noise")),
+    "store": ("opd.benchmarks.store", ("a teacher logit store: bytes per token, and replay steps/s against a live "
+                                       "teacher (stored sequences, on-policy)")),
     "all": ("opd.benchmarks.all", "run kernels, transport and step and write summary.md"),
 }
 

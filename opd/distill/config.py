@@ -119,7 +119,7 @@ class TrainConfig:
                                                  "(docs/agentic.md); unset: one turn per rollout")
     store: StoredSource | None = field(None, help="train against a teacher logit store written by `opd store`, no "
                                                   "teacher running: its sequences (off-policy, fixed) and its "
-                                                  "answers, on the same {top-k, tail} objective (docs/teachers.md)")
+                                                  "answers, on the same {top-k, tail} objective (docs/train.md)")
 
     def response_budget(self) -> tuple[str, int]:
         """(its key, tokens): the room a prompt must leave after it within the positions of the

@@ -49,10 +49,10 @@ class StoredTeachers:
     has_full = False
     memory_note = None
 
-    def __init__(self, spec, welcome: Welcome, note: str):
+    def __init__(self, spec, welcome: Welcome):
         self.specs = {spec.name: spec}
-        self._welcome = welcome
-        self.vocab_notes = [note]   # said once at setup and kept in the card's notes
+        self._welcome = welcome     # the scoring teacher's, its model_id naming the store (the card's teacher)
+        self.vocab_notes: list[str] = []
         self.vocab_limit: dict[str, int] = {}
         self._rows: dict[tuple[int, ...], Rows] = {}
 
@@ -189,7 +189,8 @@ def open_store(source, spec, student_fingerprint: str, seed: int) -> Replay:
     manifest = read_manifest(path)
     if manifest is None:
         raise StoreError(f"store.path {path}: no store there (no manifest.json); write one with `opd store CONFIG`")
-    if not manifest.get("complete"):
+    listed = sum(e["sequences"] for e in manifest["shards"])
+    if not manifest.get("complete") or listed != manifest["sequences"]:
         raise StoreError(f"store {path} is unfinished ({len(manifest['shards'])} shards of "
                          f"{-(-manifest['sequences'] // manifest['shard_size'])}): run `opd store` with its config "
                          f"again to finish it")
@@ -209,11 +210,11 @@ def open_store(source, spec, student_fingerprint: str, seed: int) -> Replay:
         if problem:
             raise StoreError(f"store {path}: {problem}; run `opd store` with the store's config again: it rewrites "
                              f"the damaged shards and keeps the others")
-    welcome = msgspec.convert(t, Welcome)
-    teachers = StoredTeachers(spec, welcome, f"teacher {spec.name!r} answered from the store {path}: "
-                                            f"{manifest['sequences']} sequences scored by {t['model_id']} (model "
-                                            f"{t['model_fingerprint']}), top-{manifest['k']} at temperature "
-                                            f"{manifest['temperature']}; no teacher ran")
+    welcome = msgspec.structs.replace(msgspec.convert(t, Welcome),
+                                      model_id=f"{t['model_id']} (answers from the store {path})")
+    teachers = StoredTeachers(spec, welcome)
+    print(f"store: {manifest['sequences']} sequences scored by {t['model_id']} (model {t['model_fingerprint']}), "
+          f"top-{manifest['k']} at temperature {manifest['temperature']}, from {path}; no teacher runs", flush=True)
     batches = StoreBatches(path, manifest, teachers, spec.name, seed, source.shuffle)
     domains: dict[str, int] = {}
     for entry in manifest["shards"]:

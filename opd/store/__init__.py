@@ -9,7 +9,7 @@ replayed by `opd train` with no teacher running.
 
 A stored answer is what a live top-k answer is: per response row the teacher's k ids and
 log-probs, the exact tail log-mass (the mass outside the k), and the sampled token's
-log-prob; so the stored loss is the same exact {top-k, tail} objective (docs/teachers.md).
+log-prob; so the stored loss is the same exact {top-k, tail} objective (docs/train.md).
 What `opd train` reads from a store (a TeacherSet answered from it, the stored sequences as
 Batches) is opd/distill/stored.py, on the trainer's floor.
 """

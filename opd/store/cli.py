@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dtypes). The sequences: prompt/response JSONL (what `opd generate` writes), or the student's own "
         "rollouts of a prompt file. Run it again after an interruption: it resumes after the last whole shard.\n\n"
         "Train against it with no teacher running: a train config with `store: {path: OUT, k: K}` instead of "
-        "`merge` (docs/teachers.md).\n\n"
+        "`merge` (docs/train.md).\n\n"
         "Config keys (YAML; unknown keys are refused with file:line; relative paths are relative to the config "
         "file):\n\n" + describe(StoreConfig, "  "))
 

@@ -218,7 +218,7 @@ def build_store(cfg: StoreConfig, cfg_path: Path) -> dict:
                         "sequences": total, "config": to_dict(cfg), "shards": [], "complete": False}
         if source is None:
             source = RolloutSequences(cfg, prompts_path, tok)
-        manifest["shards"] = done
+        manifest["shards"], manifest["complete"] = done, False
         todo = [i for i in range(n_shards) if i not in {int(e["file"][6:12]) for e in done}]
         t0 = time.perf_counter()
         for i in tqdm(todo, desc="opd store", unit="shard", dynamic_ncols=True):
