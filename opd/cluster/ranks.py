@@ -83,7 +83,7 @@ def launch(argv: list[str], cluster: ClusterConfig, device: str = "auto", module
     docstring). Returns 0 once every rank exited 0, or raises TrainError naming the first rank
     that failed and how; the other ranks have then been stopped."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     spec, n = cluster.student, cluster.student.num_workers
@@ -94,22 +94,7 @@ def launch(argv: list[str], cluster: ClusterConfig, device: str = "auto", module
                          f"{cluster.address!r}): {e}") from None
     pg, actors = None, []
     try:
-        gpus = spec.num_gpus_per_worker
-        if gpus is None:   # auto: a GPU per rank where there are GPUs and the student may use them
-            gpus = 1.0 if not device.startswith("cpu") and ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-        bundle = {k: v for k, v in {"CPU": spec.num_cpus_per_worker, "GPU": gpus}.items() if v}
-        have = ray.cluster_resources()
-        short = {k: (n * v, have.get(k, 0)) for k, v in bundle.items() if n * v > have.get(k, 0)}
-        if short and started:   # a cluster this run started stays the size it has: no use waiting
-            raise TrainError(f"cluster.mode ray: {n} ranks x {bundle} need more than the local Ray cluster this run "
-                             f"started has ({', '.join(f'{k} {need:g} > {got:g}' for k, (need, got) in short.items())}"
-                             f"): raise cluster.num_cpus, or lower num_workers or num_cpus_per_worker")
-        pg = placement_group([dict(bundle)] * n, strategy=spec.strategy)
-        ready, _ = ray.wait([pg.ready()], timeout=spec.placement_timeout_s)
-        if not ready:
-            raise TrainError(f"cluster.mode ray: the cluster could not reserve {n} x {bundle} ({spec.strategy}) for "
-                             f"the student's ranks within {spec.placement_timeout_s:.0f} s; lower "
-                             f"cluster.student.num_workers, num_cpus_per_worker or num_gpus_per_worker, or add nodes")
+        bundle, pg = _reserve(ray, spec, device, fixed_size=started)
         actor_cls = ray.remote(RankActor)
         actors = [actor_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
                                     scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -136,6 +121,33 @@ def launch(argv: list[str], cluster: ClusterConfig, device: str = "auto", module
             remove_placement_group(pg)
         if started:
             ray.shutdown()
+
+
+def _reserve(ray, spec, device: str, fixed_size: bool):
+    """(bundle, placement group) of one bundle per rank, once Ray has reserved them all. A
+    cluster of `fixed_size` (the local one this run started) that cannot hold them is refused
+    at once: waiting would not grow it."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    n, gpus = spec.num_workers, spec.num_gpus_per_worker
+    if gpus is None:   # auto: a GPU per rank where there are GPUs and the student may use them
+        gpus = 1.0 if not device.startswith("cpu") and ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+    bundle = {k: v for k, v in {"CPU": spec.num_cpus_per_worker, "GPU": gpus}.items() if v}
+    have = ray.cluster_resources()
+    short = {k: (n * v, have.get(k, 0)) for k, v in bundle.items() if n * v > have.get(k, 0)}
+    if short and fixed_size:
+        raise TrainError(f"cluster.mode ray: {n} ranks x {bundle} need more than the local Ray cluster this run "
+                         f"started has ({', '.join(f'{k} {need:g} > {got:g}' for k, (need, got) in short.items())}): "
+                         f"raise cluster.num_cpus, or lower cluster.student.num_workers or its num_cpus_per_worker / "
+                         f"num_gpus_per_worker")
+    pg = placement_group([dict(bundle)] * n, strategy=spec.strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=spec.placement_timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise TrainError(f"cluster.mode ray: the cluster could not reserve {n} x {bundle} ({spec.strategy}) for the "
+                         f"student's ranks within {spec.placement_timeout_s:.0f} s (placement_timeout_s); lower "
+                         f"cluster.student.num_workers, num_cpus_per_worker or num_gpus_per_worker, or add nodes")
+    return bundle, pg
 
 
 def rank_envs(places: list[dict], master: tuple[str, int]) -> list[dict[str, str]]:
