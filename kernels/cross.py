@@ -54,18 +54,21 @@ def shared_divergence(student_logits: torch.Tensor, mapped_ids: torch.Tensor, te
     log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1)        # [n, V]
     mapped = mapped_ids >= 0
     ids = mapped_ids.clamp_min(0)
-    hit = torch.zeros_like(log_s).scatter_add_(1, ids, mapped.to(log_s.dtype)) > 0   # [n, V] the mapped columns
-    # The teacher's mass per mapped column, in float64 so that no top-k entry underflows to 0.
-    t_lp = teacher_logprobs.double()
-    t_p = torch.zeros(log_s.shape, dtype=torch.float64, device=log_s.device).scatter_add_(
-        1, ids, torch.where(mapped, t_lp.exp(), torch.zeros_like(t_lp)))
-    log_t = torch.where(hit, t_p.clamp_min(1e-300).log(), torch.full_like(t_p, NEG_INF)).to(log_s.dtype)
+    # Slots naming one student id: the first holds their summed teacher log-mass, the others
+    # leave the partition (-inf on both sides). [n, k, k] compares, no [n, V] teacher tensor.
+    same = (ids[:, :, None] == ids[:, None, :]) & mapped[:, :, None] & mapped[:, None, :]      # [n, k, k]
+    first = mapped & ~torch.tril(same, diagonal=-1).any(-1)                                  # [n, k]
+    t_lp = teacher_logprobs.float()
+    t_sum = torch.logsumexp(torch.where(same, t_lp[:, None, :], torch.full_like(same, NEG_INF, dtype=t_lp.dtype)),
+                            dim=-1)                                                           # [n, k]
+    log_t = torch.where(first, t_sum, torch.full_like(t_lp, NEG_INF))
     t_rest = torch.logsumexp(torch.cat([torch.where(mapped, torch.full_like(t_lp, NEG_INF), t_lp),
-                                        teacher_tail.double()[:, None]], dim=1), dim=1).to(log_s.dtype)
+                                        teacher_tail.float()[:, None]], dim=1), dim=1)
     if beta == 1.0:   # reverse KL reads an empty teacher bucket as 2^-24, as top-k distillation does
         t_rest = torch.where(torch.isneginf(t_rest), torch.full_like(t_rest, TAIL_LOGMASS_FLOOR), t_rest)
+    hit = torch.zeros_like(log_s).scatter_add_(1, ids, mapped.to(log_s.dtype)) > 0   # [n, V] the mapped columns
     s_rest = _masked_logsumexp(log_s, ~hit)
-    s_at = torch.where(hit, log_s, torch.full_like(log_s, NEG_INF))
+    s_at = torch.where(first, log_s.gather(1, ids), torch.full_like(t_lp, NEG_INF))
     return divergence(torch.cat([s_at, s_rest[:, None]], 1), torch.cat([log_t, t_rest[:, None]], 1), beta)
 
 

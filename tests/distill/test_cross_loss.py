@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from opd.kernels.cross import shared_divergence, sorted_l1
+from opd.kernels.reference import divergence
 from opd.distill.cross import cross_loss
 from opd.routing.config import CrossSpec, TeacherSpec
 from opd.teachers.align import CrossTokenizers
@@ -164,3 +165,21 @@ def test_kernel_edges():
     full = torch.log_softmax(torch.randn(2, 3), -1)
     assert torch.isfinite(shared_divergence(logits, torch.tensor([[0, 1, 2]] * 2), full,
                                             torch.full((2,), float("-inf")), beta=1.0)).all()
+
+
+def test_teacher_ids_mapping_to_one_student_id_add_up():
+    # teacher ids 0 and 2 both map to student id 1 (match prefix: " cat" and " can" to " "): the
+    # partition is {1, 3, bucket} with the teacher's mass on 1 their sum; against the same
+    # divergence written out over the student's whole vocabulary
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, generator=g, dtype=torch.float64)
+    lp = torch.log_softmax(torch.randn(2, 4, generator=g, dtype=torch.float64), -1) - math.log(1.25)
+    tail = torch.log1p(-lp.exp().sum(-1))
+    ids = torch.tensor([[1, 3, 1, -1], [1, 3, 1, -1]])
+    for beta in (0.0, 0.5, 1.0):
+        got = shared_divergence(logits, ids, lp, tail, beta=beta)
+        p_t = torch.stack([lp[:, 0].exp() + lp[:, 2].exp(), lp[:, 1].exp(), lp[:, 3].exp() + tail.exp()], 1)
+        s = torch.softmax(logits, -1)
+        p_s = torch.stack([s[:, 1], s[:, 3], 1 - s[:, 1] - s[:, 3]], 1)
+        want = divergence(p_s.log(), p_t.log(), beta)
+        assert torch.allclose(got.double(), want, atol=1e-5), (beta, got, want)
