@@ -125,9 +125,15 @@ class RouterConfig:
         "single", help="single: one teacher per sample; pass_rate: weight the teachers covering a domain by "
                        "their measured pass rate on it")
     pass_rates: dict[str, dict[str, float]] = field(
-        default_factory=dict, help="{domain: {teacher: pass rate}} measured beforehand, e.g. by `opd validate` "
-                                   "(teacher servers score sequences, they do not sample: a run cannot measure "
-                                   "them itself)")
+        default_factory=dict, help="{domain: {teacher: pass rate}} measured beforehand, e.g. by `opd validate`; "
+                                   "with refresh_every, the weights until the run's first measurement")
+    refresh_every: int = field(0, help="pass_rate weighting, opd train: measure each teacher's pass rate on every "
+                                       "domain two or more teachers cover, before the first step and every this "
+                                       "many steps (the teachers answer held-out prompts, protocol 2.7, and the "
+                                       "verifier scores them; the rates pool every measurement so far); 0: the "
+                                       "pass_rates above for the whole run", min=0)
+    refresh_prompts: int = field(16, help="held-out prompts per domain each teacher answers per measurement (the "
+                                          "next ones of the domain's eval_path, in turn)", min=1)
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,9 @@ class MergeConfig:
         for r in self.routing.rules:
             if r.teacher is not None and r.teacher not in names:
                 raise ValueError(f"rule {r.kind!r} names teacher {r.teacher!r}, which is not among {names}")
+        if self.routing.refresh_every and self.routing.weighting != "pass_rate":
+            raise ValueError(f"routing.refresh_every ({self.routing.refresh_every}) measures the pass rates that "
+                             f"weighting: pass_rate weighs teachers by; set weighting: pass_rate, or remove it")
         for domain, rates in self.routing.pass_rates.items():
             unknown = [t for t in rates if t not in names]
             if unknown:

@@ -44,6 +44,7 @@ class Route:
     rule: str                   # "domain_field", "pattern[1]", "classifier", "fallback", ...
     reason: str                 # "domain 'math' -> teacher math"
     domain: str                 # the domain the sample is counted under (metrics, domain weights)
+    finding: str = ""           # routed to a domain's teachers: what the rule found ("domain 'math'"); else ""
 
 
 def preview(text: str, n: int = 60) -> str:
@@ -135,9 +136,26 @@ class Router:
         best = max(weights, key=lambda n: (weights[n], n in measured, -self.names.index(n)))
         if self.cfg.weighting == "single" or len(weights) == 1:
             how = f" (best of {sorted(weights)} by pass rate)" if len(weights) > 1 else ""
-            return Route(best, {best: 1.0}, rule, f"{reason} -> teacher {best}{how}", domain)
+            return Route(best, {best: 1.0}, rule, f"{reason} -> teacher {best}{how}", domain, reason)
         shares = ", ".join(f"{n} {w:.2f}" for n, w in weights.items())
-        return Route(best, weights, rule, f"{reason} -> teachers weighted by pass rate: {shares}", domain)
+        return Route(best, weights, rule, f"{reason} -> teachers weighted by pass rate: {shares}", domain, reason)
+
+    def reweighed(self, route: Route) -> Route:
+        """`route` under the current pass rates (after `update_pass_rates`), among the teachers it
+        had: a prompt was held to those teachers' positions when it loaded. A route to a named
+        teacher, or under weighting single, is returned as it is."""
+        if not route.finding or self.cfg.weighting != "pass_rate" or len(route.weights) == 1:
+            return route
+        fresh = self.domain_weights(route.domain)
+        raw = {n: fresh[n] for n in route.weights if fresh.get(n, 0.0) > 0}
+        if not raw:   # every one of its teachers measured 0: equal weights, as domain_weights does
+            raw = dict.fromkeys(route.weights, 1.0)
+        total = sum(raw.values())
+        weights = {n: w / total for n, w in raw.items()}
+        best = max(weights, key=lambda n: (weights[n], -self.names.index(n)))
+        shares = ", ".join(f"{n} {w:.2f}" for n, w in weights.items())
+        return Route(best, weights, route.rule, f"{route.finding} -> teachers weighted by pass rate: {shares}",
+                     route.domain, route.finding)
 
     def _to_teacher(self, name: str, rule: str, reason: str, domain: str | None) -> Route:
         if domain is None:

@@ -431,6 +431,18 @@ class TeacherSet:
         inner.add_done_callback(done)
         return outer
 
+    def sample(self, teacher: str, prompts: list[list[int]], **kwargs) -> Future:
+        """Future of `teacher`'s SampleResult for these prompts (protocol 2.7; kwargs: n,
+        max_new_tokens, temperature, top_p, seed, stop_ids, as TeacherClient.submit_sample)."""
+        client = self.clients[teacher][0]
+        if not isinstance(client, TeacherClient):
+            raise TrainError(f"teacher {teacher!r} is a Ray replica pool, which does not sample; measure its "
+                             f"pass rates with `opd validate` and give them as merge.routing.pass_rates")
+        try:
+            return client.submit_sample(prompts, **kwargs)
+        except TeacherError as e:
+            raise self._error(teacher, e) from None
+
     def answers(self, futures: dict[str, Future]) -> dict[str, Answer]:
         """Wait for every teacher's answer; a teacher that changed its model stops the run."""
         out = {}

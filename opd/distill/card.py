@@ -69,13 +69,15 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
                      eval_prompts: int, evals: list[dict], warnings: list[str], steps: int,
                      skipped_lines: dict | None = None, trimmed: list[int] | None = None, ranks: int = 1,
                      memory: dict | None = None, importance: list[float] | None = None,
-                     agent: list[float] | None = None, cross: dict | None = None) -> None:
+                     agent: list[float] | None = None, cross: dict | None = None,
+                     teacher_weights: list[str] | None = None) -> None:
     """card.md + card.json in `out`. `student`: model/tokenizer fingerprints and trained parameter count;
     `trimmed`: [response tokens trimmed after the answer, response tokens sampled] over the run;
     `skipped_lines`: {file: {loaded, skipped, first}} for files with malformed lines skipped;
     `importance`: [sum of the importance ratios, their max, rows cut by the correction, rows];
     `agent`: the run's trajectory sums (opd.agent.totals.sums), stated with `cfg.agent`;
-    `cross`: the cross-tokenizer teachers' parts over the run (History.cross, opd.distill.cross)."""
+    `cross`: the cross-tokenizer teachers' parts over the run (History.cross, opd.distill.cross);
+    `teacher_weights`: a line per pass-rate measurement of the run (opd.distill.pass_rates)."""
     total = sum(teacher_samples.values()) or 1.0
     st = staleness or [0]
     lora = cfg.student.lora
@@ -129,7 +131,12 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
         "data": {"ratios": {d.domain: d.ratio for d in cfg.merge.datasets}, "prompts": prompts,
                  "eval_prompts": eval_prompts,
                  "skipped_malformed_lines": skipped_lines or "none",
-                 "routing_rules": [r.kind for r in cfg.merge.routing.rules] or ["single teacher"]},
+                 "routing_rules": [r.kind for r in cfg.merge.routing.rules] or ["single teacher"],
+                 "teacher_weighting": cfg.merge.routing.weighting + (
+                     f", pass rates measured by the run every {cfg.merge.routing.refresh_every} steps on "
+                     f"{cfg.merge.routing.refresh_prompts} held-out prompts per domain and teacher, pooled"
+                     if cfg.merge.routing.refresh_every else ""),
+                 **({"teacher_weights_over_time": teacher_weights} if teacher_weights else {})},
         "run": {"steps": steps, "seed": cfg.run.seed, "lr": cfg.optim.lr, "schedule": cfg.optim.schedule,
                 "omp_wait_policy": wait_policy(),
                 "ranks": f"{ranks} (FSDP2, each rank {cfg.rollout.prompts_per_step // ranks} prompts a step)"

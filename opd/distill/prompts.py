@@ -31,6 +31,8 @@ class Prompts:
     sft: Cycler | None                    # merge.sft's prompt/response pairs
     reports: dict[str, LoadReport]        # file -> lines loaded / skipped
     warnings: list[str] = field(default_factory=list)
+    held_out: dict[str, list[Sample]] = field(default_factory=dict)   # domain -> every held-out prompt kept
+    router: Router | None = None          # what routed them (its pass rates may be refreshed in the run)
 
 
 def load_prompts(cfg, tokenizer, base_dir: str | Path, student_positions: int,
@@ -73,7 +75,8 @@ def load_prompts(cfg, tokenizer, base_dir: str | Path, student_positions: int,
         if report.skipped:
             print(f"{path}: skipped {report.skipped} malformed lines (first: {report.errors[0]})", flush=True)
     picked = _round_robin(list(eval_sets.values()), cfg.run.eval_prompts)
-    return Prompts(datasets, sampler, picked, [routes[id(s)] for s in picked], routes, sft, reports, warnings)
+    return Prompts(datasets, sampler, picked, [routes[id(s)] for s in picked], routes, sft, reports, warnings,
+                   eval_sets, router)
 
 
 def make_router(merge, sample_domains: set[str], base_dir: str | Path) -> Router:

@@ -48,6 +48,7 @@ from opd.distill.config import TrainConfig
 from opd.distill.evaluate import evaluate
 from opd.distill.launch import RunTeachers
 from opd.distill.loss import sft_mix, train_batch
+from opd.distill.pass_rates import PassRates
 from opd.distill.prompts import load_prompts
 from opd.distill.stats import History, StepStats
 from opd.distill.stored import open_store
@@ -150,6 +151,7 @@ class Trainer:
                                     getattr(self.model.config, "max_position_embeddings", 0) or 0,
                                     {t: n for t, n in teacher_positions.items() if n > 0}, self.tools)
         self.history.warnings += self.prompts.warnings
+        self.pass_rates = PassRates(cfg.merge.routing, self.prompts.router, self.prompts.held_out)
         self.reward = build_reward(cfg.rewards, base_dir=self.base_dir) if cfg.rewards else None
         if cfg.rewards:
             check_reward_fields(cfg.rewards, [s for v in self.prompts.datasets.values() for s in v],
@@ -353,6 +355,7 @@ class Trainer:
         """Steps until run.steps, with evaluations and checkpoints; then the model, plots, card."""
         cfg = self.cfg
         if self.steps_done == 0:
+            self.refresh_pass_rates()
             self.evaluate()
         bar = tqdm(total=cfg.run.steps, initial=self.steps_done, disable=not (cfg.run.progress and self.world.main),
                    desc="opd train", dynamic_ncols=True)
@@ -364,6 +367,8 @@ class Trainer:
             bar.set_postfix(loss=f"{row['loss']:.4f}", kl=f"{row.get('kl', float('nan')):.4f}",
                             tok_s=f"{row['tokens_per_s']:.0f}", teacher_s=f"{row['teacher_latency_s']:.3f}",
                             **(per_domain if len(per_domain) > 1 else {}))
+            if self.pass_rates.due(self.steps_done) and self.steps_done < cfg.run.steps:
+                self.refresh_pass_rates()
             # Evaluation first, so that a checkpoint holds it (the card's history after a resume).
             if self._due(cfg.run.eval_every, self.steps_done):
                 self.evaluate()
@@ -387,6 +392,11 @@ class Trainer:
         self.history.warn_kl_without_accuracy(self.steps_done, row)
         self.history.evals.append({"step": self.steps_done, **row})
         return row
+
+    def refresh_pass_rates(self) -> None:
+        """The teachers' pass rates measured again and the routes reweighed (opd.distill.pass_rates)."""
+        if self.pass_rates.due(self.steps_done):
+            self.metrics.log(self.steps_done, self.pass_rates.refresh(self.steps_done, self))
 
     def _due(self, every: int, step: int) -> bool:
         """Whether something done every `every` steps (0: never), and after the last, falls on `step`."""
@@ -416,6 +426,7 @@ class Trainer:
         state = {"batches": self.batches, "version": self.version, "sampler": self.prompts.sampler.state(),
                  "sft": self.prompts.sft.state() if self.prompts.sft is not None else None,
                  "normalizer": self.normalizer.state(), "multipliers": self.multipliers,
+                 "pass_rates": self.pass_rates.state(),
                  **({"ahead": [b.to_state() for b in self.ahead.queued()]} if self.ahead is not None else {}),
                  **({"pending": pending[0]} if not self.world.sharded else {"pending_by_rank": pending}), **history}
         return self.run_dir.save(self.steps_done, self.model, self.optimizer, self.scheduler, state=state,
@@ -433,6 +444,10 @@ class Trainer:
             self.prompts.sft.load_state(state["sft"])
         self.normalizer.load_state(state["normalizer"])
         self.multipliers = state["multipliers"]
+        if state.get("pass_rates"):   # the measured weights, as the run left them
+            self.pass_rates.load_state(state["pass_rates"])
+            self.pass_rates.apply(None)
+            self.pass_rates.reroute(self.prompts)
         self.history.load_state(state)
         by_rank = state.get("pending_by_rank") or [state.get("pending")]
         if len(by_rank) != self.world.size and any(by_rank):
@@ -462,7 +477,8 @@ class Trainer:
             steps=self.steps_done, cross=h.cross,
             skipped_lines={p: {"loaded": r.loaded, "skipped": r.skipped, "first": r.errors[0]}
                            for p, r in self.prompts.reports.items() if r.skipped},
-            trimmed=h.trimmed, ranks=self.world.size, memory=memory, importance=h.importance, agent=h.agent)
+            trimmed=h.trimmed, ranks=self.world.size, memory=memory, importance=h.importance, agent=h.agent,
+            teacher_weights=self.pass_rates.card())
         return {"step": self.steps_done, "evals": h.evals, "out_dir": str(self.out)}
 
     def close(self) -> None:
