@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opd.errors import TrainError
 from opd.kernels import TopKTeacher
 
 REPLACEMENT = "\ufffd"   # what decoding writes for bytes that end inside a character
@@ -218,19 +219,20 @@ class CrossTokenizers:
         for b, a in enumerate(aligned):
             so, to = offsets[b], int(r.row_offsets[b])
             if int(r.row_offsets[b + 1]) - to != len(a.teacher_ids):
-                raise ValueError(f"teacher answered {int(r.row_offsets[b + 1]) - to} rows for a response of "
+                raise TrainError(f"cross-tokenizer teacher answered {int(r.row_offsets[b + 1]) - to} rows for a response of "
                                  f"{len(a.teacher_ids)} teacher tokens")
             for s_lo, s_hi, t_lo, t_hi in a.spans:
                 start_row[so + s_lo] = to + t_lo
                 span_of[so + s_lo:so + s_hi] = len(span_lp)
                 span_lp.append(float(token_lp[to + t_lo:to + t_hi].sum()))
         teacher = TopKTeacher(*(torch.as_tensor(x) for x in (r.ids, r.logprobs, r.tail_logmass)))
+        span_lp_S = torch.tensor(span_lp, dtype=torch.float32)
         per_row = torch.zeros(offsets[-1])   # the span's teacher log-prob on its first row
         first = start_row >= 0
-        per_row[first] = torch.tensor(span_lp, dtype=torch.float32)[span_of[first]] if span_lp else per_row[first]
+        per_row[first] = span_lp_S[span_of[first]]
         return CrossAnswer(token_logprob=per_row, row_offsets=offsets, latency_s=latency_s, teacher=teacher,
                            mapped=self.map.student_ids(teacher.ids.long(), self.match), start_row=start_row,
-                           span_of=span_of, span_teacher_lp=torch.tensor(span_lp, dtype=torch.float32),
+                           span_of=span_of, span_teacher_lp=span_lp_S,
                            unshared=lambda vocab: self.map.unshared(vocab, self.match),
                            unaligned=sum(not a.exact for a in aligned))
 

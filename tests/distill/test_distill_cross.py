@@ -12,12 +12,14 @@ import json
 import pytest
 
 from opd.config import from_dict
-from opd.data import write_jsonl
+from opd.data import Sample, encode_prompt, write_jsonl
+from opd.distill.context import teacher_inputs, teacher_prompts
 from opd.distill.config import TrainConfig
 from opd.distill.trainer import Trainer, TrainError
 from opd.metrics import read_metrics
 from opd.routing.config import TeacherSpec
-from opd.tiny.cross import build_cross_teacher
+from opd.tiny import build_tokenizer
+from opd.tiny.cross import build_bpe_tokenizer, build_cross_teacher
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,3 +103,22 @@ def test_cross_config_checks():
         from_dict({**base, "merge": {**base["merge"], "teachers": [{**base["merge"]["teachers"][0],
                                                                     "cross": {"tokenizer_path": "/t"}}]},
                    "loss": {"fused_linear": True}}, TrainConfig)
+
+
+def test_cross_teacher_reads_its_own_chat_template(tmp_path):
+    # the teacher's prompt is the sample's chat in the teacher's template and tokens, a context
+    # teacher's its context likewise; a same-tokenizer teacher keeps the student's prompt ids
+    student = build_tokenizer(tmp_path / "s", chat=True)
+    teacher = build_bpe_tokenizer(tmp_path / "t", merges=[("Ġ", "w"), ("h", "a")], chat=True)
+    samples = [Sample(prompt="what is 2 plus 2?", answer="4")]
+    cross = TeacherSpec(name="t", address="tcp://127.0.0.1:1", tokenizer="cross")
+    ctx = teacher_inputs(cross, teacher, samples, [], [0])["contexts"]
+    assert ctx == [encode_prompt(teacher, samples[0].chat)]
+    assert teacher.decode(ctx[0]) == "<|im_start|>user\nwhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert ctx[0] != encode_prompt(student, samples[0].chat)   # other ids for the same text
+    hinted = TeacherSpec(name="t", address="tcp://127.0.0.1:1", tokenizer="cross", context="{prompt} ({answer})")
+    assert teacher.decode(teacher_inputs(hinted, teacher, samples, [], [0])["contexts"][0]).startswith(
+        "<|im_start|>user\nwhat is 2 plus 2? (4)")
+    same = TeacherSpec(name="t", address="tcp://127.0.0.1:1")
+    assert teacher_inputs(same, student, samples, [], [0]) == {}
+    assert teacher_prompts(same, student, samples, [[1, 2]]) == [[1, 2]]

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from opd.errors import TrainError
 from opd.teachers.align import CrossTokenizers, VocabMap, char_ends, spans
 from opd.teachers.results import TopKResult
 from opd.tiny import build_tokenizer
@@ -129,3 +130,22 @@ def test_answer_rows_back_on_student_rows(pair):
     assert exact.result().mapped[0].tolist() == [a, -1]
     with pytest.raises(ValueError, match="contexts"):
         cross.request(submit, [prompt_s + s_ids], [3], None)
+
+
+def test_empty_and_eos_only_responses(pair):
+    student, teacher = pair
+    cross = CrossTokenizers(student, teacher)
+    only_eos = cross.align([student.eos_token_id])
+    assert only_eos.teacher_ids == [teacher.eos_token_id] and only_eos.spans == [(0, 1, 0, 1)]
+    assert cross.align([]).spans == [] and cross.align([]).teacher_ids == []
+
+
+def test_teacher_answering_other_rows_is_an_error(pair):
+    student, teacher = pair
+    cross = CrossTokenizers(student, teacher)
+    aligned = cross.align(student("the cat", add_special_tokens=False)["input_ids"])
+    n = len(aligned.teacher_ids) + 1
+    r = TopKResult(ids=torch.zeros(n, 1, dtype=torch.int32), logprobs=torch.zeros(n, 1), tail_logmass=torch.zeros(n),
+                   token_logprob=torch.zeros(n), lse=torch.zeros(n), row_offsets=[0, n])
+    with pytest.raises(TrainError, match="answered 3 rows for a response of 2 teacher tokens"):
+        cross.answer(r, [aligned], [7], 0.0)
