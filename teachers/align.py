@@ -21,7 +21,7 @@ student's first token of its text, so the teacher's next-token distribution is c
 distribution of the student's next token (exact for a byte-level student at a word boundary).
 A response the teacher's tokenizer does not give back unchanged (a normalizer that rewrites
 text) is one span: its first rows still share their context, its other rows only the
-sequence's log-prob difference (counted in `CrossAnswer.unaligned`).
+sequence's log-prob difference (counted: `signal/cross/<teacher>/unaligned`, and in the card).
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ class CrossTokenizers:
                            mapped=self.map.student_ids(teacher.ids.long(), self.match), start_row=start_row,
                            span_of=span_of, span_teacher_lp=span_lp_S,
                            unshared=lambda vocab: self.map.unshared(vocab, self.match),
-                           unaligned=sum(not a.exact for a in aligned))
+                           parts={"unaligned": [float(sum(not a.exact for a in aligned)), len(aligned)]})
 
 
 @dataclass
@@ -250,7 +250,8 @@ class CrossAnswer:
     span_teacher_lp [S] the teacher's log-prob of each span's tokens
     token_logprob [R_s] span_teacher_lp on each span's first row, 0 elsewhere (sums to the
                  teacher's log-prob of the response)
-    parts        what the loss measured of each part: {part: [sum, rows]} (opd.distill.cross)
+    parts        what the loss measured of each part: {part: [sum, rows]} (opd.distill.cross), and
+                 "unaligned": [responses the teacher's tokenizer did not give back unchanged, responses]
     """
     token_logprob: torch.Tensor
     row_offsets: list[int]
@@ -261,7 +262,6 @@ class CrossAnswer:
     span_of: torch.Tensor
     span_teacher_lp: torch.Tensor
     unshared: object   # unshared(V) -> [V] bool: the student ids no teacher id maps to
-    unaligned: int = 0
     parts: dict = field(default_factory=dict)
     topk = None      # the answer's top k is over another vocabulary: no per-row top-k diagnostics
     logits = None

@@ -21,6 +21,7 @@ def _cross_facts(t, parts: dict) -> dict:
     """A `tokenizer: cross` teacher: what it reads, and its loss's three parts over the run
     (parts: {"cross/<teacher>/<part>": [weighted |value| summed, rows]}; opd.distill.cross)."""
     mine = {k.rsplit("/", 1)[1]: v for k, v in parts.items() if k.startswith(f"cross/{t.name}/")}
+    unaligned = mine.pop("unaligned", [0.0, 0])
     total = sum(v[0] for v in mine.values())
     return {"tokenizer": f"cross-tokenizer: its own ({t.cross.tokenizer_path}); the response retokenized, its "
                          f"answers aligned to the student's rows over text spans",
@@ -28,7 +29,10 @@ def _cross_facts(t, parts: dict) -> dict:
                     + " rendered with its own chat template in its own tokens, then the student's response as text",
             "cross_parts": {p: {"weight": getattr(t.cross, p), "mean_per_row": v[0] / v[1] if v[1] else 0.0,
                                 "share": v[0] / total if total else 0.0} for p, v in mine.items()}
-            or "not measured"}
+            or "not measured",
+            "responses_not_retokenized_exactly": (f"{unaligned[0] / unaligned[1]:.1%} of {unaligned[1]} (each one "
+                                                  f"span: the teacher's tokens decode to another text)"
+                                                  if unaligned[1] else "not measured")}
 
 
 def _teacher_facts(cfg, t, welcome, tail: list[float], share: float, student_fingerprint: str) -> dict:

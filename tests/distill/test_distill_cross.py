@@ -77,6 +77,8 @@ def test_cross_tokenizer_heldout_divergence_falls(setup, weights, floor, factor)
     facts = card["teacher t"]
     assert facts["tokenizer"].startswith("cross-tokenizer")
     assert facts["tokenizer_fingerprint"] == setup["server"].tokenizer_fingerprint
+    assert rows[-1]["signal/cross/t/unaligned"] == 0   # byte-level text the BPE gives back unchanged
+    assert facts["responses_not_retokenized_exactly"].startswith("0.0% of ")
     shares = {p: v["share"] for p, v in facts["cross_parts"].items()}
     assert sorted(shares) == ["exact", "span", "uld"] and sum(shares.values()) == pytest.approx(1.0)
 
