@@ -109,7 +109,9 @@ def run(args) -> int:
     server = start_server_process(["--model", args.teacher, "--max-k", str(max(64, args.k)), "--name", "t"],
                                   env={"TOKENIZERS_PARALLELISM": "false"})
     results: dict = {"machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} "
-                                f"torch threads in the trainer, the teacher server 1",
+                                f"torch threads in the trainer, the teacher server 1, OMP_WAIT_POLICY "
+                                f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average at start "
+                                f"{os.getloadavg()[0]:.1f}",
                      "args": {k: v for k, v in vars(args).items() if k != "func"}}
     try:
         store = root / "store"
@@ -146,6 +148,7 @@ def run(args) -> int:
         print(f"[bench store] live teacher, on-policy: {on_policy}", flush=True)
     finally:
         server.stop()
+    results["machine"] += f", at end {os.getloadavg()[0]:.1f}"
     results["arms"] = {"replay (store)": replay, "live teacher, stored sequences": same,
                        "live teacher, on-policy": on_policy}
     s = results["store"]

@@ -265,3 +265,27 @@ def test_cli_help_and_describe():
     assert described.startswith("student:") and "k (int, default 32)" in described
     missing = subprocess.run(run, capture_output=True, text=True)
     assert missing.returncode == 2 and "a config file is needed" in missing.stderr
+
+
+def test_cli_serves_its_teacher_and_refuses_a_mismatch_in_one_line(env, store, tmp_path, capsys):
+    """`opd store` with teacher.model (served for the run, then stopped); a finished store is not
+    scored again; `opd train` against a store of another k is one line, exit 1."""
+    import yaml
+
+    from opd.cli import main
+
+    cfg = {"student": {"path": str(env["student"])}, "teacher": {"model": str(env["teacher"])},
+           "sequences": {"path": str(env["root"] / "pairs.jsonl"), "max_sequences": 3}, "out": "s", "k": K}
+    (tmp_path / "store.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["store", str(tmp_path / "store.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "teacher 'teacher' serving at tcp://" in out and "store: 3 sequences" in out
+    assert read_manifest(tmp_path / "s")["complete"]
+    assert main(["store", str(tmp_path / "store.yaml")]) == 0
+    assert "is complete (3 sequences in 1 shards)" in capsys.readouterr().out   # no teacher started
+    train = {"student": {"path": str(env["student"])}, "store": {"path": str(store), "k": 16},
+             "run": {"out_dir": str(tmp_path / "run")}}
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(train))
+    assert main(["train", str(tmp_path / "train.yaml")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("opd train: error: store.k is 16") and f"set store.k: {K}" in err[-1]
