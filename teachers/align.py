@@ -116,11 +116,33 @@ class VocabMap:
 def char_ends(tok, ids: list[int], text: str) -> list[int | None]:
     """Where each token of `ids` ends, in characters of `text` (their decoding): the length of
     the prefix's decoding, None where that is no prefix of `text` (it ends inside a character).
-    Each prefix is decoded whole: a piece decoded alone may lose a leading space."""
+
+    Decoded piece by piece from the last clean end, after one token of context (a piece decoded
+    alone may lose a leading space, as SentencePiece's first word does), so a response costs
+    O(tokens), not O(tokens^2); when the pieces do not add up to `text` (a decoder that is not
+    local), every prefix is decoded whole instead (`prefix_ends`)."""
+    out: list[int | None] = []
+    start, chars = 0, 0   # tokens before `start` end cleanly at `chars`
+    for i in range(len(ids)):
+        ctx = ids[start - 1:start] if start else []
+        head = tok.decode(ctx, clean_up_tokenization_spaces=False)
+        full = tok.decode(ctx + ids[start:i + 1], clean_up_tokenization_spaces=False)
+        piece = full[len(head):] if full.startswith(head) else None
+        if piece and not piece.endswith(REPLACEMENT) and text.startswith(piece, chars):
+            start, chars = i + 1, chars + len(piece)
+            out.append(chars)
+        else:
+            out.append(None)
+    return out if not ids or out[-1] == len(text) else prefix_ends(tok, ids, text)
+
+
+def prefix_ends(tok, ids: list[int], text: str) -> list[int | None]:
+    """char_ends by decoding every prefix whole: O(tokens^2) decoding, for any decoder."""
     out: list[int | None] = []
     for i in range(1, len(ids) + 1):
         head = tok.decode(ids[:i], clean_up_tokenization_spaces=False)
-        out.append(len(head) if text.startswith(head) and not head.endswith(REPLACEMENT) or head == text else None)
+        clean = text.startswith(head) and not head.endswith(REPLACEMENT) or head == text
+        out.append(len(head) if head and clean else None)   # a token of no text ends nothing
     return out
 
 

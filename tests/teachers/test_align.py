@@ -11,13 +11,16 @@ character), so the spans are student 0-3 / teacher 0-1, 3-7 / 1-2, 7-9 / 2-3, 9-
 11-12 / 4-5, 12-14 / 5-6, 14-15 / 6-7, 15-16 / 7-8, 16-18 / 8-9, and a final EOS is its own span.
 """
 
+import random
 from concurrent.futures import Future
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from opd.errors import TrainError
-from opd.teachers.align import CrossTokenizers, VocabMap, char_ends, spans
+from opd.teachers.align import CrossTokenizers, VocabMap, char_ends, prefix_ends, spans
 from opd.teachers.results import TopKResult
 from opd.tiny import build_tokenizer
 from opd.tiny.cross import build_bpe_tokenizer
@@ -149,3 +152,27 @@ def test_teacher_answering_other_rows_is_an_error(pair):
                    token_logprob=torch.zeros(n), lse=torch.zeros(n), row_offsets=[0, n])
     with pytest.raises(TrainError, match="answered 3 rows for a response of 2 teacher tokens"):
         cross.answer(r, [aligned], [7], 0.0)
+
+
+def test_piecewise_ends_equal_whole_prefix_decoding(pair, tmp_path):
+    """char_ends decodes piece by piece from the last clean end (O(tokens)); it must give what
+    decoding every prefix whole gives, for byte-level, BPE and SentencePiece-style (Metaspace:
+    a word's leading space is dropped at the start of a decoding) tokenizers, on text with
+    multi-byte characters and on random bytes (invalid UTF-8)."""
+    student, teacher = pair
+    corpus = ["the cat sat on the mat. café crème brûlée, naïve coöperation 42 + 17 = 59"] * 20
+    sp = Tokenizer(models.BPE(unk_token="<unk>"))
+    sp.pre_tokenizer, sp.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    sp.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False))
+    sentencepiece = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>")
+    learned = build_bpe_tokenizer(tmp_path / "learned", corpus=corpus, vocab_size=330)
+    for tok in (student, teacher, learned, sentencepiece):
+        for text in (corpus[0], TEXT, "  two  spaces\nand a newline", "é"):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            decoded = tok.decode(ids, clean_up_tokenization_spaces=False)
+            assert char_ends(tok, ids, decoded) == prefix_ends(tok, ids, decoded), (text, tok.convert_ids_to_tokens(ids))
+    rng = random.Random(0)
+    for _ in range(30):
+        ids = [rng.randrange(256) for _ in range(40)]
+        decoded = student.decode(ids, clean_up_tokenization_spaces=False)
+        assert char_ends(student, ids, decoded) == prefix_ends(student, ids, decoded), ids
