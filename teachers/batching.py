@@ -3,9 +3,9 @@
     check_batch(welcome, ...)        the server speaks the protocol the batch needs; its lengths and masks
     pack(sequences)                  flat int32 token ids + [B + 1] offsets, as SCORE carries them
     scored_lengths(...)              the length of each sequence the teacher scores (contexts included)
-    row_masks(sequences, starts, rows)  the rows to answer per sequence (protocol 2.5), checked
+    row_masks(sequences, starts, rows)  the rows to answer per sequence (SCORE's row mask), checked
     split_by_tokens(lengths, limit)  consecutive parts within the teacher's max_tokens_per_request
-    prefill_parts(welcome, seqs)     the prefill SCOREs (protocol 2.6) announcing sequences, if the teacher keeps any
+    prefill_parts(welcome, seqs)     the prefill SCOREs announcing sequences, if the teacher keeps any
     SplitBatch(submit, parts, budget)  sends a top-k batch's parts within max_inflight_tokens
     join_topk(results)               the parts' TopKResults as one
 """
@@ -19,7 +19,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from opd.teachers.protocol import ErrorCode, Score
-from opd.teachers.results import TeacherError, TopKResult
+from opd.teachers.results import SampleResult, TeacherError, TopKResult
 
 
 def check_batch(welcome, address: str, sequences, response_starts, contexts=None, candidates=None, k: int = 0,
@@ -39,7 +39,7 @@ def check_batch(welcome, address: str, sequences, response_starts, contexts=None
 
 def scored_lengths(sequences, response_starts, contexts=None, candidates=None, k: int = 0,
                    masks=None) -> list[int]:
-    """The length of each sequence the teacher scores: with a non-empty context (protocol 2.4),
+    """The length of each sequence the teacher scores: with a non-empty context (docs/protocol.md),
     the context + the response. ValueError when contexts or candidates [rows, k] do not fit
     (rows: the response rows, or the ones of `masks`, row_masks' answer, when given)."""
     rows = [len(s) - int(st) for s, st in zip(sequences, response_starts)]
@@ -55,7 +55,7 @@ def scored_lengths(sequences, response_starts, contexts=None, candidates=None, k
 
 
 def row_masks(sequences, response_starts, rows) -> list[np.ndarray] | None:
-    """`rows` (protocol 2.5: per sequence, which of its len - start response rows to answer, as
+    """`rows` (SCORE's row mask: per sequence, which of its len - start response rows to answer, as
     bools or 0/1) as uint8 arrays, checked; None stays None. ValueError when they do not fit."""
     if rows is None:
         return None
@@ -102,7 +102,7 @@ def split_by_tokens(lengths: list[int], limit: int) -> list[tuple[int, int]]:
 
 
 def prefill_parts(welcome, sequences, starts=None) -> list[tuple[Score, tuple]]:
-    """(SCORE, tensors) of mode "prefill" (protocol 2.6) announcing `sequences` (token ids: prompts,
+    """(SCORE, tensors) of mode "prefill" (docs/protocol.md) announcing `sequences` (token ids: prompts,
     or prompt + the response so far with `starts` [B] where each response starts; None: prompts),
     each part within max_tokens_per_request; none where the WELCOME offers no prompt cache."""
     if tuple(welcome.version) < (2, 6) or welcome.prompt_cache_tokens <= 0 or not sequences:
@@ -184,7 +184,7 @@ def join_topk(results: list[TopKResult]) -> TopKResult:
 
 
 def pack_masks(masks) -> tuple:
-    """A part's row masks as SCORE's row_mask tensor, (uint8 [its response rows],) (protocol 2.5); () without."""
+    """A part's row masks as SCORE's row_mask tensor, (uint8 [its response rows],); () without."""
     return () if masks is None else (np.concatenate([np.zeros(0, np.uint8), *masks]),)
 
 
@@ -208,3 +208,23 @@ def pack(sequences) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError("token ids do not fit in int32")
         ids = ids.astype("<i4")
     return ids, offsets
+
+
+def joined_samples(futures: list[Future]) -> Future:
+    """One Future of the SampleResult of several SAMPLE parts, in their order."""
+    if len(futures) == 1:
+        return futures[0]
+    out: Future = Future()
+
+    def join(_: Future) -> None:
+        if out.done() or not all(f.done() for f in futures):
+            return
+        try:
+            parts = [f.result() for f in futures]
+        except BaseException as e:   # noqa: BLE001 - the caller's future carries it
+            out.set_exception(e)
+            return
+        out.set_result(SampleResult([r for p in parts for r in p.responses], [x for p in parts for x in p.finish]))
+    for f in futures:
+        f.add_done_callback(join)
+    return out

@@ -20,7 +20,8 @@ Reliability, all inside the I/O thread:
 - full-vocabulary streams grant one CREDIT per chunk the caller has consumed, and resume
   after a reconnect by skipping rows they already delivered.
 
-What it returns and raises is in teachers/results.py (`TopKResult`, `FullChunk` and
+Its full-vocabulary half (`score_full`: a stream per request, credits as the caller reads) is
+teachers/streams.py's FullStreams. What it returns and raises is in teachers/results.py (`TopKResult`, `FullChunk` and
 `TeacherError` import from here too), how a batch is packed, split and joined in teachers/batching.py.
 """
 
@@ -32,50 +33,28 @@ import random
 import socket
 import threading
 import time
-import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from opd.teachers.batching import (SplitBatch, answered_rows, check_batch, pack, pack_masks, part_of, prefill_parts,
-                                   split_by_tokens)
+from opd.teachers.batching import (SplitBatch, answered_rows, check_batch, joined_samples, pack, pack_masks, part_of,
+                                   prefill_parts, split_by_tokens)
 from opd.teachers.keys import client_curve_keys
 from opd.teachers.protocol import (PROTOCOL_VERSION, RETRYABLE, Cancel, Chunk, Credit, Done, Error, ErrorCode, Hello,
                                    Ping, ProtocolError, Sample, Samples, Score, TopK, Welcome, decode,
-                                   default_chunk_rows, encode, send_frames, to_torch)
+                                   encode, send_frames, to_torch)
 from opd.teachers.results import FullChunk, SampleResult, TeacherError, TopKResult
+from opd.teachers.streams import END, Call, FullStreams
 
 # Callers import these from here too: the result types (teachers/results.py), _as_curve
 # (opd.train_teachers) and _pack (the tests, opd.bench.transport).
 _as_curve = client_curve_keys
 _pack = pack
 
-_END = object()
-
-
-@dataclass(eq=False)
-class _Call:
-    kind: str                          # "hello" | "topk" | "full" | "prefill" | "sample"
-    score: Score | Sample | None = None
-    arrays: tuple = ()
-    future: Future = field(default_factory=Future)
-    chunks: queue.Queue | None = None  # full mode: FullChunk | exception | _END
-    rid: int = -1
-    attempts: int = 0
-    deadline: float = 0.0
-    retry_at: float | None = None      # waiting out a back-off
-    busy_since: float | None = None    # first BUSY answer of this call
-    busy: int = 0                      # BUSY answers so far
-    delivered_rows: int = 0            # full mode: rows handed to the caller
-    server_credit: int = 0             # full mode: chunks the server may still send
-    sent: bool = False                 # on the wire on the current, verified connection
-
-
-class TeacherClient:
+class TeacherClient(FullStreams):
     def __init__(self, address: str, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.2,
                  max_backoff_s: float = 5.0, curve=None, heartbeat_s: float = 1.0, name: str = "opd",
                  protocol_version: tuple[int, int] = PROTOCOL_VERSION, busy_timeout_s: float | None = None):
@@ -98,8 +77,8 @@ class TeacherClient:
         self._wake_r.setblocking(False)
         self._wake_pending = False           # a wake byte is on its way to the I/O thread
         self._rids = itertools.count(1)
-        self._calls: dict[int, _Call] = {}   # wire request id -> call (top-k and full)
-        self._hellos: list[_Call] = []
+        self._calls: dict[int, Call] = {}   # wire request id -> call (top-k and full)
+        self._hellos: list[Call] = []
         self._welcome: Welcome | None = None
         self._fatal: TeacherError | None = None
         self._closed = False
@@ -119,7 +98,7 @@ class TeacherClient:
     def info(self, refresh: bool = False) -> Welcome:
         """HELLO -> WELCOME: the teacher's name, fingerprints and limits (cached)."""
         if self._welcome is None or refresh:
-            self._command("submit", _Call("hello")).result()
+            self._command("submit", Call("hello")).result()
         return self._welcome  # type: ignore[return-value]
 
     def submit_topk(self, sequences: Sequence[Sequence[int]], response_starts: Sequence[int], k: int,
@@ -160,47 +139,29 @@ class TeacherClient:
         score = Score(request_id=0, mode="topk", response_starts=[int(s) for s in response_starts], k=int(k),
                       temperature=float(temperature), vocab_limit=int(vocab_limit), context=contexts is not None,
                       support="given" if candidates is not None else "teacher", rows=masks is not None)
-        return self._command("submit", _Call("topk", score, arrays))
+        return self._command("submit", Call("topk", score, arrays))
 
     def prefill(self, sequences: Sequence[Sequence[int]], starts: Sequence[int] | None = None) -> list[Future]:
         """Protocol 2.6: announce what SCOREs will soon carry (a hint; batching.prefill_parts)."""
-        return [self._command("submit", _Call("prefill", *p)) for p in prefill_parts(self.info(), sequences, starts)]
+        return [self._command("submit", Call("prefill", *p)) for p in prefill_parts(self.info(), sequences, starts)]
 
     def submit_sample(self, prompts: Sequence[Sequence[int]], *, n: int = 1, max_new_tokens: int = 64,
                       temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                       stop_ids: Sequence[int] = ()) -> Future:
-        """Protocol 2.7: Future of a SampleResult, the teacher's n responses to each prompt (token
-        ids as it reads them: its chat template applied), response j of prompt b at b * n + j.
-        stop_ids: a response ends after the first (kept); none: the teacher's own EOS. Prompts
-        that would exceed max_tokens_per_request (every response counted at max_new_tokens) go
-        as several requests, one result; the same seed gives the same responses for one split."""
+        """Protocol 2.7: Future of a SampleResult, n responses to each prompt (token ids as the
+        teacher reads them), response j of prompt b at b * n + j; stop_ids: a response ends after
+        the first (kept), none: the teacher's own EOS. A batch over max_tokens_per_request (each
+        response counted at max_new_tokens) goes as several requests, joined in order."""
         welcome = self.info()
         if "sample" not in welcome.modes:
-            raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher at {self.address} ({welcome.backend} backend, protocol "
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher at {self.address} ({welcome.backend}, protocol "
                                                       f"{tuple(welcome.version)}) does not sample: its modes are "
                                                       f"{welcome.modes}; serve it with opd >= protocol 2.7")
-        per_prompt = n * max_new_tokens
-        lengths = [len(p) + per_prompt for p in prompts]
         args = dict(n=int(n), max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p),
                     seed=int(seed), stop_ids=[int(t) for t in stop_ids])
-        futures = [self._command("submit", _Call("sample", Sample(request_id=0, **args), pack(prompts[a:b])))
-                   for a, b in split_by_tokens(lengths, welcome.max_tokens_per_request)]
-        if len(futures) == 1:
-            return futures[0]
-        joined: Future = Future()
-
-        def join(_: Future) -> None:
-            if joined.done() or not all(f.done() for f in futures):
-                return
-            try:
-                parts = [f.result() for f in futures]
-            except BaseException as e:   # noqa: BLE001 - the caller's future carries it
-                joined.set_exception(e)
-                return
-            joined.set_result(SampleResult([r for p in parts for r in p.responses], [x for p in parts for x in p.finish]))
-        for f in futures:
-            f.add_done_callback(join)
-        return joined
+        parts = split_by_tokens([len(p) + n * max_new_tokens for p in prompts], welcome.max_tokens_per_request)
+        return joined_samples([self._command("submit", Call("sample", Sample(request_id=0, **args),
+                                                             pack(prompts[a:b]))) for a, b in parts])
 
     def sample(self, prompts, **kwargs) -> SampleResult:
         return self.submit_sample(prompts, **kwargs).result()
@@ -209,70 +170,6 @@ class TeacherClient:
                    vocab_limit: int = 0, contexts=None, candidates=None, rows=None) -> TopKResult:
         return self.submit_topk(sequences, response_starts, k, temperature, vocab_limit, contexts, candidates,
                                 rows).result()
-
-    def score_full(self, sequences, response_starts, temperature: float = 1.0, dtype: str = "float32",
-                   chunk_rows: int | None = None, window: int = 4, vocab_limit: int = 0,
-                   contexts: Sequence[Sequence[int]] | None = None, rows=None) -> Iterator[FullChunk]:
-        """Full-vocabulary rows, streamed: at most `window` chunks are ever buffered here.
-        `chunk_rows` None: ~64 MiB chunks for this teacher's vocabulary (`default_chunk_rows`).
-        A batch over the teacher's max_tokens_per_request is streamed as several requests, one
-        after the other, `row_start` counting over the whole batch. `contexts`, `rows`: as
-        submit_topk's (with `rows`, only the marked rows are streamed)."""
-        welcome = self.info()
-        if chunk_rows is None:
-            chunk_rows = default_chunk_rows(welcome.vocab_size, dtype)
-        lengths, masks = check_batch(welcome, self.address, sequences, response_starts, contexts, rows=rows)
-        parts = split_by_tokens(lengths, welcome.max_tokens_per_request)
-        args = (temperature, dtype, chunk_rows, window, vocab_limit)
-        # The (first) request goes out now, so the teacher computes while the caller does.
-        first = self._score_full(sequences[:parts[0][1]], response_starts[:parts[0][1]], *args,
-                                 part_of(contexts, 0, parts[0][1]), part_of(masks, 0, parts[0][1]))
-        if len(parts) == 1:
-            return first
-        return self._score_full_parts(first, sequences, response_starts, parts, args, contexts, masks)
-
-    def _score_full_parts(self, first, sequences, response_starts, parts, args, contexts,
-                          masks) -> Iterator[FullChunk]:
-        """The parts' streams one after the other (each next request sent when the previous ended)."""
-        shift, answered = 0, answered_rows(sequences, response_starts, masks)
-        for i, (a, b) in enumerate(parts):
-            stream = first if i == 0 else self._score_full(sequences[a:b], response_starts[a:b], *args,
-                                                           part_of(contexts, a, b), part_of(masks, a, b))
-            for chunk in stream:
-                yield chunk._replace(row_start=chunk.row_start + shift)
-            shift += sum(answered[a:b])
-
-    def _score_full(self, sequences, response_starts, temperature: float, dtype: str, chunk_rows: int,
-                    window: int, vocab_limit: int, contexts=None, masks=None) -> Iterator[FullChunk]:
-        arrays = pack(sequences) + (pack(contexts) if contexts is not None else ()) + pack_masks(masks)
-        score = Score(request_id=0, mode="full", response_starts=[int(s) for s in response_starts],
-                      temperature=float(temperature), dtype=dtype, chunk_rows=int(chunk_rows), window=int(window),
-                      vocab_limit=int(vocab_limit), context=contexts is not None, rows=masks is not None)
-        call = _Call("full", score, arrays, chunks=queue.Queue())
-        self._command("submit", call)
-        stream = self._iterate(call)
-        # A generator dropped before its first read runs no `finally`: cancel it then, or the
-        # server would hold the request's tokens in its in-flight budget for as long as this
-        # client lives (its pings keep the peer alive). Cancelling an ended call does nothing.
-        weakref.finalize(stream, self._command, "cancel", call).atexit = False
-        return stream
-
-    def _iterate(self, call: _Call) -> Iterator[FullChunk]:
-        finished = False
-        try:
-            while True:
-                item = call.chunks.get()
-                if item is _END:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                self._command("credit", call)
-                yield item
-        finally:
-            if not finished:
-                self._command("cancel", call)
 
     def close(self) -> None:
         if not self._closed:
@@ -288,7 +185,7 @@ class TeacherClient:
     def __exit__(self, *exc):
         self.close()
 
-    def _command(self, what: str, call: _Call | None) -> Future:
+    def _command(self, what: str, call: Call | None) -> Future:
         if self._fatal is not None and what == "submit":
             raise self._fatal
         if self._closed and what == "submit":
@@ -347,7 +244,7 @@ class TeacherClient:
                     while self._monitor.poll(0):
                         self._on_event(recv_monitor_message(self._monitor)["event"], now)
                 if self._sock in ready:
-                    for _ in range(256):  # EVENTS, not recv-until-EAGAIN: a raised zmq.Again costs ~3 us
+                    for _ in range(256):  # EVENTS, not recv-until-EAGAIN: a raised zmq.Again is slow
                         if not self._sock.get(zmq.EVENTS) & zmq.POLLIN:
                             break
                         frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -389,7 +286,7 @@ class TeacherClient:
             else:
                 call.sent = False
 
-    def _on_command(self, what: str, call: _Call, now: float) -> None:
+    def _on_command(self, what: str, call: Call, now: float) -> None:
         if what == "submit":
             self._send_call(call, now)
         elif what == "credit" and self._calls.get(call.rid) is call and call.sent:
@@ -406,7 +303,7 @@ class TeacherClient:
         except zmq.Again:
             return False  # not connected or full: the deadline or the next WELCOME sends it again
 
-    def _send_call(self, call: _Call, now: float) -> None:
+    def _send_call(self, call: Call, now: float) -> None:
         call.retry_at = None
         call.deadline = now + self.timeout_s
         if call.kind == "hello":
@@ -485,7 +382,7 @@ class TeacherClient:
         elif isinstance(msg, Done):   # the end of a full-mode stream, or a prefill's answer
             del self._calls[call.rid]
             if call.chunks is not None:
-                call.chunks.put(_END)
+                call.chunks.put(END)
             call.future.set_result(msg)
         elif isinstance(msg, Error):
             busy = msg.code == ErrorCode.BUSY and now - (call.busy_since or now) < self.busy_timeout_s
@@ -528,7 +425,7 @@ class TeacherClient:
         self._fatal = err
         self._fail_all(err)
 
-    def _fail(self, call: _Call, err: Exception) -> None:
+    def _fail(self, call: Call, err: Exception) -> None:
         if call.kind == "hello":
             if call in self._hellos:
                 self._hellos.remove(call)

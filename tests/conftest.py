@@ -163,7 +163,8 @@ def ray_cluster():
 # ---- `make test` runs on two pytest-xdist workers -----------------------------------------------
 # Each test file stays on one worker, so that a module's fixtures (servers, models) start once.
 # The files with a test that starts vLLM go to one worker, whose session engines they share; so
-# do the Ray tests (one local cluster at a time on this 2-core box). Scheduled by file path:
+# do the Ray tests, tests/cluster/ and any file that runs a command with `mode: ray` (one local
+# cluster at a time on this 2-core box). Scheduled by file path:
 # xdist's own `--dist loadgroup` reads `_nodeid`, which pytest 9 no longer uses.
 
 def _xdist_scope(rootpath: Path) -> dict[str, str]:
@@ -173,7 +174,7 @@ def _xdist_scope(rootpath: Path) -> dict[str, str]:
         name = path.relative_to(rootpath).as_posix()
         if "pytest.mark.vllm" in path.read_text():
             scope[name] = "vllm"
-        elif name.startswith("tests/cluster/"):
+        elif name.startswith("tests/cluster/") or "mode: ray" in path.read_text():
             scope[name] = "ray"
     return scope
 

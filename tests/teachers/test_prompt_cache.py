@@ -10,7 +10,8 @@ import torch
 
 from opd.teachers.backend import ScoreRequest
 from opd.teachers.batching import pack, pack_masks
-from opd.teachers.client import TeacherClient, TeacherError, _Call
+from opd.teachers.client import TeacherClient, TeacherError
+from opd.teachers.streams import Call as _Call
 from opd.teachers.hf_backend import HFBackend
 from opd.teachers.prompt_cache import Entry, PromptCache, key_of
 from opd.teachers.protocol import Score

@@ -464,7 +464,7 @@ def test_a_malformed_address_is_an_error_at_once_not_a_hang():
 def test_a_lost_connection_drops_prefill_hints_and_sends_the_scores_again():
     # A prefill sent again after a reconnection can reach the server after the SCORE it
     # announced and leave prompt-cache entries nobody reads: hints are dropped, requests kept.
-    from opd.teachers.client import _Call
+    from opd.teachers.streams import Call as _Call
 
     client = object.__new__(TeacherClient)   # the decision alone, without the I/O thread
     hint, score = _Call("prefill", rid=1, sent=True), _Call("topk", rid=2, sent=True)
