@@ -119,10 +119,11 @@ def prepare(plan: Plan, inputs: Path) -> dict:
     weak = max(1, int(PREP_STEPS["weak"] * plan.prep_scale))
     for name, spec, steps in (("teacher", TEACHER, PREP_STEPS["teacher"]), ("student", STUDENT, PREP_STEPS["mid"])):
         steps = max(weak + 1, int(steps * plan.prep_scale))
-        cfg = {"out_dir": str(inputs / name), "tiny": {**spec, "max_positions": 320, "seed": 0},
-               "train": [{"path": str(mix["train"])}], "steps": steps, "batch_size": 32, "lr": 3e-3,
-               "schedule": "constant", "warmup_steps": 30, "max_length": 300, "log_every": 50, "threads": 1,
-               "seed": 0, **({"checkpoint_every": weak, "keep_checkpoints": 1000} if name == "student" else {})}
+        cfg = {"model": {"tiny": {**spec, "max_positions": 320, "seed": 0}},
+               "data": {"train": [{"path": str(mix["train"])}], "batch_size": 32, "max_length": 300},
+               "optim": {"lr": 3e-3, "schedule": "constant", "warmup_steps": 30},
+               "run": {"steps": steps, "out_dir": str(inputs / name), "log_every": 50, "threads": 1, "seed": 0,
+                       **({"checkpoint_every": weak, "keep_checkpoints": 1000} if name == "student" else {})}}
         models[name] = str(inputs / name / "model")
         if (inputs / f"{name}.yaml").is_file() and yaml.safe_load((inputs / f"{name}.yaml").read_text()) == cfg \
                 and (inputs / name / "model" / "config.json").is_file():
@@ -185,10 +186,11 @@ def grpo_config(plan: Plan, length: int, out_dir: Path, seed: int, model: str) -
 
 
 def sft_config(plan: Plan, arm: str, length: int, out_dir: Path, seed: int, model: str, data: Path) -> dict:
-    return {"out_dir": str(out_dir), "model": model, "train": [{"path": str(data)}], "steps": 100000,
-            "batch_size": plan.batch, "lr": plan.lrs[arm], "warmup_steps": 5, "schedule": "constant",
-            "max_length": 300, "log_every": 1, "seed": seed, "threads": 1, "device": "cpu",
-            "checkpoint_every": plan.every(arm, length), "keep_checkpoints": 100000}
+    return {"model": {"path": model, "device": "cpu"},
+            "data": {"train": [{"path": str(data)}], "batch_size": plan.batch, "max_length": 300},
+            "optim": {"lr": plan.lrs[arm], "warmup_steps": 5, "schedule": "constant"},
+            "run": {"steps": 100000, "out_dir": str(out_dir), "log_every": 1, "seed": seed, "threads": 1,
+                    "checkpoint_every": plan.every(arm, length), "keep_checkpoints": 100000}}
 
 
 # ----------------------------------------------------------------------------- runs

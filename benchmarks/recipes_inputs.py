@@ -248,8 +248,9 @@ def opd_config(plan: Plan, arm: str, out_dir: Path, seed: int) -> dict:
 
 
 def sft_config(plan: Plan, out_dir: Path, seed: int, files: dict[str, Path]) -> dict:
-    return {"out_dir": str(out_dir), "model": plan.models["start"]["path"],
-            "train": [{"path": str(files[d]), "ratio": plan.ratios[d], "domain": d} for d in DOMAINS],
-            "steps": plan.steps, "batch_size": plan.batch, "lr": plan.lrs["offline"], "warmup_steps": 10,
-            "schedule": "constant", "log_every": 1, "seed": seed, "threads": 1, "device": "cpu",
-            "checkpoint_every": plan.every("offline"), "keep_checkpoints": 100000}
+    return {"model": {"path": plan.models["start"]["path"], "device": "cpu"},
+            "data": {"train": [{"path": str(files[d]), "ratio": plan.ratios[d], "domain": d} for d in DOMAINS],
+                     "batch_size": plan.batch},
+            "optim": {"lr": plan.lrs["offline"], "warmup_steps": 10, "schedule": "constant"},
+            "run": {"steps": plan.steps, "out_dir": str(out_dir), "log_every": 1, "seed": seed, "threads": 1,
+                    "checkpoint_every": plan.every("offline"), "keep_checkpoints": 100000}}

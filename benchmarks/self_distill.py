@@ -106,16 +106,18 @@ def write_data(out: Path, n_train: int, n_eval: int, hint_ratio: float, context:
 
 
 def warmup_config(out_dir: Path, data: dict, steps: int, batch: int, tiny: dict) -> dict:
-    return {"out_dir": str(out_dir), "tiny": dict(tiny), "train": [{"path": str(data["warm"]), "domain": "math"}],
-            "steps": steps, "batch_size": batch, "lr": 1e-3, "warmup_steps": min(20, steps // 5),
-            "log_every": 10, "seed": 0, "threads": 1, "device": "cpu"}
+    return {"model": {"tiny": dict(tiny), "device": "cpu"},
+            "data": {"train": [{"path": str(data["warm"]), "domain": "math"}], "batch_size": batch},
+            "optim": {"lr": 1e-3, "warmup_steps": min(20, steps // 5)},
+            "run": {"steps": steps, "out_dir": str(out_dir), "log_every": 10, "seed": 0, "threads": 1}}
 
 
 def sft_arm_config(out_dir: Path, base: Path, data: dict, args, seed: int) -> dict:
-    return {"out_dir": str(out_dir), "model": str(base), "train": [{"path": str(data["train"]), "domain": "math"}],
-            "steps": args.steps, "batch_size": args.batch, "lr": args.lr, "warmup_steps": 5, "schedule": "constant",
-            "log_every": 1, "seed": seed, "threads": 1, "device": "cpu",
-            "checkpoint_every": args.checkpoint_every, "keep_checkpoints": 100000}
+    return {"model": {"path": str(base), "device": "cpu"},
+            "data": {"train": [{"path": str(data["train"]), "domain": "math"}], "batch_size": args.batch},
+            "optim": {"lr": args.lr, "warmup_steps": 5, "schedule": "constant"},
+            "run": {"steps": args.steps, "out_dir": str(out_dir), "log_every": 1, "seed": seed, "threads": 1,
+                    "checkpoint_every": args.checkpoint_every, "keep_checkpoints": 100000}}
 
 
 def self_distill_config(out_dir: Path, base: Path, data: dict, args, seed: int, address: str | None = None) -> dict:

@@ -7,6 +7,10 @@ bad config.
 
 Field documentation lives in the dataclass: a field's `metadata={"help": ...}` is used
 by `--help` and by `describe(cls)`.
+
+A key that moved or went is refused with where it went: a class's `RETIRED` maps such keys to
+that note, and its `RETIRED_SCALAR` is the note for a plain value where the class is now a
+section (opd sft's `model: DIR` is `model: {path: DIR}`).
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ def _convert(tp: Any, node: yaml.Node, source: str, key: str) -> Any:
     where = _where(source, node)
     if dataclasses.is_dataclass(tp):
         if not isinstance(node, yaml.MappingNode):
-            raise ConfigError(f"{where}: key '{key}' expects a mapping ({tp.__name__}), got {_plain(node)!r}")
+            moved = getattr(tp, "RETIRED_SCALAR", None)   # the key held a plain value before it held this section
+            raise ConfigError(f"{where}: key '{key}' expects a mapping ({tp.__name__}), got {_plain(node)!r}"
+                              + (f": {moved}" if moved else ""))
         return _build(tp, node, source, prefix=key)
     if origin in (Union, types.UnionType):
         args = get_args(tp)

@@ -48,9 +48,9 @@ DEFAULT_PORTS = {"math": 5601, "code": 5602, "general": 5603}
 # --quick (the test): fewer steps and less data. Keys are dotted paths into each config.
 QUICK = {
     "data": {"n_train": 300, "n_eval": 24},
-    "sft_base": {"steps": 20, "batch_size": 8},
-    "sft_math": {"steps": 5, "batch_size": 8},
-    "sft_code": {"steps": 5, "batch_size": 8},
+    "sft_base": {"run.steps": 20, "data.batch_size": 8},
+    "sft_math": {"run.steps": 5, "data.batch_size": 8},
+    "sft_code": {"run.steps": 5, "data.batch_size": 8},
     "rl_math": {"run.steps": 2, "data.prompts_per_step": 2, "rollout.group_size": 2, "data.eval_prompts": 4},
     "rl_code": {"run.steps": 2, "data.prompts_per_step": 2, "rollout.group_size": 2, "data.eval_prompts": 4},
     "merge": {"run.steps": 2, "run.eval_prompts": 4, "rollout.prompts_per_step": 2, "run.eval_every": 0},
@@ -62,7 +62,7 @@ FULL_DATA = {"n_train": 3000, "n_eval": 100, "seed": 0}
 RL_GAIN_MIN = 0.1
 # Where each stage's config keeps its training seed (`--seed` sets them all; the data sets,
 # held-out prompts included, stay those of FULL_DATA's seed, so runs compare on one test).
-SEED_KEYS = {"sft_base": ("seed", "tiny.seed"), "sft_math": ("seed",), "sft_code": ("seed",),
+SEED_KEYS = {"sft_base": ("run.seed", "model.tiny.seed"), "sft_math": ("run.seed",), "sft_code": ("run.seed",),
              "rl_math": ("run.seed",), "rl_code": ("run.seed",), "merge": ("run.seed",), "validate": ("seed",)}
 
 

@@ -37,15 +37,15 @@ TEMPLATES = REPO / "configs" / "demo"
 FULL_DATA = {"n_sft": 2000, "n_train": 1000, "n_eval": 100, "digits": [3, 4], "seed": 0}
 QUICK = {
     "data": {"n_sft": 40, "n_train": 24, "n_eval": 6},
-    "agentic_teacher_sft": {"steps": 6, "batch_size": 4},
+    "agentic_teacher_sft": {"run.steps": 6, "data.batch_size": 4},
     "agentic_rl": {"run.steps": 1, "data.prompts_per_step": 2, "rollout.group_size": 2, "data.eval_prompts": 2,
                    "run.eval_every": 0},
-    "agentic_student_sft": {"steps": 4, "batch_size": 4},
+    "agentic_student_sft": {"run.steps": 4, "data.batch_size": 4},
     "agentic_train": {"run.steps": 2, "rollout.prompts_per_step": 2, "run.eval_prompts": 2, "run.eval_every": 0},
     "agentic_validate": {"limit": 6},
 }
 # Where each config keeps its training seed (`--seed` sets them; the data stay FULL_DATA's).
-SEED_KEYS = {"agentic_teacher_sft": ("seed", "tiny.seed"), "agentic_student_sft": ("seed",),
+SEED_KEYS = {"agentic_teacher_sft": ("run.seed", "model.tiny.seed"), "agentic_student_sft": ("run.seed",),
              "agentic_rl": ("run.seed",), "agentic_train": ("run.seed",), "agentic_validate": ("seed",)}
 # The rows of the report: (validate's model name, label, its model directory under OUT/agentic, its
 # validate role).

@@ -15,9 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="SFT config YAML (e.g. configs/demo/sft_base.yaml)")
     parser.add_argument("--describe", action="store_true", help="print every config key with its help and exit")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in out_dir from its newest checkpoint (see checkpoint_every)")
+                        help="continue the run in run.out_dir from its newest checkpoint (see run.checkpoint_every)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh even if out_dir holds an earlier run: delete its metrics, plots, card, "
+                        help="start afresh even if run.out_dir holds an earlier run: delete its metrics, plots, card, "
                              "checkpoints and model first (without it such a run is refused)")
     parser.epilog = ("Config keys (YAML; unknown keys are refused with file:line; relative paths are relative "
                      "to the config file):\n\n" + describe(SFTConfig, "  "))
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.config and args.resume and args.overwrite:
-        print("opd sft: --resume continues the run in out_dir, --overwrite deletes it: pass one", file=sys.stderr)
+        print("opd sft: --resume continues the run in run.out_dir, --overwrite deletes it: pass one", file=sys.stderr)
         return 2
     cfg = config_from_args(args, SFTConfig, "sft", "configs/demo/sft_base.yaml")
     if isinstance(cfg, int):
@@ -34,9 +34,10 @@ def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: see opd.cli (`--help` needs no torch).
     from opd.sft.trainer import train
     from opd.spine.dist import close_world, ranks_for
-    world = ranks_for(cfg.num_workers, args._argv, cfg.device)
+    ranks = cfg.cluster.student.num_workers
+    world = ranks_for(ranks, args._argv, cfg.model.device)
     if world is None:   # the ranks this process started have run
-        print(f"sft: model saved to {resolve(cfg_path, cfg.out_dir) / 'model'} ({cfg.num_workers} ranks)")
+        print(f"sft: model saved to {resolve(cfg_path, cfg.run.out_dir) / 'model'} ({ranks} ranks)")
         return 0
     try:
         model_dir = train(cfg, cfg_path, overwrite=args.overwrite, resume=args.resume, world=world)

@@ -5,14 +5,15 @@ token-mean cross-entropy over response tokens only (the prompt is context, never
 target). A `messages` row is a conversation: everything before its final assistant message
 (earlier turns, tool calls and tool answers included) is the prompt, rendered by the chat
 template with the `tools` schemas exactly as an agentic rollout renders it (opd.agent), so
-the SFT'd model sees the prompt it later answers; only the final message + EOS is learnt. The model starts from a local model directory (`model:`) or, for the demo and
-tests, from a freshly initialised tiny Qwen2-style model (`tiny:`, see opd.tiny).
+the SFT'd model sees the prompt it later answers; only the final message + EOS is learnt.
+The model starts from a local model directory (`model.path`) or, for the demo and tests, from
+a freshly initialised tiny Qwen2-style model (`model.tiny`, see opd.tiny).
 
 Each step: one batch from one training set (SetPerBatchSampler), loss, backward, and the
 spine's optimizer step (opd.spine: AdamW, warm-up then cosine or constant, clipping, a
-non-finite step skipped). Writes to `out_dir` (opd.spine.run.RunDir):
+non-finite step skipped). Writes to `run.out_dir` (opd.spine.run.RunDir):
     model/          the trained model + tokenizer (save_pretrained): what later stages load
-    checkpoints/    every `checkpoint_every` steps: weights, optimizer, schedule, RNG and data
+    checkpoints/    every `run.checkpoint_every` steps: weights, optimizer, schedule, RNG and data
                     positions, so that `--resume` continues exactly where the run stopped
     metrics.jsonl   loss, lr, grad norm per logged step; eval loss per domain
     plots/*.png     the same, over steps
@@ -34,7 +35,7 @@ from opd.card import write_card
 from opd.config import ConfigError, to_dict
 from opd.data import Cycler, DataError, encode_prompt, load_jsonl
 from opd.metrics import read_metrics
-from opd.sft.config import SFTConfig, SFTDataset, resolve
+from opd.sft.config import SFTConfig, SFTDataset, flat_to_sections, resolve
 from opd.spine.dist import World, memory_per_rank
 from opd.spine.model import load_policy
 from opd.spine.optim import NonfiniteSteps, build_optimizer, optimizer_step
@@ -115,14 +116,14 @@ class SetPerBatchSampler:
 
 
 def tool_schemas(cfg: SFTConfig, cfg_path: Path) -> list[dict] | None:
-    """The JSON schemas of `cfg.tools` as an `agent:` section with those tools gives them to the
+    """The JSON schemas of `data.tools` as an `agent:` section with those tools gives them to the
     chat template (opd.agent.tools; FILE.py paths relative to the config); None without tools."""
-    if not cfg.tools:
+    if not cfg.data.tools:
         return None
     try:
-        return build_toolbox(AgentConfig(tools=list(cfg.tools)), cfg_path.parent).schemas()
+        return build_toolbox(AgentConfig(tools=list(cfg.data.tools)), cfg_path.parent).schemas()
     except ValueError as e:
-        raise ConfigError(f"{cfg_path}: tools: {e}") from None
+        raise ConfigError(f"{cfg_path}: data.tools: {e}") from None
 
 
 def _load_sets(cfg_path: Path, specs: list[SFTDataset], tokenizer, max_length: int,
@@ -138,13 +139,13 @@ def _load_sets(cfg_path: Path, specs: list[SFTDataset], tokenizer, max_length: i
         try:
             pairs = [encode_pair(tokenizer, s.chat, s.response, max_length, tools) for s in samples]
         except DataError as e:   # messages rows or tools, and a tokenizer without a chat template
-            raise ConfigError(f"{path}: {e} (a tiny model has one with `tiny: {{chat: true}}`)") from None
+            raise ConfigError(f"{path}: {e} (a tiny model has one with `model.tiny: {{chat: true}}`)") from None
         # A prompt that fills max_length leaves no response token to learn: such a row would
         # train nothing, and a batch of only such rows has a NaN loss.
         kept = [pair for pair in pairs if any(label != -100 for label in pair[1][1:])]
         if not kept:
             raise ConfigError(f"{path}: every prompt fills max_length ({max_length} tokens): no response token "
-                              f"is left to learn; raise max_length")
+                              f"is left to learn; raise data.max_length")
         if len(kept) < len(pairs):
             print(f"warning: {path}: {len(pairs) - len(kept)} of {len(pairs)} rows dropped: their prompt fills "
                   f"max_length ({max_length} tokens)", flush=True)
@@ -175,15 +176,16 @@ def eval_loss(model, sets: list[list], pad_id: int, batch_size: int) -> list[flo
 
 # What a resumed run must share with the checkpointed one to continue it: another value of any
 # of these makes the checkpoint's weights, optimizer or data positions belong to another run.
-SAME_RUN = ("model", "tiny", "tiny.*", "lora", "lora.*", "train", "tools", "batch_size", "max_length", "seed")
+SAME_RUN = ("model.path", "model.tiny", "model.tiny.*", "model.dtype", "model.lora", "model.lora.*", "data.train",
+            "data.tools", "data.batch_size", "data.max_length", "run.seed")
 PLOTS = {"loss": ["loss", "eval_loss"], "lr": ["lr"], "grad_norm": ["grad_norm"]}
 
 
 def start_point(cfg: SFTConfig, cfg_path: Path, out: Path) -> Path:
-    """The model directory the run starts from: `model`, or a fresh tiny model built in OUT/init."""
-    if cfg.tiny is None:
-        return resolve(cfg_path, cfg.model)
-    t = cfg.tiny
+    """The model directory the run starts from: `model.path`, or a fresh tiny model built in OUT/init."""
+    t = cfg.model.tiny
+    if t is None:
+        return resolve(cfg_path, cfg.model.path)
     return build_tiny_model(out / "init", layers=t.layers, hidden=t.hidden, heads=t.heads, kv_heads=t.kv_heads,
                             intermediate=t.intermediate, max_positions=t.max_positions, seed=t.seed, chat=t.chat)
 
@@ -193,45 +195,47 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bo
     """overwrite: replace an earlier run in out_dir (else it is refused: opd.checkpoint.claim_run_dir).
     resume: continue from the newest checkpoint in OUT/checkpoints, drawing the batches and
     dropout masks the uninterrupted run would have drawn. world: the ranks the model is sharded
-    over; each trains on its share of every batch (batch_size divides among them)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out = resolve(cfg_path, cfg.out_dir)
-    run = RunDir(out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=SAME_RUN,
-                 hint=" (set checkpoint_every to write them)", world=world)
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    over; each trains on its share of every batch (data.batch_size divides among them)."""
+    data, r = cfg.data, cfg.run
+    if r.threads:
+        torch.set_num_threads(r.threads)
+    out = resolve(cfg_path, r.out_dir)
+    # view: a checkpoint written with the flat layout compares by the keys it has now
+    run = RunDir(out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=SAME_RUN, view=flat_to_sections,
+                 hint=" (set run.checkpoint_every to write them)", world=world)
+    random.seed(r.seed)
+    torch.manual_seed(r.seed)
     src = world.main_first(lambda: start_point(cfg, cfg_path, out))
     # seed: a LoRA adapter's init the same on every rank (rank 0 alone built a tiny start point)
-    model, tokenizer = load_policy(cfg.model_config(src), seed=cfg.seed, what=f"{cfg_path}: `model`", world=world,
-                                   cpu_offload=cfg.cpu_offload)
+    model, tokenizer = load_policy(cfg.model.at(src), seed=r.seed, what=f"{cfg_path}: `model.path`", world=world,
+                                   cpu_offload=cfg.cluster.student.cpu_offload)
     pad_id = tokenizer.pad_token_id
     tools = tool_schemas(cfg, cfg_path)
-    train_sets, train_names = _load_sets(cfg_path, cfg.train, tokenizer, cfg.max_length, tools)
-    eval_sets, eval_names = _load_sets(cfg_path, cfg.eval, tokenizer, cfg.max_length, tools) if cfg.eval else ([], [])
-    sampler = SetPerBatchSampler(train_sets, [s.ratio for s in cfg.train], cfg.seed)
+    train_sets, train_names = _load_sets(cfg_path, data.train, tokenizer, data.max_length, tools)
+    eval_sets, eval_names = _load_sets(cfg_path, data.eval, tokenizer, data.max_length, tools) if data.eval else ([], [])
+    sampler = SetPerBatchSampler(train_sets, [s.ratio for s in data.train], r.seed)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt, schedule = build_optimizer(model, cfg.optim_config(), cfg.steps)
-    nonfinite = NonfiniteSteps("Check the data and lr")
+    opt, schedule = build_optimizer(model, cfg.optim, r.steps)
+    nonfinite = NonfiniteSteps("Check the data and optim.lr")
     state = run.restore(model, opt, schedule)
     if state:
         sampler.load_state(state["sampler"])
     start = int(state.get("step", 0))
-    log = run.metrics(tensorboard=False)
+    log = run.metrics(tensorboard=r.tensorboard)
     warnings: list[str] = []
     t0 = time.time()
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="sft", unit="step", dynamic_ncols=True,
-               disable=not world.main)
+    bar = tqdm(range(start, r.steps), initial=start, total=r.steps, desc="sft", unit="step", dynamic_ncols=True,
+               disable=not (world.main and r.progress))
     for step in bar:
         lr = opt.param_groups[0]["lr"]
-        batch = collate(world.shard(sampler.take(cfg.batch_size)), pad_id)   # this rank's share of the batch
+        batch = collate(world.shard(sampler.take(data.batch_size)), pad_id)   # this rank's share of the batch
         if world.sharded:
             tokens = world.sum({"n": float((batch[1][:, 1:] != -100).sum())})["n"]
             loss = response_loss(model, *batch, tokens=tokens)
         else:
             loss = response_loss(model, *batch)
         loss.backward()
-        gnorm, applied = optimizer_step(opt, params, cfg.grad_clip)
+        gnorm, applied = optimizer_step(opt, params, cfg.optim.grad_clip)
         value = world.sum({"loss": loss.item()})["loss"]   # the step's loss: the ranks' shares summed
         if not applied:
             warnings.append(nonfinite.check(step + 1, applied, f" (loss {value:.4g})"))
@@ -240,41 +244,43 @@ def train(cfg: SFTConfig, cfg_path: Path, *, overwrite: bool = False, resume: bo
         schedule.step()
         bar.set_postfix(loss=f"{value:.3f}", lr=f"{lr:.2e}")
         metrics = {}
-        if (step + 1) % cfg.log_every == 0 or step == cfg.steps - 1:
+        if (step + 1) % r.log_every == 0 or step == r.steps - 1:
             metrics = {"loss": value, "lr": lr, "grad_norm": gnorm}
-        if eval_sets and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step == cfg.steps - 1):
+        if eval_sets and ((r.eval_every and (step + 1) % r.eval_every == 0) or step == r.steps - 1):
             for name, v in zip(eval_names, eval_loss(model, eval_sets, pad_id, 64)):
                 metrics[f"eval_loss/{name}"] = v
         if metrics:
             log.log(step + 1, metrics)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            run.save(step + 1, model, opt, schedule, state={"sampler": sampler.state()}, keep=cfg.keep_checkpoints)
+        if r.checkpoint_every and (step + 1) % r.checkpoint_every == 0:
+            run.save(step + 1, model, opt, schedule, state={"sampler": sampler.state()}, keep=r.keep_checkpoints)
     bar.close()
     log.close()
     elapsed = time.time() - t0
     memory = memory_per_rank(model, opt)
-    run.finish(model, tokenizer, PLOTS, cfg.model_config(src))
+    run.finish(model, tokenizer, PLOTS, cfg.model.at(src))
     if not world.main:
         return out / "model"
     # The last step's row (always logged); after a resume it may come from the earlier session.
     last = read_metrics(out / "metrics.jsonl")[-1]
     n_params = sum(p.numel() for p in model.parameters())
+    m, o, lora = cfg.model, cfg.optim, cfg.model.lora
     write_card(out, "SFT run", {
-        "model": {"start": str(src), "parameters": n_params, "tiny": to_dict(cfg.tiny) if cfg.tiny else "no",
-                  "training": (f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha} on {', '.join(cfg.lora.target_modules)}"
-                               if cfg.lora else "full fine-tuning"),
+        "model": {"start": str(src), "parameters": n_params, "tiny": to_dict(m.tiny) if m.tiny else "no",
+                  "dtype": m.dtype,
+                  "training": (f"LoRA r={lora.rank} alpha={lora.alpha} on {', '.join(lora.target_modules)}"
+                               if lora else "full fine-tuning"),
                   "trained_parameters": sum(p.numel() for p in params), "output": str(out / "model")},
         "objective": {"loss": "token-mean cross-entropy on response tokens + EOS (prompt masked)",
-                      "max_length": cfg.max_length,
+                      "max_length": data.max_length,
                       "tools": ([t.function if t.name is None else f"{t.function} (called {t.name!r})"
-                                 for t in cfg.tools] or "none")},
+                                 for t in data.tools] or "none")},
         "data": {f"train[{i}]": f"{resolve(cfg_path, s.path)} (ratio {s.ratio}, {len(train_sets[i])} rows)"
-                 for i, s in enumerate(cfg.train)},
-        "optimisation": {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr, "schedule": cfg.schedule,
-                         "warmup_steps": cfg.warmup_steps, "weight_decay": cfg.weight_decay,
-                         "grad_clip": cfg.grad_clip, "seed": cfg.seed,
-                         "checkpoint_every": cfg.checkpoint_every or "never",
-                         "ranks": f"{world.size} (FSDP2, each rank {cfg.batch_size // world.size} sequences a step)"
+                 for i, s in enumerate(data.train)},
+        "optimisation": {"steps": r.steps, "batch_size": data.batch_size, "lr": o.lr, "schedule": o.schedule,
+                         "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay,
+                         "grad_clip": o.grad_clip, "seed": r.seed,
+                         "checkpoint_every": r.checkpoint_every or "never",
+                         "ranks": f"{world.size} (FSDP2, each rank {data.batch_size // world.size} sequences a step)"
                          if world.sharded else "1", "memory_per_rank_bytes": memory},
         "result": {"final_loss": last["loss"], "wall_s": round(elapsed, 1),
                    **({"resumed_at_step": start, "changed_since_checkpoint": ", ".join(run.changed or []) or "nothing"}

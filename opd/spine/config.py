@@ -7,10 +7,10 @@ optimizes and how its run is kept.
     OptimConfig    AdamW, its learning-rate schedule and gradient clipping
     RunConfig      steps, seed, output directory, evaluation and checkpoint cadence
 
-`opd train` (student:, rollout:, optim:, run:) and `opd rl` (model:, rollout:, optim:, run:)
-use these, each subclassing where it adds fields or has other defaults; `opd sft` keeps its
-flat config and builds a ModelConfig and an OptimConfig from it. One class per section means
-one loader, one optimizer and one checkpoint cadence for all three (opd.spine).
+`opd train` (student:, rollout:, optim:, run:), `opd rl` (model:, rollout:, optim:, run:) and
+`opd sft` (model:, optim:, run:) use these, each subclassing where it adds fields or has other
+defaults. One class per section means one loader, one optimizer and one checkpoint cadence
+for all three (opd.spine).
 """
 
 from __future__ import annotations

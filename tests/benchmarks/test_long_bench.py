@@ -10,6 +10,8 @@ from types import SimpleNamespace
 from opd.benchmarks import SUBJECTS
 from opd.benchmarks.long_horizon import ARMS, Plan, grpo_config, sft_config, train_config
 from opd.benchmarks.long_horizon_report import markdown, plot, summarize
+from opd.config import from_dict
+from opd.sft.config import SFTConfig
 
 
 def _plan(tmp_path) -> Plan:
@@ -39,7 +41,8 @@ def test_every_arm_trains_32_sequences_a_step_on_its_length(tmp_path):
     g = grpo_config(plan, 16, tmp_path / "g", 0, "M")
     assert g["data"]["prompts_per_step"] * g["rollout"]["group_size"] == 32 and g["rewards"] == [{"name": "math"}]
     s = sft_config(plan, "offline", 16, tmp_path / "s", 0, "M", tmp_path / "d.jsonl")
-    assert s["batch_size"] == 32 and s["model"] == "M"
+    assert s["data"]["batch_size"] == 32 and s["model"]["path"] == "M"
+    assert from_dict(s, SFTConfig).run.steps == 100000   # a config opd sft takes
     # cheaper steps checkpoint less often in steps, about 3 x evals in the budget
     assert plan.every("offline", 256) > plan.every("opd_topk", 256) >= 1
 

@@ -30,6 +30,8 @@ from opd.benchmarks.recipes import (
     summarize,
     tree_cpu,
 )
+from opd.config import from_dict
+from opd.sft.config import SFTConfig
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 
@@ -134,8 +136,11 @@ def test_every_arm_samples_the_same_sequences_per_step_and_checkpoints_alike(tmp
         assert c["optim"]["schedule"] == "constant" and c["optim"]["lr"] == plan.lrs[arm]
     assert plan.merge["merge"]["teachers"][0]["mode"] == "topk"   # the demo's config itself untouched
     s = sft_config(plan, tmp_path / "s", 3, {"math": tmp_path / "m", "code": tmp_path / "c"})
-    assert s["steps"] == plan.steps and s["batch_size"] == plan.batch and s["checkpoint_every"] == plan.every("offline")
-    assert g["run"]["checkpoint_every"] == plan.every("grpo") and s["schedule"] == g["optim"]["schedule"] == "constant"
+    assert s["run"]["steps"] == plan.steps and s["data"]["batch_size"] == plan.batch
+    assert s["run"]["checkpoint_every"] == plan.every("offline")
+    assert g["run"]["checkpoint_every"] == plan.every("grpo")
+    assert s["optim"]["schedule"] == g["optim"]["schedule"] == "constant"
+    assert from_dict(s, SFTConfig).optim.lr == plan.lrs["offline"]   # a config opd sft takes
     # Under a CPU budget, cheaper steps checkpoint less often in steps: about 2 x evals within the budget.
     plan.budget, plan.steps = 100.0, 100000
     assert plan.every("offline") > plan.every("opd_topk") > plan.every("grpo") >= 2

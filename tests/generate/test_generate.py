@@ -156,8 +156,9 @@ def test_a_local_model_samples_reproducibly_and_opd_sft_trains_on_its_output(tmp
     assert (tmp_path / "a.jsonl").read_text() == first   # the same seed, the same samples
     rows = [json.loads(line) for line in first.splitlines()]
     assert [r["prompt"] for r in rows] == [f"{a}+1=" for a in range(6) for _ in range(2)]
-    (tmp_path / "sft.yaml").write_text(f"out_dir: run\nmodel: {tiny_model_dir}\ntrain: [{{path: a.jsonl}}]\n"
-                                       "steps: 2\nbatch_size: 4\nthreads: 1\ndevice: cpu\n")
+    (tmp_path / "sft.yaml").write_text(f"model: {{path: {tiny_model_dir}, device: cpu}}\n"
+                                       "data: {train: [{path: a.jsonl}], batch_size: 4}\n"
+                                       "run: {out_dir: run, steps: 2, threads: 1}\n")
     assert main(["sft", str(tmp_path / "sft.yaml")]) == 0
     assert (tmp_path / "run" / "model" / "config.json").is_file()
 

@@ -28,8 +28,8 @@ def chat_tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def schemas(tmp_path_factory):
-    cfg = from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}], "tiny": {"chat": True},
-                     "tools": [{"function": "calculator"}]}, SFTConfig)
+    cfg = from_dict({"model": {"tiny": {"chat": True}},
+                     "data": {"train": [{"path": "a.jsonl"}], "tools": [{"function": "calculator"}]}}, SFTConfig)
     return tool_schemas(cfg, tmp_path_factory.mktemp("cfg") / "sft.yaml")
 
 
@@ -78,16 +78,16 @@ def test_messages_rows_need_a_chat_template_and_tools_a_describable_function(tin
 
     plain = AutoTokenizer.from_pretrained(str(tiny_model_dir))   # the byte tokenizer without a template
     write_jsonl(tmp_path / "rows.jsonl", teacher_rows(417, 3829))
-    with pytest.raises(ConfigError, match="rows.jsonl.*chat template.*tiny: {chat: true}"):
+    with pytest.raises(ConfigError, match="rows.jsonl.*chat template.*model.tiny: {chat: true}"):
         _load_sets(tmp_path / "sft.yaml", [SFTDataset(path="rows.jsonl")], plain, 256)
     (tmp_path / "bad.py").write_text("def nodoc(x):\n    return x\n")
-    cfg = from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}], "tiny": {},
-                     "tools": [{"function": "bad.py:nodoc"}]}, SFTConfig)
-    with pytest.raises(ConfigError, match="tools: .*nodoc"):
+    cfg = from_dict({"model": {"tiny": {}}, "data": {"train": [{"path": "a.jsonl"}],
+                                                     "tools": [{"function": "bad.py:nodoc"}]}}, SFTConfig)
+    with pytest.raises(ConfigError, match="data.tools: .*nodoc"):
         tool_schemas(cfg, tmp_path / "sft.yaml")
-    with pytest.raises(ConfigError, match="two tools are called"):
-        from_dict({"out_dir": "x", "train": [{"path": "a.jsonl"}], "tiny": {},
-                   "tools": [{"function": "calculator"}, {"function": "bad.py:calculator"}]}, SFTConfig)
+    with pytest.raises(ConfigError, match="data: tools: two tools are called"):
+        from_dict({"model": {"tiny": {}}, "data": {"train": [{"path": "a.jsonl"}], "tools": [
+            {"function": "calculator"}, {"function": "bad.py:calculator"}]}}, SFTConfig)
 
 
 def test_short_sft_run_on_messages_rows_with_tools(tmp_path):
@@ -98,10 +98,10 @@ def test_short_sft_run_on_messages_rows_with_tools(tmp_path):
     rows = [r for a in range(100, 116) for r in teacher_rows(a, 1000 + 7 * a)]
     write_jsonl(tmp_path / "train.jsonl", rows)
     (tmp_path / "sft.yaml").write_text(
-        "out_dir: run\ntiny: {layers: 1, hidden: 32, heads: 1, kv_heads: 1, intermediate: 64, max_positions: 256, "
-        "chat: true}\ntools: [{function: calculator}]\ntrain: [{path: train.jsonl}]\n"
-        "eval: [{path: train.jsonl, domain: tool}]\nsteps: 60\nbatch_size: 8\nlr: 0.01\nwarmup_steps: 2\n"
-        "max_length: 256\nlog_every: 5\neval_every: 20\nthreads: 1\n")
+        "model: {tiny: {layers: 1, hidden: 32, heads: 1, kv_heads: 1, intermediate: 64, max_positions: 256, "
+        "chat: true}}\ndata: {tools: [{function: calculator}], train: [{path: train.jsonl}], "
+        "eval: [{path: train.jsonl, domain: tool}], batch_size: 8, max_length: 256}\n"
+        "optim: {lr: 0.01, warmup_steps: 2}\nrun: {out_dir: run, steps: 60, log_every: 5, eval_every: 20, threads: 1}\n")
     assert main(["sft", str(tmp_path / "sft.yaml")]) == 0
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss/tool"] for r in metrics if "eval_loss/tool" in r]
@@ -123,6 +123,6 @@ def test_the_example_config_loads_and_reads_the_demos_teacher_rows():
     root = Path(__file__).resolve().parents[2] / "configs"
     path = root / "agentic_sft.yaml"
     cfg = load_yaml(path, SFTConfig)
-    assert [t.function for t in cfg.tools] == ["calculator"] and cfg.tiny.chat and cfg.model is None
-    data = resolve(path, cfg.train[0].path)
+    assert [t.function for t in cfg.data.tools] == ["calculator"] and cfg.model.tiny.chat and cfg.model.path is None
+    data = resolve(path, cfg.data.train[0].path)
     assert data == (root.parent / "runs" / "demo" / "agentic" / "data" / "teacher_sft.jsonl").resolve()

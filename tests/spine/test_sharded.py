@@ -97,10 +97,11 @@ LORA_IN_TEST_ALL = pytest.mark.parametrize("lora", [False, pytest.param(True, ma
 @LORA_IN_TEST_ALL
 def test_opd_sft_on_two_ranks_is_one_process_with_half_the_memory_per_rank(tmp_path, lora):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)])
-    runs = both("sft", tmp_path, "out_dir: {out}\ntiny: {{layers: 2, hidden: 32, heads: 2, kv_heads: 1, "
-                "intermediate: 64}}\ntrain: [{{path: train.jsonl}}]\nsteps: 3\nbatch_size: 4\nlr: 0.01\n"
-                "warmup_steps: 0\nlog_every: 1\ndevice: cpu\ncheckpoint_every: 3\nnum_workers: {ranks}\n"
-                + ("lora: {{rank: 4}}\n" if lora else ""))
+    runs = both("sft", tmp_path, "model: {{tiny: {{layers: 2, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}}, "
+                "device: cpu" + (", lora: {{rank: 4}}" if lora else "") + "}}\n"
+                "data: {{train: [{{path: train.jsonl}}], batch_size: 4}}\noptim: {{lr: 0.01, warmup_steps: 0}}\n"
+                "run: {{out_dir: {out}, steps: 3, log_every: 1, checkpoint_every: 3}}\n"
+                "cluster: {{student: {{num_workers: {ranks}}}}}\n")
     assert_same_run(runs, ("loss", "grad_norm"))
     if lora:
         return
@@ -189,14 +190,15 @@ def test_a_checkpoint_of_one_process_resumes_sharded_with_the_losses_of_one_proc
     # Started on one device, continued on two: rank 0 reads the checkpoint, the other receives
     # its shards of the weights and of AdamW's moments; the losses go on as one process's.
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)])
-    base = ("tiny: {layers: 2, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}\ntrain: [{path: train.jsonl}]\n"
-            "batch_size: 4\nlr: 0.01\nwarmup_steps: 0\nlog_every: 1\ndevice: cpu\ncheckpoint_every: 5\n")
-    (tmp_path / "one.yaml").write_text("out_dir: one\nsteps: 12\n" + base)
+    base = ("model: {tiny: {layers: 2, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}, device: cpu}\n"
+            "data: {train: [{path: train.jsonl}], batch_size: 4}\noptim: {lr: 0.01, warmup_steps: 0}\n"
+            "run: {out_dir: OUT, steps: 12, log_every: 1, checkpoint_every: 5}\n")
+    (tmp_path / "one.yaml").write_text(base.replace("OUT", "one"))
     assert opd("sft", "one.yaml", cwd=tmp_path).returncode == 0
     shutil.copytree(tmp_path / "one", tmp_path / "two")
     shutil.rmtree(tmp_path / "two" / "checkpoints" / "step_000010")   # resume from step 5
     (tmp_path / "two" / "checkpoints" / "latest").unlink(missing_ok=True)
-    (tmp_path / "two.yaml").write_text("out_dir: two\nsteps: 12\nnum_workers: 2\n" + base)
+    (tmp_path / "two.yaml").write_text(base.replace("OUT", "two") + "cluster: {student: {num_workers: 2}}\n")
     resumed = opd("sft", "two.yaml", "--resume", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     one, two = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("one", "two"))
@@ -208,10 +210,11 @@ def test_a_checkpoint_of_one_process_resumes_sharded_with_the_losses_of_one_proc
 
 def test_a_killed_rank_stops_the_run_naming_it_and_resume_continues_from_the_sharded_checkpoint(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)])
-    base = ("tiny: {layers: 2, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}\ntrain: [{path: train.jsonl}]\n"
-            "steps: 40\nbatch_size: 4\nlr: 0.01\nwarmup_steps: 0\nlog_every: 1\ndevice: cpu\ncheckpoint_every: 5\n")
-    (tmp_path / "one.yaml").write_text("out_dir: one\n" + base)
-    (tmp_path / "two.yaml").write_text("out_dir: two\nnum_workers: 2\n" + base)
+    base = ("model: {tiny: {layers: 2, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}, device: cpu}\n"
+            "data: {train: [{path: train.jsonl}], batch_size: 4}\noptim: {lr: 0.01, warmup_steps: 0}\n"
+            "run: {out_dir: OUT, steps: 40, log_every: 1, checkpoint_every: 5}\n")
+    (tmp_path / "one.yaml").write_text(base.replace("OUT", "one"))
+    (tmp_path / "two.yaml").write_text(base.replace("OUT", "two") + "cluster: {student: {num_workers: 2}}\n")
     assert opd("sft", "one.yaml", cwd=tmp_path).returncode == 0
     launcher = subprocess.Popen([sys.executable, "-m", "opd.cli", "sft", "two.yaml"], cwd=tmp_path, env=ENV,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
