@@ -29,10 +29,9 @@ LOGITS_CHUNK = 8192              # vocabulary chunk for logits input (long conti
 LINEAR_ROWS = 4096               # fused: rows per block (weight is re-read once per block)
 LINEAR_TILE_ELEMENTS = 1 << 20   # fused: 4 MB tiles, so each matmul is large enough for BLAS
 
-# Intra-op threads while streaming over logits tiles (None: leave PyTorch's setting).
-# Measured on the busy 2-core CPU machine (N=512, V=152064, forward KL + backward): 1.8 s
-# with 1 thread vs 76 s with 2 (OpenMP workers wait for busy cores on every small op);
-# the naive reference took 9-11 s either way. Set it to None on an idle many-core machine.
+# Intra-op threads while streaming over logits tiles (None: leave PyTorch's setting). One:
+# on a busy machine OpenMP workers wait for busy cores on every small op, and the tiles are
+# many small ops (docs/kernels.md). Set it to None on an idle many-core machine.
 TILE_THREADS: int | None = 1
 
 NEG_INF = float("-inf")

@@ -27,11 +27,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# Fused tiles on a GPU: tl.dot on [BLOCK_N, BLOCK_H] x [BLOCK_H, BLOCK_V]. Measured on an
-# H200 (Triton 3.6, fused JSD + backward at N=8192, H=4096, V=128,256, bf16; docs/kernels.md):
-# 64x128x64 over 8 warps, 3 stages 131 ms; 64x64x64 8 warps 3 stages 151 ms, 4 stages 142 ms;
-# 64x64x32 190 ms. ptxas reports spills in the stats and loss kernels at 64x128 (none at
-# 64x64x64), yet it is the fastest of the four.
+# Fused tiles on a GPU: tl.dot on [BLOCK_N, BLOCK_H] x [BLOCK_H, BLOCK_V]. The fastest of the
+# launch configs measured on an H200 (docs/kernels.md), although ptxas reports register spills
+# in the stats and loss kernels at 64x128 and none at 64x64x64.
 FUSED_CONFIG = dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3)
 GRAD_CHUNK_ELEMENTS = 1 << 26   # fused backward: [N, C] gradient chunk (128 MB in bf16)
 

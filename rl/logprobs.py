@@ -142,8 +142,8 @@ def chunked_entropy(hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, *,
     out_N = torch.zeros(n_rows, dtype=torch.float32, device=hidden_N_H.device)
     rows = max(1, min(n_rows, ENTROPY_ROWS))
     cols = chunk if chunk is not None else max(64, ENTROPY_TILE_ELEMENTS // rows)
-    # kernels/chunked.py's thread setting for tiles: on the busy 2-core box the full-size entropy
-    # (N = 2048, V = 152,064) took 9.5 s with 1 thread and 29 s with 2.
+    # kernels/chunked.py's thread setting for tiles: many small ops, slower with more threads on a
+    # busy machine (docs/kernels.md).
     with chunked.tile_threads():
         _entropy_tiles(hidden_N_H, weight_V_H, rows, cols, out_N)
     return out_N

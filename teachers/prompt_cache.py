@@ -1,11 +1,10 @@
 """The hf teacher's prompt cache: the keys and values of prompts a client announced before it
-needs them scored (SCORE mode "prefill", protocol 2.6).
+needs them scored (SCORE mode "prefill", docs/protocol.md).
 
 Why: a student samples for seconds before it can send prompt + response to be scored, and on
 a machine where sampling is bound by memory bandwidth a core sits idle meanwhile. Announced at
 the start of the rollout, the prompts are prefilled then, and the later SCORE computes only
-the response tokens over their cached keys and values (on the 2-core bench, the teacher's body
-over the responses took 0.42 s against 1.06 s over prompt + response; docs/benchmarks.md).
+the response tokens over their cached keys and values (docs/benchmarks.md measures the saving).
 With several samples per prompt, the prompt is computed once for all of them.
 
 An entry is keyed by the exact token ids of a sequence's first P tokens and where its rows

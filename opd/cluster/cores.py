@@ -6,7 +6,7 @@ it. A trainer and the teacher server it forked onto the same cores do: the spinn
 one hold the cores the other computes on. With `cluster.mode: fork` and no OMP_WAIT_POLICY of
 the user's, opd sets PASSIVE (a waiting thread sleeps at once), for the trainer and, inherited,
 for its teachers. docs/benchmarks.md ("each system at its defaults, real weights") has the
-measurement: 43.7 -> 54.9 tokens/s on the 2-core box.
+measurement.
 
 libgomp reads the variable once, when torch loads it: this must run before torch is imported.
 """

@@ -2,26 +2,23 @@
 
 One prefill, then one forward of one token per step, sampling what `model.generate` samples
 (greedy: the same tokens; otherwise temperature, then transformers' top-p rule, then one
-exact draw from the resulting distribution). Three things make it faster than `generate` on
-small models, where Python per step, not arithmetic, is the cost (8 prompts x 32 tokens,
-2-layer model, one thread: generate 46 ms, this loop 34 ms):
+exact draw from the resulting distribution). These things make it faster than `generate` on
+small models, where Python per step, not arithmetic, is the cost (measured in
+docs/benchmarks.md, "The hf rollout engine's decode loop"):
   - no per-step generate machinery (logits processors, stopping criteria, cache bookkeeping);
   - for full-attention models under SDPA, the 4-D boolean attention mask is built here and
     grown by one column per step; transformers would rebuild it from the 2-D mask every
-    step (11 % of a step). Other models get the 2-D mask and build their own;
+    step. Other models get the 2-D mask and build their own;
   - the draw inverts the cumulative distribution with one uniform per row, exact like
-    `torch.multinomial` and far cheaper at real vocabulary sizes (1.3 ms vs 25 ms per step
-    at V = 152,064); the random stream therefore differs from generate's, the
-    distribution does not;
+    `torch.multinomial` and far cheaper at real vocabulary sizes; the random stream
+    therefore differs from generate's, the distribution does not;
   - the LM head of a decode step is computed as (W @ h.T).T rather than F.linear(h, W): the
-    same product, for which MKL picks a far better kernel when h has a few rows (W [49152,
-    576], h [4, 576], fp32, 2 cores: 6.4 ms against 20-27 ms, about half of SmolLM2-135M's
-    decode step; `python -m opd.benchmarks.step_profile`). Where logits are not a plain
-    head's output (a LoRA adapter on it, a soft-cap, a sharded model) the model's own forward runs;
+    same product, for which MKL picks a far better kernel when h has a few rows (`python -m
+    opd.benchmarks.step_profile`). Where logits are not a plain head's output (a LoRA adapter
+    on it, a soft-cap, a sharded model) the model's own forward runs;
   - on the CPU, so are the body's nn.Linear layers while fewer than 8 rows go through them
-    (`few_row_linears`): one pass over the 56 body linears of the small-real student (SmolLM2-135M's
-    first 8 layers) at 4 rows, 2 cores, took 5.8 ms that way against 12.5 ms; at 2-4 rows it is
-    2-4x faster, at 8 and more within the noise (`step_profile --linears`, docs/benchmarks.md).
+    (`few_row_linears`); from 8 rows on the two forms are within the noise (`step_profile
+    --linears`).
 """
 
 from __future__ import annotations
@@ -66,7 +63,7 @@ def pick_tokens(logits_B_V: torch.Tensor, temperature: float, top_p: float,
     # Inverse CDF: one uniform per row, the first token whose cumulative probability exceeds
     # it. fp64 so the sum over 152k tokens does not drift; a token of probability 0 (cut by
     # top-p) adds no width and is never chosen. One pass instead of one random number per
-    # token: at V = 152,064, B = 8 it takes 1.3 ms where torch.multinomial takes 25 ms.
+    # token (docs/benchmarks.md).
     cdf_B_V = probs_B_V.double().cumsum(dim=-1)
     B = cdf_B_V.shape[0]
     first, rows = share if share is not None else (0, B)
@@ -163,8 +160,8 @@ class HFRolloutEngine(RolloutEngine):
     def sync_weights(self, model) -> None:
         self.model = model  # same object as the trainer's: nothing to copy
 
-    # inference_mode rather than no_grad: no version counters or view tracking per op, which is
-    # most of a small model's decode step (8 x 32 tokens, 2 layers: 32.8 -> 28.0 ms). Nothing
+    # inference_mode rather than no_grad: no version counters or view tracking per op, which
+    # weigh on a small model's decode step of many small ops (docs/benchmarks.md). Nothing
     # made here outlives the call but Python lists, and buffers a dynamic RoPE replaces, which
     # training then reads without saving them for backward (tests/rollout/test_hf_rollout.py).
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Rollout]:

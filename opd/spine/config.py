@@ -71,12 +71,10 @@ class OptimConfig:
     eps: float = field(1e-8, help="AdamW epsilon", min=0.0)
     grad_clip: float = field(1.0, help="clip the global gradient norm to this (0: no clipping)", min=0.0)
     # On by default, as transformers' Trainer has it: a user who writes nothing gets the faster
-    # step. Runs recorded before 2026-12-05 (the demo's among them) used foreach: the same update
-    # with other rounding.
+    # step (measured in docs/train.md and docs/benchmarks.md).
     fused: bool = field(True, help="AdamW's fused kernel (transformers' Trainer default), where torch has it for "
-                                   "the parameters (not FSDP2-sharded ones): 0.32 -> 0.09 s a step for a 57M-"
-                                   "parameter student on 2 CPU threads; false: foreach, the same update with "
-                                   "other rounding")
+                                   "the parameters (not FSDP2-sharded ones): one pass per tensor, faster than "
+                                   "foreach's dozen; false: foreach, the same update with other rounding")
 
     def __post_init__(self):
         if len(self.betas) != 2:

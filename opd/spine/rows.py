@@ -181,8 +181,7 @@ def student_rows(model, packed: Packed, *, fused: bool):
 
     Both run the decoder body, gather the N response rows of [B, L, H], and (not fused) apply
     the LM head to those rows only: [B, L, V] logits, prompt and padding positions included,
-    are never built (in the step bench, 336 positions for 256 response rows: 1.3x the rows'
-    logits, 200 MB at V = 152,064, plus the copy the gather made). What the model applies after
+    are never built (how much larger they would be: docs/benchmarks.md). What the model applies after
     its head (a soft-cap, a scale) is applied to those rows too; a model whose logits are not of
     that form goes through its own forward (`head_form`). One whose logits are not
     hidden @ lm_head.weight.T cannot be fused: ValueError (`opd train` refuses the config first).
