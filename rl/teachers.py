@@ -7,10 +7,10 @@ discounted reverse-KL terms to the sequence advantage (opd.spine.objective, the 
 opd train computes with `rewards`).
 
 Multi-turn trajectories (`agent`): a teacher reads the whole trajectory, observations
-included, and answers only the tokens the policy sampled (protocol 2.5's row masks,
+included, and answers only the tokens the policy sampled (SCORE's row masks,
 `Rollout.sampled`); its terms go to those positions (`mask_B_T`), an observation's term is 0,
 and the discount runs over the sampled tokens alone (`objective.discounted_B_T`), as opd train's rows
-are. A batch of single turns sends no masks: what a 2.4 server reads.
+are. A batch of single turns sends no masks: what a server without row masks reads too.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=positive_int, default=16384, help="top-k requests grouped into one forward pass")
     p.add_argument("--prompt-cache-tokens", type=number_arg(int, 0), default=8192,
                    help="hf backend: keep the keys and values of prompts a student announces before its rollout "
-                        "(protocol 2.6), up to this many prompt tokens, so that their scoring later computes only "
+                        "(SCORE mode prefill), up to this many prompt tokens, so that their scoring later computes only "
                         "the responses; 0: off. Each token costs 2 x layers x kv_heads x head_dim values")
     # 0 or less turned heartbeats off, or dropped every client at once as silent
     seconds = number_arg(float, 0, strict=True)

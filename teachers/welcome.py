@@ -8,7 +8,7 @@ from __future__ import annotations
 def _needed_mode(spec) -> str:
     # sampled-token reverse KL only needs the teacher's log-prob of the sampled token,
     # which a top-k answer carries (token_logprob).
-    # The student's top k is a top-k request whose candidates the student gives (protocol 2.4).
+    # The student's top k is a top-k request whose candidates the student gives (support "given").
     return "topk" if spec.mode in ("sampled", "student_topk") else spec.mode
 
 

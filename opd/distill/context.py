@@ -1,4 +1,4 @@
-"""What a teacher sees, and where it looks, per sequence (protocol 2.4).
+"""What a teacher sees, and where it looks, per sequence (SCORE's context and support, docs/protocol.md).
 
     context:       a teacher's own prompt, rendered from the sample's fields by the teacher's
                    `context:` template (e.g. "{prompt}\\nReference answer: {answer}"): the teacher
