@@ -129,7 +129,7 @@ class RouterConfig:
                                    "with refresh_every, the weights until the run's first measurement")
     refresh_every: int = field(0, help="pass_rate weighting, opd train: measure each teacher's pass rate on every "
                                        "domain two or more teachers cover, before the first step and every this "
-                                       "many steps (the teachers answer held-out prompts, protocol 2.7, and the "
+                                       "many steps (the teachers answer held-out prompts, SAMPLE, and the "
                                        "verifier scores them; the rates pool every measurement so far); 0: the "
                                        "pass_rates above for the whole run", min=0)
     refresh_prompts: int = field(16, help="held-out prompts per domain each teacher answers per measurement (the "

@@ -33,7 +33,7 @@ class ScoreRequest:
     A SCORE with teacher context arrives here already composed: `ids`, `offsets` and
     `response_starts` describe the sequences the teacher scores (its prompt + the student's
     response), so a backend never sees the context as such, and the rows are the student's.
-    A row mask (2.5) arrives as `kept_rows`: the rows to answer, per sequence (`kept`)."""
+    A row mask arrives as `kept_rows`: the rows to answer, per sequence (`kept`)."""
     request_id: int
     mode: str                   # "topk" | "full" | "prefill"
     ids: torch.Tensor           # int64 [T], all sequences concatenated
@@ -77,7 +77,7 @@ class ScoreRequest:
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """One validated SAMPLE request (protocol 2.7): B prompts, n responses each."""
+    """One validated SAMPLE request: B prompts, n responses each."""
     request_id: int
     ids: torch.Tensor           # int64 [T], the prompts concatenated
     offsets: tuple[int, ...]    # [B + 1] into ids
@@ -151,7 +151,7 @@ class TeacherBackend(abc.ABC):
     dtypes: tuple[str, ...]      # full-mode logit dtypes
     supports_temperature: bool = True
     exact_lse: bool = True       # False: answers carry NaN in `lse`
-    prompt_cache_tokens: int = 0  # > 0: sequences announced by a "prefill" SCORE are kept (2.6), this many tokens
+    prompt_cache_tokens: int = 0  # > 0: sequences announced by a "prefill" SCORE are kept, this many tokens
 
     def unsupported(self, req: ScoreRequest) -> str | None:
         """None when this backend answers `req` exactly; else why not and which backend can."""
@@ -163,7 +163,7 @@ class TeacherBackend(abc.ABC):
 
     def prefill(self, reqs: list[ScoreRequest]) -> list[int]:
         """Keep these requests' sequences (prompts, or prompt + the response so far from s_b) for
-        the SCOREs that will follow (mode "prefill", protocol 2.6); per request, the tokens held.
+        the SCOREs that will follow (mode "prefill"); per request, the tokens held.
         A backend without a prompt cache holds none: the later SCOREs compute them as any other."""
         return [0] * len(reqs)
 
@@ -172,7 +172,7 @@ class TeacherBackend(abc.ABC):
         """Stream one full-vocabulary request in chunks of `req.chunk_rows` rows."""
 
     def sample(self, reqs: list[SampleRequest]) -> list[SampleAnswer]:
-        """Generate the responses of several SAMPLE requests (protocol 2.7; served where `modes`
+        """Generate the responses of several SAMPLE requests (served where `modes`
         lists "sample")."""
         raise NotImplementedError(f"the {self.name} backend does not sample")
 

@@ -107,7 +107,7 @@ class TeacherClient(FullStreams):
         """Future of a TopKResult. Several may be in flight at once. A batch over the teacher's
         max_tokens_per_request goes as several requests (whole sequences each), kept within its
         max_inflight_tokens, and comes back as one result (`stats` None). vocab_limit > 0: the
-        teacher's distribution over its first vocab_limit columns (protocol 2.2).
+        teacher's distribution over its first vocab_limit columns (docs/protocol.md).
 
         Protocol 2.4: `contexts` [B] (token ids; an empty one keeps that sequence's prompt) is what
         the teacher sees instead of each sequence's prompt, its rows still the response's;

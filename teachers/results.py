@@ -37,7 +37,7 @@ class TopKResult:
 
 @dataclass
 class SampleResult:
-    """A SAMPLE's answer (protocol 2.7): B * n responses, response j of prompt b at b * n + j."""
+    """A SAMPLE's answer: B * n responses, response j of prompt b at b * n + j."""
     responses: list[list[int]]     # token ids, each ending after its stop id (kept) or at max_new_tokens
     finish: list[str]              # "stop" | "length"
     stats: Done | None = None

@@ -135,7 +135,7 @@ def score_request(msg: Score, arrays: list[np.ndarray], backend: TeacherBackend,
 
 def sample_request(msg: Sample, arrays: list[np.ndarray], backend: TeacherBackend,
                    max_tokens_per_request: int) -> SampleRequest:
-    """A SAMPLE (protocol 2.7) as a SampleRequest: prompts within the model's positions and the
+    """A SAMPLE as a SampleRequest: prompts within the model's positions and the
     request within max_tokens_per_request counting every response at full length."""
     rid = msg.request_id
 

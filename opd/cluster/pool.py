@@ -99,7 +99,7 @@ class ReplicaPool:
     def submit_topk(self, sequences, response_starts, k: int, temperature: float = 1.0,
                     vocab_limit: int = 0, contexts=None, candidates=None, rows=None) -> Future:
         """Future of a TopKResult, answered by the least-loaded live replica (failing over if it dies).
-        contexts, candidates: as TeacherClient.submit_topk's (protocol 2.4); rows: its row masks (2.5)."""
+        contexts, candidates: as TeacherClient.submit_topk's; rows: its row masks."""
         out: Future = Future()
         args = ([list(map(int, s)) if not hasattr(s, "tolist") else s.tolist() for s in sequences],
                 list(response_starts), k, temperature, vocab_limit, contexts, candidates, rows)

@@ -72,7 +72,7 @@ class Batch:
         """{teacher: (its sequences as prompt + trimmed response, where each response starts,
         the row masks over each trimmed response or None: every token is a row)}; fills
         `members`, the sequences routed to each teacher, in request order. Masks only when a
-        sequence has one (multi-turn): a single-turn request is what a 2.4 server reads."""
+        sequence has one (multi-turn): a single-turn request is what a server without row masks reads too."""
         self.members = {}
         for seq in range(len(self.rollouts)):
             for t in self.route_of(seq).weights:

@@ -3,7 +3,7 @@
 The seeds weigh the teachers of a domain by how far the verifier trusts them. With
 `routing.weighting: pass_rate` and `refresh_every: N`, before the first step and every N steps
 after, each teacher covering a domain that two or more teachers cover answers the next
-`refresh_prompts` held-out prompts of that domain (protocol 2.7 SAMPLE: its own responses, at
+`refresh_prompts` held-out prompts of that domain (SAMPLE, docs/protocol.md: its own responses, at
 the run's rollout temperature, top-p and length; a context teacher reads its context), the
 domain's verifier scores them, and the router's pass rate of (domain, teacher) becomes its share
 of correct answers over every measurement so far. Every prompt's route then follows the new

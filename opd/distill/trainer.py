@@ -4,7 +4,7 @@ One optimizer step (`Trainer.step`, read top to bottom):
   1. sample: draw prompts from the domains' mixture (each routed to its teachers when the
      data loaded, opd.distill.prompts), announce them to their teachers, and let the student
      roll them out; the teachers prefill the prompts meanwhile, and each response at a
-     quarter, half and three quarters of its length (protocol 2.6, a teacher's prompt cache);
+     quarter, half and three quarters of its length (SCORE mode prefill, a teacher's prompt cache);
   2. submit: send each teacher the sequences routed to it, trimmed after the answer's end;
   3. forward: the student's response rows of the first micro-batch, while the teachers score;
   4. loss / backward: each teacher's divergence on its rows, per-domain weights, the SFT mix,
@@ -291,7 +291,7 @@ class Trainer:
     def rollout(self, engine, samples: list, routes: list, params: SamplingParams) -> list:
         """The student's responses to `samples` from `engine`. The prompts are announced first
         to the teachers they are routed to, which prefill them while the student samples, and
-        (hf engine, single turns) each response, trimmed, as it grows (protocol 2.6)."""
+        (hf engine, single turns) each response, trimmed, as it grows (SCORE mode prefill)."""
         prompts = [self.encode(s) for s in samples]
         seen = {}   # teacher -> {prompt index: what the teacher sees before the response}
         for t, spec in self.teachers.specs.items():
@@ -320,14 +320,14 @@ class Trainer:
 
     def _submit(self, batch: Batch) -> Batch:
         """Send every teacher the sequences routed to it (prompt + trimmed response; multi-turn:
-        with the rows it scores, protocol 2.5)."""
+        with the rows it scores, SCORE's row mask)."""
         for t, (sequences, starts, rows) in batch.requests().items():
-            seqs = batch.members[t]   # what the teacher sees besides them, and where it looks (protocol 2.4)
+            seqs = batch.members[t]   # what the teacher sees besides them, and where it looks (context, support)
             extra = teacher_inputs(self.teachers.specs[t], self.teachers.tokenizer(t, self.tok),
                                    [batch.samples[batch.rollouts[s].prompt_index] for s in seqs],
                                    [batch.rollouts[s] for s in seqs], [batch.keep[s] for s in seqs], rows,
                                    self.tools)
-            if rows is not None:   # a single-turn request stays what a 2.4 server reads
+            if rows is not None:   # a single-turn request stays what a server without row masks reads
                 extra["rows"] = rows
             batch.futures[t] = self.teachers.request(t, sequences, starts, **extra)
         return batch

@@ -12,7 +12,7 @@ from opd.config import check_device, field
 class TeacherSource:
     engine: Literal["hf", "vllm", "served", "http"] = field(
         "hf", help="hf: transformers on this machine; vllm: a vLLM engine on this machine; served: an `opd "
-                   "serve-teacher` server (protocol 2.7), the same teacher a run distills from; http: an "
+                   "serve-teacher` server (its SAMPLE message), the same teacher a run distills from; http: an "
                    "OpenAI-compatible endpoint (/v1/chat/completions), a text-only teacher")
     model: str | None = field(None, help="hf / vllm: local model directory (relative to the config file); served: "
                                          "a directory with the served model's tokenizer, which renders the prompts "

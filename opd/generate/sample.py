@@ -5,7 +5,7 @@
 
 Sources: `LocalSource` samples a model with a rollout engine (hf or vLLM; the prompt rendered
 with the tokenizer's chat template, as every loop renders it); `ServedSource` asks an `opd
-serve-teacher` server (protocol 2.7 SAMPLE), the prompts rendered here with its tokenizer;
+serve-teacher` server (its SAMPLE message), the prompts rendered here with its tokenizer;
 `HTTPSource` asks an OpenAI-compatible /chat/completions endpoint for n choices, a few prompts
 at a time.
 """
@@ -62,7 +62,7 @@ class LocalSource:
 class ServedSource:
     """An `opd serve-teacher` server: each batch of prompts rendered with the teacher's chat
     template and tokenized here (its tokenizer, checked against the server's fingerprint), and
-    sampled in the server's process (protocol 2.7), n each, ending at the teacher's own EOS."""
+    sampled in the server's process (SAMPLE), n each, ending at the teacher's own EOS."""
 
     def __init__(self, teacher: TeacherSource, tokenizer, sampling: Sampling):
         self.tok, self.s, self.calls = tokenizer, sampling, 0
