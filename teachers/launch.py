@@ -18,7 +18,7 @@ in teachers/lifecycle.py, which the server's side (serve.py) shares.
 This module imports the server (serve.py, with torch and the backends) only in a forked
 child, where it runs it: the launcher itself is imported by processes that only start and
 watch servers (a Ray supervisor actor per replica), which would otherwise hold torch's
-~300 MiB for nothing. `opd train` imports serve.py before it forks (opd.distill.launch).
+hundreds of MiB for nothing. `opd train` imports serve.py before it forks (opd.distill.launch).
 """
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ def fork_server(args: list[str], *, log_path: str | Path, timeout_s: float = 180
     """Fork this process into `opd serve-teacher *args`; return once it serves.
 
     Why fork rather than start a fresh interpreter: the child begins with every module this
-    process has imported (torch and transformers with what loading a model pulls in: ~260 MiB
-    of heap per process, whatever the model's size) on copy-on-write pages, so the trainer and
+    process has imported (torch and transformers with what loading a model pulls in: the same
+    heap in every process, whatever the model's size; docs/train.md) on copy-on-write pages, so the trainer and
     its teacher hold that runtime once. Before forking, gc.freeze() moves every object into a
     generation the collector never scans, so collections in either process do not write to
     (and so copy) the shared pages; it is undone when the last forked server is reaped.

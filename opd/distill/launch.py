@@ -5,8 +5,8 @@
   fork   fork each of `cluster.teachers` from the trainer right after its imports, bound at
          its merge address (`tcp://127.0.0.1:*` picks a port), seeing only its `gpus` when
          they are given (CUDA_VISIBLE_DEVICES). The child shares the trainer's
-         imported runtime copy-on-write instead of loading its own (~260 MiB less per teacher,
-         README), and gets SIGTERM if the trainer dies (opd.teachers.launch).
+         imported runtime copy-on-write instead of loading its own (measured in docs/train.md),
+         and gets SIGTERM if the trainer dies (opd.teachers.launch).
 
 A forked child hangs in the first multi-threaded op if its parent has used OpenMP, so only a
 process that has computed nothing yet may fork (`fork=True`, what `opd train` passes); other

@@ -136,9 +136,8 @@ def add_lora(model, spec: LoraSpec, model_path: str = ""):
 
 def disable_dropout(model) -> None:
     """Every dropout of the model off, in train mode too. GRPO's importance ratio compares the
-    policy with the rollout engine's dropout-free log-probs: with LoRA dropout 0.05 (a tiny
-    model, T 0.7), 39 % of a first epoch's tokens were clipped (ratios 0.2-2.5) where every
-    ratio should be 1."""
+    policy with the rollout engine's dropout-free log-probs: with dropout on, the ratios of a
+    first epoch, which should all be 1, scatter far enough to be clipped (docs/grpo.md)."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
