@@ -54,9 +54,9 @@ import json
 rows = [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)]
 open("/tmp/gpu_sft/train.jsonl", "w").write("".join(json.dumps(r) + "\n" for r in rows))
 open("/tmp/gpu_sft/sft.yaml", "w").write(
-    "out_dir: run\ntiny: {layers: 2, hidden: 64, heads: 2, kv_heads: 1, intermediate: 128}\n"
-    "train: [{path: train.jsonl}]\nsteps: 3\nbatch_size: 4\nlr: 0.01\nwarmup_steps: 0\nlog_every: 1\n"
-    "checkpoint_every: 3\ndevice: cuda\n")
+    "model: {tiny: {layers: 2, hidden: 64, heads: 2, kv_heads: 1, intermediate: 128}, device: cuda}\n"
+    "data: {train: [{path: train.jsonl}], batch_size: 4}\noptim: {lr: 0.01, warmup_steps: 0}\n"
+    "run: {out_dir: run, steps: 3, log_every: 1, checkpoint_every: 3}\n")
 PY
     (cd /tmp/gpu_sft && timeout 60 python3 -m torch.distributed.run --nproc-per-node 1 -m opd.cli sft sft.yaml --overwrite 2>&1 | tail -5
      cat run/metrics.jsonl; ls run/checkpoints/step_000003) | tee "$OUT/sharded_sft.txt"
