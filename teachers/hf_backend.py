@@ -3,7 +3,7 @@
 Memory plan. Sequences are prefilled in micro-batches (right-padded, attention mask) up to
 `batch_tokens` padded tokens, through the model's body only (`model.model`), which gives
 hidden states [N, L, H]. Only the scored rows (positions `s_b - 1 .. len_b - 2`, see the
-row convention in teachers/protocol.py; with a row mask, protocol 2.5, only the masked ones
+row convention in teachers/protocol.py; with a row mask, only the masked ones
 among them) are gathered, and the LM head is applied to them
 in chunks of `row_chunk` rows, so [tokens x vocab] logits never exist for a batch; the
 largest logits tensor is [row_chunk, V].
@@ -15,7 +15,7 @@ candidates the request gave, support "given"):
     tail_logmass  = logsumexp(z without S) - lse               (exact; -inf when k == V)
     token_logprob = z[target] - lse
 
-Prompt cache (protocol 2.6, `prompt_cache_tokens` > 0; teachers/prompt_cache.py): a SCORE in
+Prompt cache (`prompt_cache_tokens` > 0; teachers/prompt_cache.py): a SCORE in
 mode "prefill" stores its sequences' keys and values (prompts, or prompt + the response so
 far; the first tokens of those announced together, a chat template's system prompt, computed
 once); a later sequence is computed from the end of its longest stored first tokens on. The
@@ -351,7 +351,7 @@ class HFBackend(TeacherBackend):
             token_lp = z.gather(1, targets[a:a + req.chunk_rows, None].to(z.device)).squeeze(1) - lse
             yield FullChunkAnswer(a, logits.to(out_dtype).cpu(), lse.cpu(), token_lp.cpu())
 
-    # ---- samples (protocol 2.7) ----------------------------------------------------------
+    # ---- samples (SAMPLE) ------------------------------------------------------------------
 
     @torch.no_grad()
     def sample(self, reqs: list[SampleRequest]) -> list[SampleAnswer]:

@@ -14,7 +14,7 @@ Conversation (DEALER -> ROUTER, ROUTER -> DEALER):
                               -> CHUNK ... CHUNK DONE          (mode "full", streamed)
                               -> DONE(cached)                  (mode "prefill", 2.6)
                               -> ERROR(code, retryable)        (anything wrong, or BUSY)
-    SAMPLE(request)           -> SAMPLES(responses, stats)     (2.7: the teacher answers prompts)
+    SAMPLE(request)           -> SAMPLES(responses, stats)     (the teacher answers prompts)
                               -> ERROR(code, retryable)
     CREDIT(request, n)           the client may receive n more CHUNKs of that request
     CANCEL(request)           -> ERROR(CANCELLED)
@@ -35,24 +35,24 @@ Top-k answer tensors, per row r (R rows in total):
     token_logprob  fp32  [R]      log-probability of the token that stands in the sequence
     lse            fp32  [R]      logsumexp(logits / T) over the vocabulary
 
-Teacher context (2.4, `context`): the teacher may see another prompt than the student.
+Teacher context (`context`): the teacher may see another prompt than the student.
 Two more tensors, context_ids int32 [C] and context_offsets int32 [B + 1], give c_b per
 sequence; the teacher then scores c_b + ids_b[s_b:] (c_b replaces the prompt ids_b[:s_b];
 an empty c_b keeps it). Rows do not change: row i is still the token ids_b[s_b + i], now
 computed from the logits at position len(c_b) + i - 1 of the teacher's input.
 
-Given support (2.4, `support: "given"`): one more tensor, candidates int32 [R, k], the ids
+Given support (`support: "given"`): one more tensor, candidates int32 [R, k], the ids
 the client wants per row (e.g. the student's own top k), distinct within a row. The TOPK
 answer's ids are those candidates in their order, logprobs their log-probabilities, and
 tail_logmass the log-mass of every other id.
 
-Row mask (2.5, `rows`): one more tensor, row_mask uint8 [sum over b of len_b - s_b], 0/1,
+Row mask (`rows`): one more tensor, row_mask uint8 [sum over b of len_b - s_b], 0/1,
 one entry per response row of every sequence (after the context tensors, before the
 candidates). The answer then holds only the rows whose mask is 1, in order: row_offsets
 count those, candidates are [their number, k]. The teacher still reads every token (a
 multi-turn trajectory's tool observations are context), but answers only the rows trained on.
 
-Prefill (2.6, mode "prefill"): sequences the client will send to be scored soon, as the
+Prefill (mode "prefill"): sequences the client will send to be scored soon, as the
 teacher sees them: prompts (response_starts: their lengths), or prompt + the response so far
 (response_starts: where it starts); no context, mask or candidates. A server whose WELCOME says
 prompt_cache_tokens > 0 computes and keeps their keys and values (each continuing the longest
@@ -61,14 +61,13 @@ first tokens of its sequence (with the same s_b) on; the answer is the same up t
 rounding. DONE says how many of their tokens are held (`cached`). A hint: a server may evict
 an entry before it is read.
 
-Sample (2.7, SAMPLE): the teacher generates. Tensors ids int32 [T] and offsets int32 [B + 1]
+Sample (SAMPLE): the teacher generates. Tensors ids int32 [T] and offsets int32 [B + 1]
 are B prompts as the teacher reads them (the client applies the chat template); the answer,
 SAMPLES, holds n responses per prompt, response j of prompt b numbered b * n + j, as ids int32
 [total] and offsets int32 [B * n + 1], each ending after its first stop id (kept) or at
 max_new_tokens (`finish` says which). What a run measures a teacher's pass rate with
 (`routing.refresh_every`), and what `opd generate` samples a served teacher with. A WELCOME
-whose `modes` lists "sample" answers it; a 2.6 server cannot decode it (MALFORMED), and the
-2.7 client refuses to send it to a server whose modes do not list it.
+whose `modes` lists "sample" answers it; the client sends it to no other.
 
 Full-vocabulary answer: CHUNKs of consecutive rows, `logits` [rows, V] in the requested
 dtype (temperature NOT applied to these raw logits; `lse` is of logits / T) and fp32
@@ -87,20 +86,7 @@ import numpy as np
 import zmq
 
 PROTOCOL_VERSION = (2, 7)  # major mismatch is refused at HELLO; minor is informational
-# 2.0: TOPK carries the DONE statistics itself (one message less per top-k request, +20 %
-# positions/s at top-64 in `opd bench transport`); a 1.x client would wait for a DONE.
-# 2.1: WELCOME says max_positions (a 2.0 server's decodes as 0: not said).
-# 2.2: SCORE.vocab_limit, the distribution over the first columns (a 2.1 server ignores it).
-# 2.3: vLLM servers answer vocab_limit too (a 2.2 one refused it as UNSUPPORTED).
-# 2.4: SCORE.context (a teacher-only prompt per sequence) and SCORE.support "given" (the
-# client's candidate ids per row). Their extra tensors make a 2.3 server answer MALFORMED;
-# the 2.4 client refuses to send either to a server before 2.4, with a clear error.
-# 2.5: SCORE.rows, a row mask (the rows a multi-turn trajectory trains on). A 2.4 server ignores
-# the field but not its tensor (MALFORMED); the 2.5 client does not send it to one.
-# 2.6: SCORE mode "prefill" (prompts to keep for the SCOREs that follow) and WELCOME.prompt_cache_tokens.
-# A 2.5 server refuses the mode (MALFORMED); the 2.6 client sends it only where the WELCOME offers a cache.
-# 2.7: SAMPLE -> SAMPLES (the teacher generates) and "sample" in WELCOME.modes; a 2.6 server
-# cannot decode it (MALFORMED), so the 2.7 client sends it only where the modes list it.
+# What each minor version added, and how an older peer answers it: docs/protocol.md, "Versions".
 
 # Bounds checked before any allocation.
 MAX_HEADER_BYTES = 1 << 20        # 1 MiB of msgpack header
@@ -115,7 +101,7 @@ DTYPES: dict[str, np.dtype] = {
     "bf16": np.dtype("<u2"),
     "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"),
-    "uint8": np.dtype("u1"),      # the row mask (2.5)
+    "uint8": np.dtype("u1"),      # the row mask
 }
 LOGIT_DTYPES = ("float32", "bfloat16", "float16")  # what a client may ask for in full mode
 MAX_CHUNK_BYTES = 256 << 20       # a full-mode CHUNK's rows x V x 4 bytes may not exceed this
@@ -178,7 +164,7 @@ class Welcome(_Msg, tag="welcome"):
     supports_temperature: bool = True   # temperature != 1 answered exactly
     exact_lse: bool = True              # False: `lse` in answers is NaN (vLLM does not expose it)
     max_positions: int = 0              # longest sequence (prompt + response) it scores; 0: not said
-    prompt_cache_tokens: int = 0        # > 0: SCORE mode "prefill" keeps up to this many prompt tokens (2.6)
+    prompt_cache_tokens: int = 0        # > 0: SCORE mode "prefill" keeps up to this many prompt tokens
 
 
 class Score(_Msg, tag="score"):
@@ -193,10 +179,10 @@ class Score(_Msg, tag="score"):
     dtype: str = "float32"              # full mode: logits dtype on the wire
     chunk_rows: int = 1024              # full mode: rows per CHUNK (<= MAX_CHUNK_BYTES / (4 V))
     window: int = 4                     # full mode: CHUNKs the server may send before a CREDIT
-    vocab_limit: int = 0                # > 0: score over the first vocab_limit columns only (2.2)
-    context: bool = False               # + context_ids int32 [C], context_offsets int32 [B + 1] (2.4)
-    support: Literal["teacher", "given"] = "teacher"   # "given": + candidates int32 [R, k] (2.4)
-    rows: bool = False                  # + row_mask uint8 [response rows]: answer its 1s only (2.5)
+    vocab_limit: int = 0                # > 0: score over the first vocab_limit columns only
+    context: bool = False               # + context_ids int32 [C], context_offsets int32 [B + 1]
+    support: Literal["teacher", "given"] = "teacher"   # "given": + candidates int32 [R, k]
+    rows: bool = False                  # + row_mask uint8 [response rows]: answer its 1s only
 
     def tensor_names(self) -> list[str]:
         """The names of the tensors this SCORE carries, in their order on the wire."""
@@ -228,12 +214,12 @@ class Done(_Msg, tag="done"):
     compute_ms: float
     total_ms: float
     chunks: int = 0
-    cached: int = 0                     # prefill (2.6): tokens of its prompts the server holds
+    cached: int = 0                     # prefill: tokens of its prompts the server holds
 
 
 class Sample(_Msg, tag="sample"):
     """tensors: ids int32 [total prompt tokens], offsets int32 [B + 1]: the prompts as the
-    teacher reads them (2.7)."""
+    teacher reads them."""
     request_id: int
     n: int = 1                          # responses per prompt
     max_new_tokens: int = 64
@@ -245,7 +231,7 @@ class Sample(_Msg, tag="sample"):
 
 class Samples(_Msg, tag="samples"):
     """tensors: ids int32 [total response tokens], offsets int32 [B * n + 1]; response j of
-    prompt b is number b * n + j (2.7)."""
+    prompt b is number b * n + j."""
     request_id: int
     finish: list[str]                   # [B * n] "stop" (a stop id ended it, kept) | "length"
     stats: "Done"
@@ -300,7 +286,7 @@ _TAGS = {dt: tag for tag, dt in DTYPES.items() if tag != "bf16"}
 
 def _wire_array(t) -> tuple[str, np.ndarray]:
     """A torch tensor or numpy array as (wire dtype tag, little-endian C-contiguous ndarray).
-    Runs for every tensor of every answer: lookups, not loops (a TOPK's 5 took 13.7 us, now 7.5)."""
+    Runs for every tensor of every answer: lookups, not loops (docs/benchmarks.md, the transport)."""
     if not isinstance(t, np.ndarray):  # torch.Tensor
         import torch   # lazy: the client side (opd.teachers, `opd keys`) imports without torch
 
@@ -324,8 +310,8 @@ def encode(msg: _Msg, tensors=()) -> list:
     return [_encoder.encode(msg), *[a for _, a in arrays]]
 
 
-# zmq flags as plain ints: pyzmq's send_multipart combines its IntFlag enums for every frame,
-# 15 enum constructions (~2 us each) per answer on each side.
+# zmq flags as plain ints: pyzmq's send_multipart builds its IntFlag enums anew for every frame,
+# on each side of every answer.
 _NOBLOCK = int(zmq.NOBLOCK)
 _NOBLOCK_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
 
@@ -398,11 +384,11 @@ def to_torch(array: np.ndarray, tag: str | None = None):
     The tensor shares the memory of the ZeroMQ frame it arrived in and keeps that frame
     alive. numpy marks such buffers read-only, but after a receive the frame's memory
     belongs to this process alone, so writing to the tensor is safe; copying every answer
-    here took 29% of the client's time at top-64 (py-spy, `opd bench transport`).
+    here was a large share of the client's time (docs/benchmarks.md, the transport).
     """
     import torch   # lazy, as in _wire_array
 
-    if array.flags.writeable:  # a received frame usually is; catch_warnings costs ~5 us a tensor
+    if array.flags.writeable:  # a received frame usually is; catch_warnings is slow for every tensor
         t = torch.from_numpy(array)
     else:
         with warnings.catch_warnings():

@@ -343,7 +343,7 @@ class TeacherSet:
         return any(spec.mode == "full" for spec in self.specs.values())
 
     def prefill(self, teacher: str, sequences: list[list[int]], starts: list[int] | None = None) -> None:
-        """Announce what `teacher` will score next (protocol 2.6; as it sees them: its context or the
+        """Announce what `teacher` will score next (mode prefill; as it sees them: its context or the
         student's prompt, + the response so far from `starts`; None: prompts alone), so that a
         teacher with a prompt cache computes them while the student samples. A hint: a failed one
         is logged, and the SCOREs are answered alike. Not sent to a Ray replica pool, where the
@@ -365,7 +365,7 @@ class TeacherSet:
                 candidates=None, rows=None) -> Future:
         """Future of `teacher`'s Answer for these sequences (prompt + response, response from starts).
         contexts [B]: the teacher's own prompts; candidates int32 [rows, k]: the ids it answers
-        (mode student_topk). Both from opd.distill.context.teacher_inputs. rows [B] (protocol 2.5):
+        (mode student_topk). Both from opd.distill.context.teacher_inputs. rows [B] (a row mask):
         per sequence, which of its len - start response rows to answer (0/1); the answer's rows are
         then those (candidates one per such row). None: every row, and a request as before 2.5.
         A `tokenizer: cross` teacher scores its own tokens of the response after `contexts` (its
@@ -432,7 +432,7 @@ class TeacherSet:
         return outer
 
     def sample(self, teacher: str, prompts: list[list[int]], **kwargs) -> Future:
-        """Future of `teacher`'s SampleResult for these prompts (protocol 2.7; kwargs: n,
+        """Future of `teacher`'s SampleResult for these prompts (SAMPLE; kwargs: n,
         max_new_tokens, temperature, top_p, seed, stop_ids, as TeacherClient.submit_sample)."""
         client = self.clients[teacher][0]
         if not isinstance(client, TeacherClient):

@@ -18,14 +18,13 @@ arrays without touching single entries. Measured figures: docs/vllm.md.
 
 A student whose LM head has fewer padding rows than the teacher's (Qwen2.5: 151,936 rows at
 0.5-3B, 152,064 from 7B up, one tokenizer) asks for the distribution over its first rows
-(`vocab_limit`, protocol 2.2). vLLM's `LogitsProcessor` cuts the logits to its
+(`vocab_limit`). vLLM's `LogitsProcessor` cuts the logits to its
 `org_vocab_size` columns before anything reads them, prompt log-probabilities included; the
 `HeadRows` extension below sets that number in the worker, so the answer is the softmax over
-the first `vocab_limit` columns, as the hf backend computes it (protocol 2.3: before, this
-backend refused such requests). The setting is the engine's, so a batch is scored one limit
+the first `vocab_limit` columns, as the hf backend computes it. The setting is the engine's, so a batch is scored one limit
 at a time.
 
-Given candidates (support "given", protocol 2.4): the log-probs at the client's k ids per row,
+Given candidates (support "given"): the log-probs at the client's k ids per row,
 echoed in their order, and the exact tail logsumexp(z without them) - lse. vLLM's V1 model
 runner (the CPU build's) has no such request, so `HeadRows.given_route` replaces its
 prompt-logprob step in the worker for requests whose `SamplingParams.extra_args` carry the
@@ -39,7 +38,7 @@ the k ids and the token; its tail comes from the k log-probs (`tail_logmass_from
 route is not exercised by the tests (the CPU build runs V1). The answer is checked to be at
 the given ids before it is returned.
 
-A row mask (protocol 2.5: the rows a multi-turn trajectory trains on) changes nothing in what
+A row mask (the rows a multi-turn trajectory trains on) changes nothing in what
 vLLM computes, since it scores every prompt position anyway: the masked rows are selected from
 its answer (with given candidates, the unmasked rows are scored at placeholder ids first), and
 a sequence with no rows is not sent at all.
@@ -276,7 +275,7 @@ class VLLMBackend(TeacherBackend):
                 ids, lps = ids[s - 1:], lps[s - 1:]   # array row p - 1 is position p: [len - s, k + 1]
             else:
                 ids, lps = self._given_arrays(out, req.sequence(b)[s:], cands, req.vocab_limit or self.vocab_size)
-            kept = req.kept(b)                        # vLLM scored every row; a row mask keeps its own (2.5)
+            kept = req.kept(b)                        # vLLM scored every row; a row mask keeps its own
             parts[r][b] = (ids, lps) if isinstance(kept, slice) else (ids[kept.numpy()], lps[kept.numpy()])
         return parts
 
