@@ -8,11 +8,22 @@ from typing import Literal
 
 from opd.config import field
 from opd.routing.config import TeacherClientSettings, TeacherSpec
-from opd.spine.config import ModelConfig
+from opd.spine.config import DType, ModelConfig
 
 # The address a stored teacher's spec carries in a train config with `store:`: nothing listens
 # there and nothing connects to it (the card shows it beside the store's path).
 STORE_ADDRESS = "inproc://opd-store"
+
+
+@dataclass(frozen=True)
+class StoreStudent:
+    path: str = field(help="the student's model directory: its tokenizer encodes the sequences (the teacher must "
+                           "share it), and with sequences.prompts it samples them")
+    dtype: DType = field("float32", help="sequences.prompts: the weights' dtype while sampling")
+    device: str = field("auto", help="sequences.prompts: torch device (auto: cuda when available)")
+
+    def model(self) -> ModelConfig:
+        return ModelConfig(path=self.path, dtype=self.dtype, device=self.device)
 
 
 @dataclass(frozen=True)
@@ -64,8 +75,8 @@ class StoreSequences:
 @dataclass(frozen=True)
 class StoreConfig:
     # --- core
-    student: ModelConfig = field(help="the student: its tokenizer encodes the sequences (the teacher must share "
-                                      "it), and with sequences.prompts it samples them")
+    student: StoreStudent = field(help="the student: its tokenizer encodes the sequences, and with "
+                                       "sequences.prompts it samples them")
     teacher: StoreTeacher = field(help="who scores: a running teacher server, or a model served for the run")
     sequences: StoreSequences = field(help="what is scored")
     out: str = field(help="the store's directory (manifest.json and shard_NNNNNN.npz); an unfinished store there "

@@ -83,9 +83,9 @@ class RolloutSequences:
         samples, _ = load_jsonl(path)
         self.samples, self.tok, self.s = samples, tok, s
         self.count = min(len(samples) * s.n, s.max_sequences or len(samples) * s.n)
-        model, _ = load_policy(cfg.student, seed=s.seed, tokenizer=tok, train=False, what="student.path")
+        model, _ = load_policy(cfg.student.model(), seed=s.seed, tokenizer=tok, train=False, what="student.path")
         rollout = RolloutConfig(engine=s.engine, max_new_tokens=s.max_new_tokens, batch_size=max(64, s.n))
-        self.engine = make_engine(rollout, cfg.student, model, tok, seed=s.seed)
+        self.engine = make_engine(rollout, cfg.student.model(), model, tok, seed=s.seed)
         self.source = rollout_source(cfg, path)
 
     def __len__(self) -> int:

@@ -289,3 +289,35 @@ def test_cli_serves_its_teacher_and_refuses_a_mismatch_in_one_line(env, store, t
     assert main(["train", str(tmp_path / "train.yaml")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("opd train: error: store.k is 16") and f"set store.k: {K}" in err[-1]
+
+
+def test_example_configs_load_and_spell_out_every_key():
+    """configs/store.yaml names every key of `opd store` (as train_single.yaml does for opd train)."""
+    import dataclasses
+    import typing
+
+    import yaml
+
+    from opd.config import load_yaml
+    from opd.distill.config import load_train_config
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    cfg = load_yaml(root / "store.yaml", StoreConfig)
+    assert cfg.k == 16 and cfg.sequences.path and cfg.teacher.model
+    assert load_train_config(root / "train_stored.yaml").store.k == cfg.k
+
+    def keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            inner = [a for a in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(a)]
+            yield prefix + f.name
+            if inner:
+                yield from keys(inner[0], f"{prefix}{f.name}.")
+
+    def present(node, prefix=""):
+        for k, v in node.items():
+            yield prefix + k
+            if isinstance(v, dict):
+                yield from present(v, f"{prefix}{k}.")
+
+    assert set(keys(StoreConfig)) <= set(present(yaml.safe_load((root / "store.yaml").read_text())))
