@@ -5,22 +5,28 @@ The teacher is the student with a rank-4 change of its LM head (opd.tiny.lm_head
 same tokenizer, clearly other answers. It is served in a thread for the tests that write.
 """
 
+import dataclasses
 import hashlib
 import json
 import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
-from opd.config import from_dict
+from opd.cli import main
+from opd.config import from_dict, load_yaml
 from opd.data import DataError, write_jsonl
-from opd.distill.config import TrainConfig
+from opd.distill.config import TrainConfig, load_train_config
 from opd.distill.loss import train_batch
 from opd.distill.stats import StepStats
+from opd.distill.stored import open_store
+from opd.distill.trainer import Trainer
 from opd.fingerprint import tokenizer_fingerprint
 from opd.metrics import read_metrics
 from opd.routing.config import TeacherClientSettings, TeacherSpec
@@ -28,7 +34,6 @@ from opd.spine.config import ModelConfig
 from opd.spine.model import load_policy, load_tokenizer
 from opd.store import shards
 from opd.store.config import StoreConfig, StoredSource
-from opd.distill.stored import open_store
 from opd.store.shards import StoreError, read_manifest, read_shard
 from opd.store.write import build_store
 from opd.teachers.hf_backend import HFBackend
@@ -131,8 +136,6 @@ def test_stored_loss_equals_live(env, store):
 
 def test_opd_train_from_store_without_teacher(env, store):
     """`opd train` with `store:` (no merge, no teacher address anywhere): the stored divergence falls."""
-    from opd.distill.trainer import Trainer
-
     out = env["root"] / "train"
     cfg = from_dict({"student": {"path": str(env["student"])}, "store": {"path": str(store), "k": K},
                      "rollout": {"prompts_per_step": 5}, "optim": {"lr": 3e-3, "micro_batch_size": 5},
@@ -152,8 +155,6 @@ def test_opd_train_from_store_without_teacher(env, store):
 
 def test_resume_from_a_checkpoint_continues_exactly(env, store):
     """The data position in the store is a checkpoint's: 2 + 2 resumed steps are the 4 steps."""
-    from opd.distill.trainer import Trainer
-
     def cfg(name, steps, every=0):
         return from_dict({"student": {"path": str(env["student"])}, "store": {"path": str(store), "k": K},
                           "rollout": {"prompts_per_step": 3}, "optim": {"lr": 3e-3},
@@ -270,10 +271,6 @@ def test_cli_help_and_describe():
 def test_cli_serves_its_teacher_and_refuses_a_mismatch_in_one_line(env, store, tmp_path, capsys):
     """`opd store` with teacher.model (served for the run, then stopped); a finished store is not
     scored again; `opd train` against a store of another k is one line, exit 1."""
-    import yaml
-
-    from opd.cli import main
-
     cfg = {"student": {"path": str(env["student"])}, "teacher": {"model": str(env["teacher"])},
            "sequences": {"path": str(env["root"] / "pairs.jsonl"), "max_sequences": 3}, "out": "s", "k": K}
     (tmp_path / "store.yaml").write_text(yaml.safe_dump(cfg))
@@ -293,14 +290,6 @@ def test_cli_serves_its_teacher_and_refuses_a_mismatch_in_one_line(env, store, t
 
 def test_example_configs_load_and_spell_out_every_key():
     """configs/store.yaml names every key of `opd store` (as train_single.yaml does for opd train)."""
-    import dataclasses
-    import typing
-
-    import yaml
-
-    from opd.config import load_yaml
-    from opd.distill.config import load_train_config
-
     root = Path(__file__).resolve().parents[2] / "configs"
     cfg = load_yaml(root / "store.yaml", StoreConfig)
     assert cfg.k == 16 and cfg.sequences.path and cfg.teacher.model
@@ -321,3 +310,37 @@ def test_example_configs_load_and_spell_out_every_key():
                 yield from present(v, f"{prefix}{k}.")
 
     assert set(keys(StoreConfig)) <= set(present(yaml.safe_load((root / "store.yaml").read_text())))
+
+
+def test_writer_killed_mid_shard_resumes(env, store, tmp_path):
+    """The writer process gets SIGKILL half-way through writing its second shard (nothing of it
+    runs after: no `finally`, no flush); a rerun finishes the store with the uninterrupted answers."""
+    out = tmp_path / "killed"
+    cfg = {"student": {"path": str(env["student"])}, "teacher": {"address": env["address"], "name": "t"},
+           "sequences": {"path": str(env["root"] / "pairs.jsonl")}, "out": str(out), "k": K, "shard_size": 4,
+           "batch_size": 2}
+    (tmp_path / "store.yaml").write_text(yaml.safe_dump(cfg))
+    script = f"""
+import os, signal
+from pathlib import Path
+from opd.config import load_yaml
+from opd.store import shards
+from opd.store.config import StoreConfig
+from opd.store.write import build_store
+real = shards._atomic_write
+def dying(path, data):
+    if path.name == "shard_000001.npz":
+        Path(str(path) + ".tmp").write_bytes(data[:len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, data)
+shards._atomic_write = dying
+build_store(load_yaml({str(tmp_path / "store.yaml")!r}, StoreConfig), Path({str(tmp_path / "store.yaml")!r}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    m = read_manifest(out)
+    assert [e["file"] for e in m["shards"]] == ["shard_000000.npz"] and not m["complete"]
+    build_store(load_yaml(tmp_path / "store.yaml", StoreConfig), tmp_path / "store.yaml")
+    for a, b in zip(_arrays(out), _arrays(store), strict=True):
+        for name in shards.ARRAYS:
+            assert np.array_equal(a[name], b[name]), name
