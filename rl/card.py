@@ -34,6 +34,8 @@ def write_grpo_card(out: Path, c, *, reward: dict, train_report, resumes: list[d
                       "reference": ("adapter off (LoRA)" if is_lora else "frozen copy")
                       if c.algorithm.kl_beta > 0 else "none (beta = 0)",
                       "loss aggregation": c.algorithm.loss_aggregation,
+                      "entropy bonus": (f"{c.terms.entropy_bonus:g} x the entropy per token, aggregated as the "
+                                        f"surrogate (opd.spine.terms)" if c.terms.needs_entropy else "none"),
                       "dynamic sampling": (f"up to {c.algorithm.dynamic_sampling} more draws of P prompts a step "
                                            f"replace all-equal groups") if c.algorithm.dynamic_sampling else "off",
                       "teachers": [{"name": t.name, "address": t.address, "lambda (weight)": t.weight, "gamma": t.gamma,

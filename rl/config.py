@@ -30,6 +30,7 @@ from opd.routing.config import TeacherClientSettings
 from opd.routing.config import TeacherSpec
 from opd.config import check_vllm_lora, field
 from opd.spine import config as spine
+from opd.spine.terms import TermsConfig
 from opd.spine.config import RewardConfig  # noqa: F401  (opd rl's rewards; opd train takes them too)
 
 
@@ -139,6 +140,9 @@ class RLConfig:
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig(name="math")],
                                         help="reward functions, summed with their weights")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer, schedule and gradient clipping")
+    terms: TermsConfig = field(default_factory=TermsConfig, help="objective terms beside the clipped surrogate, as "
+                                                                 "opd train takes them (opd.spine.terms): the "
+                                                                 "entropy bonus")
     run: RunConfig = field(default_factory=RunConfig, help="steps, evaluation, checkpoints, output")
     teachers: list[TeacherSpec] = field(default_factory=list,
                                         help="teacher servers whose sampled-token reverse KL joins each token's "

@@ -38,6 +38,7 @@ from opd.lm_head import HeadForm, head_form, last_hidden, parts
 from opd.rl import grpo
 from opd.rl.batch import PaddedRollouts
 from opd.rope import rope_groups
+from opd.spine import terms
 from opd.spine.rows import token_logprobs
 
 # Entropy tiles: rows per block, and about this many fp32 elements per [rows, chunk] tile
@@ -195,14 +196,15 @@ def rows_logprobs_and_entropy(hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor
 # ---- the batch -------------------------------------------------------------------------------
 
 def token_logprobs_and_entropy(model, batch: PaddedRollouts, *, with_entropy: bool = True,
-                               chunk: int | None = None,
-                               impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+                               chunk: int | None = None, impl: str = "auto",
+                               entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs_B_T, entropy_B_T) of the sampled response tokens, fp32 on the model's device,
     0 where mask_B_T is 0: what spine.rows.token_logprobs and grpo.entropy give there on the model's
     own [B, T, V] logits (tests/oracles.py:response_logits), without [B, T, V].
 
     logprobs_B_T carries the gradient to the model; entropy_B_T (None unless with_entropy) has
-    none. A plain head (`head_form(model).fusable`) goes through rows_logprobs_and_entropy:
+    none, unless entropy_grad (a term trains it, opd.spine.terms): then the rows' logits [N, V]
+    are held, as for any other head. A plain head (`head_form(model).fusable`) goes through rows_logprobs_and_entropy:
     memory beyond the model is O(N x H + N x chunk) plus the head's weight gradient. Any other
     head (soft-cap, scale, bias, LoRA on lm_head) gets logits for the N rows only, [N, V]:
     post(lm_head(hidden)) when head_form knows `post`, else the rows of the model's own forward.
@@ -211,21 +213,22 @@ def token_logprobs_and_entropy(model, batch: PaddedRollouts, *, with_entropy: bo
     # A model without a transformers body / LM head split (a test's stand-in) uses its own forward.
     form = head_form(model) if hasattr(model, "get_decoder") or hasattr(model, "get_base_model") \
         else HeadForm(None, False)
-    if form.fusable:
+    if form.fusable and not entropy_grad:
         rows = response_hidden(model, batch)
         _, head = parts(model)
         lp_N, ent_N = rows_logprobs_and_entropy(rows.hidden_N_H, head.weight, rows.targets_N,
                                                 with_entropy=with_entropy, chunk=chunk, impl=impl)
     else:
-        if form.post is not None:
+        if form.post is not None or form.fusable:
             rows = response_hidden(model, batch)
             _, head = parts(model)
-            logits_N_V = form.post(head(rows.hidden_N_H))
+            logits_N_V = head(rows.hidden_N_H) if form.post is None else form.post(head(rows.hidden_N_H))
         else:
             rows = _response_logits_rows(model, batch)
             logits_N_V = rows.hidden_N_H      # this ResponseRows holds the rows' logits
         lp_N = token_logprobs(logits_N_V, rows.targets_N)
-        ent_N = grpo.entropy(logits_N_V.detach()) if with_entropy else None
+        ent_N = (terms.entropy(logits_N_V) if entropy_grad else grpo.entropy(logits_N_V.detach())) \
+            if with_entropy else None
     lp_B_T = to_B_T(lp_N.float(), rows, shape)
     ent_B_T = to_B_T(ent_N.float(), rows, shape) if ent_N is not None else None
     return lp_B_T, ent_B_T

@@ -68,6 +68,7 @@ from opd.spine.model import load_policy, make_engine
 from opd.spine.optim import NonfiniteSteps, build_optimizer, optimizer_step
 from opd.spine.run import RunDir
 from opd.spine import objective
+from opd.spine.terms import token_loss as term_loss
 from opd.rl import teachers as rl_teachers
 from opd.rl.teachers import TeacherTerm
 
@@ -87,7 +88,7 @@ PLOT_GROUPS = {
 # memory change nothing the policy learns.
 RESUME_FIXED = ("model.*", "rollout.group_size", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
                 "algorithm.*", "rewards", "rewards.*", "data.train", "data.prompts_per_step", "run.seed",
-                "teachers", "teachers.*", "agent", "agent.*", "agent_shaping", "agent_shaping.*")
+                "teachers", "teachers.*", "agent", "agent.*", "agent_shaping", "agent_shaping.*", "terms.*")
 RESUME_FREE = ("agent.workers", "teachers.*.address", "teachers.*.curve_server_key", "model.device", "model.gradient_checkpointing", "algorithm.micro_batch_size",
                "algorithm.max_grad_norm")   # retired: optim.grad_clip (a checkpoint from before has it)
 
@@ -375,7 +376,8 @@ class GRPOTrainer:
                     adv = adv_B[rows][sl]
                     # Log-probs and entropy from the hidden states in vocabulary chunks (rl/logprobs.py):
                     # nothing of size [B, T, V] (0 off the mask).
-                    lp, ent = token_logprobs_and_entropy(self.model, part)
+                    lp, ent = token_logprobs_and_entropy(self.model, part,
+                                                         entropy_grad=self.cfg.terms.needs_entropy)
                     dev = lp.device
                     mask = part.mask_B_T.to(dev)
                     adv = adv.to(dev)
@@ -388,6 +390,9 @@ class GRPOTrainer:
                     agg = dict(num_sequences=n_seq, num_tokens=n_tok, max_tokens=agentic.sampled_budget(self.cfg))
                     pg = grpo.aggregate(pg_B_T, mask, a.loss_aggregation, **agg)
                     loss = pg
+                    extra_B_T = term_loss(self.cfg.terms, entropy=ent)   # opd.spine.terms
+                    if extra_B_T is not None:
+                        loss = loss + grpo.aggregate(extra_B_T, mask, a.loss_aggregation, **agg)
                     if ref_B_T is not None:
                         kl_B_T = grpo.kl_to_reference(lp, ref_B_T[rows][sl].to(dev), a.kl_estimator)
                         loss = loss + a.kl_beta * grpo.aggregate(kl_B_T, mask, a.loss_aggregation, **agg)
@@ -400,7 +405,7 @@ class GRPOTrainer:
                         n_tok_total += k
                         sums["kl"] += float((kl_B_T.detach() * mask).sum())
                         sums["clip_fraction"] += float((clipped_B_T.float() * mask).sum())
-                        sums["entropy"] += float((ent * mask).sum())
+                        sums["entropy"] += float((ent.detach() * mask).sum())
                         sums["ratio"] += float((torch.exp(lp.detach() - part.old_logprobs_B_T.to(dev)) * mask).sum())
                         sums["loss"] += float(loss.detach())
                         sums["pg_loss"] += float(pg.detach())

@@ -131,6 +131,8 @@ def write_train_card(out: Path, cfg, *, welcomes: dict, student: dict, teacher_s
             "sft_mix": (f"lambda_sft={cfg.merge.sft.lambda_sft} on {cfg.merge.sft.path} "
                         f"({cfg.merge.sft.batch_size} per step)") if cfg.merge.sft else "none",
             "fused_linear": cfg.loss.fused_linear,
+            "entropy_bonus": (f"{cfg.terms.entropy_bonus:g} x the student's entropy per token, weighted as the "
+                              f"policy-gradient terms (opd.spine.terms)" if cfg.terms.needs_entropy else "none"),
         },
         "data": {"ratios": {d.domain: d.ratio for d in cfg.merge.datasets}, "prompts": prompts,
                  "eval_prompts": eval_prompts,

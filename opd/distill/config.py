@@ -30,6 +30,7 @@ from opd.spine import config as spine
 from opd.cluster.config import ClusterConfig
 from opd.config import check_vllm_lora, field, load_yaml, near
 from opd.routing.config import DatasetSpec, MergeConfig, TeacherClientSettings
+from opd.spine.terms import TermsConfig
 from opd.store.config import StoredSource
 
 
@@ -102,6 +103,9 @@ class TrainConfig:
                                                 "it out with `store`: the store is the teacher and the data)")
     rollout: RolloutConfig = field(default_factory=RolloutConfig, help="student sampling")
     loss: LossConfig = field(default_factory=LossConfig, help="normalization, trimming, kernel path")
+    terms: TermsConfig = field(default_factory=TermsConfig, help="objective terms beside the teachers and the "
+                                                                 "reward, as opd rl takes them (opd.spine.terms): "
+                                                                 "the entropy bonus")
     optim: OptimConfig = field(default_factory=OptimConfig, help="optimizer and schedule")
     teacher_client: TeacherClientSettings = field(default_factory=TeacherClientSettings,
                                                   help="timeouts and retries towards the teacher servers")
@@ -222,6 +226,9 @@ class TrainConfig:
         if cross and self.loss.fused_linear:
             raise ValueError(f"merge.teachers {cross}: tokenizer cross needs the student's logits of a span's first "
                              f"rows; set loss.fused_linear to false")
+        if self.terms.needs_entropy and self.loss.fused_linear:
+            raise ValueError("terms.entropy_bonus needs the student's logits of each micro-batch's rows, which "
+                             "loss.fused_linear never builds; set one of them off")
 
 
 def resolve_paths(cfg: TrainConfig, base_dir: str | Path) -> TrainConfig:

@@ -1,6 +1,7 @@
 """The distillation objective of one batch: each teacher's rows, weighted, backward in micro-batches.
 
     L = sum_d lambda_d * L^d  +  lambda_sft * L_SFT  [+ the reward term, with `rewards`]
+                                                    [+ the terms of `terms:`, opd.spine.terms]
 
 L^d is the mean loss (per token or per sequence, `loss.length_norm`) of the response rows
 routed to domain d, each row's loss the divergence to its teacher (top-k with the tail bucket,
@@ -37,7 +38,7 @@ from opd.distill.cross import cross_loss
 from opd.distill.stats import StepStats
 from opd.teachers.session import Answer, TeacherSet
 from opd.kernels import distill_loss, fused_linear_distill_loss, sampled_token_reverse_kl
-from opd.spine import objective
+from opd.spine import objective, terms
 from opd.spine.optim import TrainError
 from opd.spine.dist import World
 from opd.spine.rows import (group_counts, pack, row_weights, rows_logits, select_rows, sft_loss, student_rows,
@@ -180,6 +181,13 @@ def train_batch(model, batch: Batch, teachers: TeacherSet, *, cfg, lam: dict[str
             loss = loss + reward_loss
             stats.reward_loss += float(reward_loss.detach())
             stats.add_signal("reward", float(adv_N.abs().sum()), len(adv_N))
+        if cfg.terms.needs_entropy and packed.row_offsets[-1]:   # opd.spine.terms, every row
+            ent_N = terms.entropy(rows)
+            w_N = torch.cat([pg_weights_N[offsets[s]:offsets[s + 1]] for s in seqs])
+            if corrected:   # an exact expectation given the prefix: the prefix's ratio
+                w_N = w_N * ratios.prefix_N
+            loss = loss + (w_N.to(device) * terms.token_loss(cfg.terms, entropy=ent_N)).sum()
+            stats.add_signal("entropy", float(ent_N.detach().sum()), len(ent_N))
         loss.backward()
         stats.loss += float(loss.detach())
     if answers is None:   # every response trimmed to nothing: the answers are collected all the same

@@ -78,7 +78,7 @@ RESUME_FIXED = ("student.path", "student.dtype", "student.lora", "student.lora.*
                 "merge.datasets", "merge.routing.*", "merge.sft", "merge.sft.*", "merge.domain_weights*",
                 "merge.normalize*", "loss.*", "rollout.temperature", "rollout.top_p", "rollout.samples_per_prompt",
                 "rollout.prompts_per_step", "rollout.max_new_tokens", "run.seed", "rewards", "rewards.*", "agent",
-                "agent.*")
+                "agent.*", "terms.*")
 RESUME_FREE = ("merge.teachers.*.address", "merge.teachers.*.curve_server_key", "loss.impl", "loss.fused_linear",
                "agent.workers")
 NONFINITE_HINT = "Check the domain's teachers (probe them with `opd probe`), optim.lr, and student.dtype"

@@ -7,6 +7,7 @@ import torch
 
 from opd.config import ConfigError, from_dict
 from opd.rl.config import AlgorithmConfig, OptimConfig, RLConfig
+from opd.spine.terms import TermsConfig
 from opd.rl.batch import collate
 from opd.rl.trainer import GRPOTrainer
 from opd.rollout import Rollout
@@ -36,7 +37,7 @@ def _update(B: int, epochs: int, minibatches: int) -> list[int]:
     opt.register_step_post_hook(lambda *_: (per_step.append(sum(model.rows_seen)), model.rows_seen.clear()))
     stub = SimpleNamespace(
         cfg=SimpleNamespace(algorithm=AlgorithmConfig(epochs=epochs, minibatches=minibatches, micro_batch_size=4),
-                            optim=OptimConfig(),
+                            optim=OptimConfig(), terms=TermsConfig(),
                             rollout=SimpleNamespace(max_new_tokens=3)),
         model=model, optimizer=opt, params=list(model.parameters()), world=World(),
         scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))

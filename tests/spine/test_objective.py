@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from opd.spine.terms import TermsConfig
 from opd.distill.batch import Batch
 from opd.distill.config import LossConfig
 from opd.distill.loss import train_batch
@@ -126,7 +127,8 @@ def _rl_update(model, rollouts, teacher, adv_B, lam):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     stub = SimpleNamespace(
         cfg=SimpleNamespace(algorithm=AlgorithmConfig(micro_batch_size=2, eps_low=10.0, eps_high=10.0),
-                            optim=OptimConfig(grad_clip=0.0), rollout=SimpleNamespace(max_new_tokens=8)),
+                            optim=OptimConfig(grad_clip=0.0), rollout=SimpleNamespace(max_new_tokens=8),
+                            terms=TermsConfig()),
         model=model, optimizer=opt, params=list(model.parameters()), world=World(),
         scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), token_advantages=token_advantages)
     batch = collate(rollouts, 0)
@@ -173,7 +175,7 @@ def _distill_update(model, rollouts, teacher, adv_B, lam, G=2):
                   rollouts=rollouts, keep=[len(r.response_ids) for r in rollouts], policy_version=0,
                   advantages=adv_B.tolist() if adv_B is not None else None)
     batch.requests()
-    cfg = SimpleNamespace(loss=LossConfig(reward_weight=1.0), optim=SimpleNamespace(micro_batch_size=2))
+    cfg = SimpleNamespace(loss=LossConfig(reward_weight=1.0), optim=SimpleNamespace(micro_batch_size=2), terms=TermsConfig())
     opt.zero_grad()
     train_batch(model, batch, _Teachers(spec, rollouts, teacher), cfg=cfg, lam={"d": 1.0}, pad_id=0, scale=1.0,
                 stats=StepStats())
