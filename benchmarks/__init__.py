@@ -10,6 +10,7 @@
     opd bench long       every recipe on answers 16 to 256 tokens long: CPU-s to 80 % of the teacher
     opd bench sampled-noise  the sampled-token update against the exact reverse KL: bias and noise
     opd bench store      a teacher logit store: bytes per token; replay steps/s against a live teacher
+    opd bench store-quality  on-policy OPD against replayed stores: held-out divergence, accuracy
     opd bench all        the three, plus runs/bench/summary.md
 
 Benchmarks are not tests: they report numbers, they do not assert them.
@@ -37,6 +38,8 @@ SUBJECTS = {
                                                        "reverse KL's: bias, cosine, signal-to-noise")),
     "store": ("opd.benchmarks.store", ("a teacher logit store: bytes per token, and replay steps/s against a live "
                                        "teacher (stored sequences, on-policy)")),
+    "store-quality": ("opd.benchmarks.store_quality", ("held-out divergence (and chain-task accuracy) after the same "
+                                                       "steps: on-policy OPD against replayed stores")),
     "all": ("opd.benchmarks.all", "run kernels, transport and step and write summary.md"),
 }
 
