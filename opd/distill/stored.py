@@ -167,11 +167,22 @@ class StoreBatches:
 
     # the checkpoint's data position (the trainer saves it as its prompt sampler's)
     def state(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
+        return {"epoch": self.epoch, "pos": self.pos, "store": self._identity()}
 
     def load_state(self, state: dict) -> None:
+        """A checkpoint's position, refused when the store at the path now holds other answers
+        (rescored by another teacher, or over other sequences) than the run trained on."""
+        if state.get("store", self._identity()) != self._identity():
+            raise StoreError(f"store {self.path} now holds other answers than this run's checkpoint was trained on "
+                             f"(then {state['store']}, now {self._identity()}): resume with that store, or start a "
+                             f"new run")
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._order = self._epoch_order(self.epoch)
+
+    def _identity(self) -> dict:
+        m = self.manifest
+        return {"teacher": m["teacher"]["model_fingerprint"], "source": m["source"].get("sha256"),
+                "sequences": m["sequences"], "k": m["k"]}
 
 
 @dataclass

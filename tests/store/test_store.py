@@ -153,20 +153,29 @@ def test_opd_train_from_store_without_teacher(env, store):
         read_manifest(store)["teacher"]["model_fingerprint"]
 
 
-def test_resume_from_a_checkpoint_continues_exactly(env, store):
-    """The data position in the store is a checkpoint's: 2 + 2 resumed steps are the 4 steps."""
+def test_resume_from_a_checkpoint_continues_exactly(env, store, tmp_path):
+    """The data position in the store is a checkpoint's: 2 + 2 resumed steps are the 4 steps; a
+    store rescored in place since the checkpoint is refused."""
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+
     def cfg(name, steps, every=0):
-        return from_dict({"student": {"path": str(env["student"])}, "store": {"path": str(store), "k": K},
+        return from_dict({"student": {"path": str(env["student"])}, "store": {"path": str(copy), "k": K},
                           "rollout": {"prompts_per_step": 3}, "optim": {"lr": 3e-3},
-                          "run": {"steps": steps, "out_dir": str(env["root"] / name), "progress": False,
+                          "run": {"steps": steps, "out_dir": str(tmp_path / name), "progress": False,
                                   "tensorboard": False, "checkpoint_every": every}}, TrainConfig)
 
     Trainer(cfg("whole", 4, 2)).run()
     Trainer(cfg("part", 2)).run()
     Trainer(cfg("part", 4), resume=True).run()
-    a, b = ({r["step"]: r["loss"] for r in read_metrics(env["root"] / n / "metrics.jsonl") if "loss" in r}
+    a, b = ({r["step"]: r["loss"] for r in read_metrics(tmp_path / n / "metrics.jsonl") if "loss" in r}
             for n in ("whole", "part"))
     assert sorted(b) == [1, 2, 3, 4] and all(abs(a[s] - b[s]) <= 1e-6 for s in a), (a, b)
+    changed = read_manifest(copy)   # another teacher's answers at the same path since
+    changed["teacher"]["model_fingerprint"] = "0" * 16
+    shards.write_manifest(copy, changed)
+    with pytest.raises(StoreError, match="now holds other answers than this run's checkpoint"):
+        Trainer(cfg("part", 6), resume=True).run()
 
 
 def test_crash_while_writing_resumes(env, store, monkeypatch):
