@@ -56,37 +56,60 @@ class VLLMRolloutEngine(RolloutEngine):
         self._versions = itertools.count(1)      # LoRARequest ids must be >= 1 and never reused
         self._lora_request = None
         self._lora_dirs: list[Path] = []
+        self._buckets: list[Path] = []           # weight files of the sync in progress (push_bucket)
 
     # ---- weights -------------------------------------------------------------------------
 
     def sync_weights(self, model) -> None:
+        self.push_state(model, None)
+
+    def push_state(self, model, state: dict | None) -> None:
+        """`model`'s weights into the engine: `state` its whole state dict when the caller has
+        gathered it (a sharded student, opd.spine.engine), None to read it from `model`."""
         if self.lora is not None:
-            self._sync_lora(model)
+            self._sync_lora(model, state)
         else:
-            self._sync_full(model)
+            self._sync_full(model, state)
 
-    def _sync_full(self, model) -> None:
-        from safetensors.torch import save_file
-
+    def _sync_full(self, model, state: dict | None) -> None:
         if hasattr(model, "peft_config"):
             raise ValueError("a peft model was pushed into a full-weight vLLM engine; "
                              "build VLLMRolloutEngine(..., lora={'rank': R}) for LoRA students")
-        # clone: tied weights share storage, which safetensors refuses to save twice
-        state = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
-        path = self._tmp / "weights.safetensors"
-        save_file(state, str(path))
-        self.llm.collective_rpc("load_weights_from_file", args=(str(path),))
-        self.llm.reset_prefix_cache()  # cached KV blocks hold the old weights' keys/values
-        path.unlink()
+        self.push_bucket(model.state_dict() if state is None else state)
+        self.pushed()
 
-    def _sync_lora(self, model) -> None:
+    def push_bucket(self, state: dict) -> None:
+        """Some of the model's weights (checkpoint names), written to a file of their own; the
+        engine's workers read every bucket of a sync in one reload at `pushed()`: vLLM reloads
+        a model whole (a weight no reload brings came back as NaN), so the buckets wait on disk,
+        not in memory."""
+        from safetensors.torch import save_file
+
+        # clone: tied weights share storage, which safetensors refuses to save twice
+        state = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+        path = self._tmp / f"weights-{len(self._buckets)}.safetensors"
+        save_file(state, str(path))
+        self._buckets.append(path)
+
+    def pushed(self) -> None:
+        """The buckets pushed since the last sync, read one tensor at a time by one reload."""
+        paths, self._buckets = self._buckets, []
+        try:
+            self.llm.collective_rpc("load_weights_from_files", args=([str(p) for p in paths],))
+        finally:
+            for p in paths:
+                p.unlink(missing_ok=True)
+        self.llm.reset_prefix_cache()  # cached KV blocks hold the old weights' keys/values
+
+    def _sync_lora(self, model, state: dict | None) -> None:
         from vllm.lora.request import LoRARequest
 
         if not hasattr(model, "peft_config"):
             raise ValueError("this engine serves a LoRA student: pass the peft model, not a plain one")
         version = next(self._versions)
         out = self._tmp / f"lora-{version}"
-        model.save_pretrained(str(out))
+        # peft picks the adapter's weights out of `state` (a sharded model's gathered one) itself.
+        model.save_pretrained(str(out), **({} if state is None else {"state_dict": state}))
         self._lora_request = LoRARequest(f"student-{version}", version, str(out))
         # vLLM reads an adapter dir when the request first uses it; keep the live one only.
         self._lora_dirs.append(out)

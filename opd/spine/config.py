@@ -128,15 +128,12 @@ class RunConfig:
                                       "answer, verifier score) for a person to read; 0: none", min=0)
 
 
-def check_sharded_sampling(ranks: int, prompts_key: str, prompts: int, engine: str) -> None:
+def check_sharded_sampling(ranks: int, prompts_key: str, prompts: int) -> None:
     """What a loop that samples (opd train, opd rl) needs on `ranks` > 1 ranks: the step's prompts
-    divide evenly among them (each samples its share), and the hf engine, which samples from
-    the shards themselves (a vLLM engine beside a sharded model is not supported yet)."""
+    divide evenly among them (each samples its share, with the hf engine from the shards
+    themselves, with vllm through rank 0's engine: opd.spine.engine)."""
     if ranks <= 1:
         return
     if prompts % ranks:
         raise ValueError(f"{prompts_key} {prompts} does not divide among cluster.student.num_workers {ranks} "
                          f"ranks: each samples an equal share of the step's prompts")
-    if engine != "hf":
-        raise ValueError("cluster.student.num_workers > 1 samples with rollout.engine hf (from the shards "
-                         "themselves); a vLLM engine beside a sharded model is not supported yet")

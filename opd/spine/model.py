@@ -29,6 +29,7 @@ from opd.rollout.hf import HFRolloutEngine
 from opd.rollout.vllm import VLLMRolloutEngine   # imports vllm only when an engine is built
 from opd.spine.config import ModelConfig, RolloutConfig
 from opd.spine.dist import World, is_sharded, shard_model
+from opd.spine.engine import RankZeroEngine
 from opd.spine.shards import broadcast_from_rank0, full_state_dict
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -154,18 +155,20 @@ def make_engine(rollout: RolloutConfig, model_cfg: ModelConfig, model, tokenizer
     """The rollout engine of `rollout.engine`. hf samples from `model` itself (always on-policy;
     a sharded model's ranks each sample their share and stop decoding together); vllm holds its
     own copy of `model_cfg.path`, given `model`'s weights now (a resumed or LoRA model differs
-    from the directory) and after every optimizer step (`sync_weights`)."""
+    from the directory) and after every optimizer step (`sync_weights`); a sharded model's
+    ranks share one, on rank 0 (opd.spine.engine)."""
     if rollout.engine == "hf":
         return HFRolloutEngine(model, tokenizer, batch_size=rollout.batch_size, agree=world.all_true,
                                sharded=world.sharded)
-    if world.sharded:
-        raise ValueError("rollout.engine vllm with a sharded model (cluster.student.num_workers > 1) is not "
-                         "supported yet: use rollout.engine hf, which samples from the shards themselves")
     lora = {"rank": model_cfg.lora.rank} if model_cfg.lora is not None else None
-    engine = VLLMRolloutEngine(model_cfg.path, lora=lora, seed=seed, dtype=model_cfg.dtype,
-                               max_model_len=rollout.vllm_max_model_len,
-                               gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
-                               tensor_parallel_size=rollout.vllm_tensor_parallel_size,
-                               enforce_eager=rollout.vllm_enforce_eager)
+
+    def build() -> VLLMRolloutEngine:
+        return VLLMRolloutEngine(model_cfg.path, lora=lora, seed=seed, dtype=model_cfg.dtype,
+                                 max_model_len=rollout.vllm_max_model_len,
+                                 gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+                                 tensor_parallel_size=rollout.vllm_tensor_parallel_size,
+                                 enforce_eager=rollout.vllm_enforce_eager)
+    # A sharded student: one engine, on rank 0, serving every rank (opd.spine.engine).
+    engine = RankZeroEngine(world, build() if world.main else None) if world.sharded else build()
     engine.sync_weights(model)
     return engine

@@ -238,3 +238,4 @@ def test_a_killed_rank_stops_the_run_naming_it_and_resume_continues_from_the_sha
     wa, wb = (load_file(str(tmp_path / name / "model" / "model.safetensors")) for name in ("one", "two"))
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     assert torch.isfinite(torch.cat([w.flatten() for w in wb.values()])).all()
+
