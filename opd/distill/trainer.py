@@ -444,7 +444,7 @@ class Trainer:
             self.prompts.sft.load_state(state["sft"])
         self.normalizer.load_state(state["normalizer"])
         self.multipliers = state["multipliers"]
-        if state.get("pass_rates"):   # the measured weights, as the run left them
+        if state.get("pass_rates") and self.pass_rates.every:   # the measured weights, as the run left them
             self.pass_rates.load_state(state["pass_rates"])
             self.pass_rates.apply(None)
             self.pass_rates.reroute(self.prompts)
