@@ -191,7 +191,8 @@ class RLConfig:
         ranks = self.cluster.student.num_workers
         self._check_agent(ranks)
         # Whole groups per rank: a group's G responses are sampled and scored on one rank.
-        spine.check_sharded_sampling(ranks, "data.prompts_per_step", self.data.prompts_per_step)
+        spine.check_sharded_sampling(ranks, "data.prompts_per_step", self.data.prompts_per_step,
+                                     self.rollout.engine, self.cluster.ranks_on_ray)
         if self.cluster.mode != "ray":
             return
         if self.cluster.teachers:

@@ -165,7 +165,8 @@ class TrainConfig:
         if self.run.max_staleness and ranks > 1:
             raise ValueError("run.max_staleness with cluster.student.num_workers > 1 is not supported: rollouts "
                              "run ahead on one process (its own copy of the weights)")
-        spine.check_sharded_sampling(ranks, "rollout.prompts_per_step", r.prompts_per_step)
+        spine.check_sharded_sampling(ranks, "rollout.prompts_per_step", r.prompts_per_step, r.engine,
+                                     self.cluster.ranks_on_ray)
         if self.agent is not None and not self.agent.tools:
             raise ValueError("agent.tools is empty: name the tools the model may call (e.g. {function: calculator}),"
                              " or leave `agent` out for single-turn rollouts")

@@ -128,12 +128,16 @@ class RunConfig:
                                       "answer, verifier score) for a person to read; 0: none", min=0)
 
 
-def check_sharded_sampling(ranks: int, prompts_key: str, prompts: int) -> None:
+def check_sharded_sampling(ranks: int, prompts_key: str, prompts: int, engine: str, on_ray: bool) -> None:
     """What a loop that samples (opd train, opd rl) needs on `ranks` > 1 ranks: the step's prompts
     divide evenly among them (each samples its share, with the hf engine from the shards
-    themselves, with vllm through rank 0's engine: opd.spine.engine)."""
+    themselves, with vllm through rank 0's engine: opd.spine.engine, under torchrun's ranks)."""
     if ranks <= 1:
         return
     if prompts % ranks:
         raise ValueError(f"{prompts_key} {prompts} does not divide among cluster.student.num_workers {ranks} "
                          f"ranks: each samples an equal share of the step's prompts")
+    if engine == "vllm" and on_ray:
+        raise ValueError("rollout.engine vllm beside the student's ranks on Ray (cluster.mode ray) is not supported "
+                         "yet: rank 0's engine runs under torchrun's ranks (cluster.mode local or fork), or sample "
+                         "with rollout.engine hf from the shards themselves")

@@ -123,8 +123,8 @@ def test_with_the_policys_ranks_on_ray_it_samples_from_its_shards_so_lora_is_all
     cfg["cluster"]["student"] = {"num_workers": 2}
     rl = from_dict(cfg, RLConfig)
     assert rl.cluster.ranks_on_ray and rl.model.lora.rank == 4
-    cfg["rollout"]["engine"] = "vllm"   # the shards sample with the hf engine, as under torchrun
-    with pytest.raises(ConfigError, match="rollout.engine hf"):
+    cfg["rollout"]["engine"] = "vllm"   # rank 0's engine runs under torchrun's ranks only, for now
+    with pytest.raises(ConfigError, match="rollout.engine vllm beside the student's ranks on Ray"):
         from_dict(cfg, RLConfig)
 
 

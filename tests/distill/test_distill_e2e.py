@@ -166,7 +166,7 @@ def test_full_mode_evaluates_mid_run_against_a_tight_teacher_budget(setup, monke
     # With pipelining, the look-ahead's full-vocabulary stream stays open (holding its tokens
     # in the server's budget) until the next step reads it. An evaluation in between needs the
     # budget too: before, its request met BUSY until teacher_client.timeout_s and the run died.
-    from opd.teachers import client as client_module
+    from opd.teachers import streams as client_module   # score_full's half of the client
     from opd.teachers.launch import start_server_process
 
     monkeypatch.setattr(client_module, "default_chunk_rows", lambda vocab, dtype: 2)   # as at V = 152k
