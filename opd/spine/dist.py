@@ -204,7 +204,14 @@ def shard_model(model: torch.nn.Module, world: World, *, mixed_precision: bool =
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     if meta:
+        # to_empty reallocates buffers too: the ones computed at build time (load_shards.params_on_meta
+        # keeps RoPE's inverse frequencies real) are put back.
+        kept = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
         model.to_empty(device="cpu" if cpu_offload else world.device)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                if n in kept:
+                    b.copy_(kept[n])
     return model
 
 

@@ -30,6 +30,7 @@ from opd.rollout.vllm import VLLMRolloutEngine   # imports vllm only when an eng
 from opd.spine.config import ModelConfig, RolloutConfig
 from opd.spine.dist import World, is_sharded, shard_model
 from opd.spine.engine import RankZeroEngine
+from opd.spine.load_shards import file_keys, params_on_meta, stream_weights, weight_files
 from opd.spine.shards import broadcast_from_rank0, full_state_dict
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,9 +62,11 @@ def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, tr
     and merged in. seed: the torch seed set before the weights exist (a LoRA adapter's init).
     tokenizer: one already loaded by `load_tokenizer`, else it is loaded here (`what` names the
     config key in its errors). world: with several ranks the trained model is sharded (FSDP2)
-    onto each rank's device; only rank 0 reads the weights (whole, on its CPU), the others build
-    the model on the meta device, with no storage, and receive their shards from it
-    (`shards.broadcast_from_rank0`); a peft adapter directory is read on every rank.
+    onto each rank's device: every rank builds the model with no weight storage and rank 0
+    streams the directory's safetensors into the ranks' shards one tensor at a time
+    (`load_shards`); a LoRA start, or a directory whose keys do not cover the model, is read
+    whole by rank 0 alone and broadcast (`shards.broadcast_from_rank0`); a peft adapter
+    directory is read on every rank.
     mixed_precision (None: on CUDA) computes in bf16 with fp32 master shards and reductions;
     cpu_offload keeps the shards in CPU memory."""
     tokenizer = tokenizer or load_tokenizer(cfg.path, what)
@@ -72,14 +75,23 @@ def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, tr
     dtype = TORCH_DTYPES[cfg.dtype]
     sharded = train and world.sharded
     adapter = (Path(cfg.path) / "adapter_config.json").is_file()
-    meta = sharded and world.rank != 0 and not adapter   # rank 0's weights arrive by broadcast
+    keys = None
     if adapter:
         model = AutoPeftModelForCausalLM.from_pretrained(str(cfg.path), dtype=dtype).merge_and_unload()
-    elif meta:
-        with torch.device("meta"):
+    elif sharded:
+        # Every rank builds the model without weight storage. Rank 0 then streams the files into
+        # the ranks' shards (load_shards); where it cannot (a LoRA start whose adapter rank 0
+        # initialises, renamed or missing keys, no safetensors) rank 0 reads the model whole
+        # and broadcasts it, as before.
+        with params_on_meta():
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(cfg.path)), dtype=dtype)
+        files = weight_files(cfg.path) if cfg.lora is None else None
+        keys = file_keys(model, files) if files else None
+        if keys is None and world.rank == 0:
+            model = AutoModelForCausalLM.from_pretrained(str(cfg.path), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(cfg.path), dtype=dtype)
+    meta = next(model.parameters()).is_meta
     if not sharded:
         model.to(resolve_device(cfg.device))
     if not train:
@@ -94,12 +106,16 @@ def load_policy(cfg: ModelConfig, *, seed: int | None = None, tokenizer=None, tr
     if not dropout:
         disable_dropout(model)
     if sharded:
-        # Rank 0's whole weights (LoRA's adapter too), kept past sharding to be broadcast; the
-        # other ranks allocate their shards only (to_empty) and receive them.
-        whole = model.state_dict() if world.rank == 0 else {}
+        # A model built without storage allocates its shards only (to_empty) and receives them:
+        # streamed from the files, or rank 0's whole weights (LoRA's adapter too), kept past
+        # sharding to be broadcast.
+        whole = model.state_dict() if world.rank == 0 and not meta else {}
         shard_model(model, world, cpu_offload=cpu_offload, meta=meta,
                     mixed_precision=world.device.type == "cuda" if mixed_precision is None else mixed_precision)
-        broadcast_from_rank0(model, whole, world)
+        if keys is not None:
+            stream_weights(model, files, keys, world, dtype)
+        else:
+            broadcast_from_rank0(model, whole, world)
         del whole
     model.train()
     return model, tokenizer

@@ -26,9 +26,13 @@ def main(path: str, lora: bool, out: str) -> None:
     report = {"rank": world.rank, "reads": len(reads), "logits": logits.detach().flatten()[:8].tolist(),
               "buffers": {n: b.tolist() for n, b in model.named_buffers()}}
     if world.rank == 0:
-        ref = read(path, dtype=torch.float32).state_dict()
+        ref_model = read(path, dtype=torch.float32)
+        ref = ref_model.state_dict()
         names = {k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in whole.items()}
         report["weights_equal"] = all(torch.equal(names[k], v) for k, v in ref.items())
+        built = dict(ref_model.named_buffers())
+        report["buffers_equal"] = all(torch.equal(built[n.replace("base_model.model.", "")], b)
+                                      for n, b in model.named_buffers())
     with open(f"{out}.{world.rank}", "w") as f:
         json.dump(report, f)
     dist.barrier()

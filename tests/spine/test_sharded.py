@@ -170,19 +170,33 @@ def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process | None
 
 
 @LORA_IN_TEST_ALL
-def test_only_rank_0_reads_the_weights_and_the_others_receive_their_shards(tmp_path, tiny_model_dir, lora):
-    # The ranks but 0 build the model on the meta device: 8 ranks x an 8B model in fp32 read
-    # whole would take 256 GB of host memory on one node.
+def test_the_ranks_load_their_shards_without_a_whole_copy(tmp_path, tiny_model_dir, lora):
+    # 8 ranks x an 8B model in fp32 read whole would take 256 GB of host memory on one node. A
+    # full start is streamed from the files by rank 0 into every rank's shards: no rank reads
+    # the model whole. Here from an index of several files, with a tied head and an odd number
+    # of rows (261: rank 0 gets 131, rank 1 130, as FSDP2 cuts them). A LoRA start is read whole
+    # by rank 0 alone (it initialises the adapter) and broadcast.
+    model_dir = tiny_model_dir
+    if not lora:
+        from transformers import AutoModelForCausalLM
+
+        from opd.tiny import build_tiny_model
+
+        model_dir = build_tiny_model(tmp_path / "odd", vocab_size=261, tie_embeddings=True, seed=3)
+        whole = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        (model_dir / "model.safetensors").unlink()
+        whole.save_pretrained(str(model_dir), max_shard_size="60KB")
+        assert len(set(json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
     out = tmp_path / "report"
     worker = Path(__file__).with_name("sharded_load_worker.py")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(worker),
-                          str(tiny_model_dir), "lora" if lora else "full", str(out)], env=ENV, capture_output=True,
+                          str(model_dir), "lora" if lora else "full", str(out)], env=ENV, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     r0, r1 = (json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))
-    assert (r0["reads"], r1["reads"]) == (1, 0)
+    assert (r0["reads"], r1["reads"]) == ((1, 0) if lora else (0, 0))
     assert r0["weights_equal"]                                     # the shards hold the directory's weights
-    assert r0["buffers"] == r1["buffers"] and r0["buffers"]        # RoPE's inverse frequencies broadcast too
+    assert r0["buffers_equal"] and r0["buffers"] == r1["buffers"]  # RoPE's inverse frequencies as built
     assert r0["logits"] == r1["logits"]
 
 
