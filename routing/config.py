@@ -43,6 +43,9 @@ class CrossSpec:
 class TeacherSpec:
     name: str = field(help="teacher name, used in rules, metrics and the training card")
     address: str = field(help="ZeroMQ address of its `opd serve-teacher`, e.g. tcp://127.0.0.1:5555")
+    replicas: list[str] = field(default_factory=list, help="more addresses serving the same teacher (same model "
+                                                           "and tokenizer, checked): each request goes to the "
+                                                           "least loaded, a dead one's to the others")
     domains: list[str] = field(default_factory=list, help="domains this teacher covers")
     mode: Mode = field("topk", help="topk: the teacher's top-k log-probs + tail bucket; student_topk: the "
                                     "teacher's log-probs at the student's own top k (at sampling) + tail bucket; "

@@ -29,6 +29,7 @@ from opd.kernels import TopKTeacher
 from opd.teachers.align import CrossAnswer, load_cross
 from opd.teachers.batching import answered_rows, row_masks, scored_lengths
 from opd.teachers.client import TeacherClient, TeacherError, _as_curve
+from opd.teachers.pool import ReplicaPool
 from opd.teachers.welcome import check_welcome
 
 log = logging.getLogger("opd.teachers")
@@ -230,6 +231,18 @@ def connect_teachers(specs: list, s, student_fingerprint: str, student_path: str
                 _check_welcome(key, i, spec, f"replicas {pool.live_addresses()}", welcome, student_fingerprint,
                                student_path, (fingerprints or {}).get(spec.name))
                 continue
+            if spec.replicas:
+                addresses = [spec.address, *spec.replicas]
+                try:
+                    pool = ReplicaPool(addresses, timeout_s=s.timeout_s, backoff_s=s.backoff_s, curve=curve,
+                                       wait_for_replica_s=s.connect_timeout_s, name=f"opd-train:{spec.name}")
+                except TeacherError as e:
+                    hint = f"; start them or fix {key}[{i}].address/replicas" if e.code == "NO_REPLICA" else ""
+                    raise TrainError(f"teacher {spec.name!r}: its replicas {addresses} are unusable ({e}){hint}") from None
+                out[spec.name] = (pool, pool.info())
+                _check_welcome(key, i, spec, f"replicas {pool.live_addresses()}", pool.info(), student_fingerprint,
+                               student_path, (fingerprints or {}).get(spec.name))
+                continue
             # A short-lived client with a short timeout answers "reachable?" quickly; the working
             # client below retries patiently during training.
             check = TeacherClient(spec.address, timeout_s=s.connect_timeout_s, retries=0, curve=curve,
@@ -346,7 +359,7 @@ class TeacherSet:
         """Announce what `teacher` will score next (mode prefill; as it sees them: its context or the
         student's prompt, + the response so far from `starts`; None: prompts alone), so that a
         teacher with a prompt cache computes them while the student samples. A hint: a failed one
-        is logged, and the SCOREs are answered alike. Not sent to a Ray replica pool, where the
+        is logged, and the SCOREs are answered alike. Not sent to a replica pool, where the
         replica that scores them is not known yet, nor to a cross-tokenizer teacher (these are the
         student's ids)."""
         client = self.clients[teacher][0]
@@ -436,7 +449,7 @@ class TeacherSet:
         max_new_tokens, temperature, top_p, seed, stop_ids, as TeacherClient.submit_sample)."""
         client = self.clients[teacher][0]
         if not isinstance(client, TeacherClient):
-            raise TrainError(f"teacher {teacher!r} is a Ray replica pool, which does not sample; measure its "
+            raise TrainError(f"teacher {teacher!r} is served by replicas (a pool), which do not sample; measure its "
                              f"pass rates with `opd validate` and give them as merge.routing.pass_rates")
         try:
             return client.submit_sample(prompts, **kwargs)

@@ -2,7 +2,7 @@
 
 Ray only places and supervises processes; it never carries logits. Each teacher replica is
 an `opd serve-teacher` process started by a Ray actor (opd/cluster/teachers.py) and talked
-to over ZeroMQ by a `ReplicaPool` (opd/cluster/pool.py), which balances requests across a
+to over ZeroMQ by a `ReplicaPool` (teachers/pool.py), which balances requests across a
 teacher's replicas. `opd rl` samples with rollout actors (opd/cluster/rollout.py).
 
     cluster = RayCluster.start(cfg.cluster)       # connects to (or starts) Ray
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from opd.cluster.config import ClusterConfig
 from opd.cluster.connect import connect
-from opd.cluster.pool import ReplicaPool
+from opd.teachers.pool import ReplicaPool
 from opd.cluster.rollout import RolloutPool
 from opd.cluster.teachers import TeacherGroup
 

@@ -5,7 +5,7 @@ Each `TeacherReplica` actor starts one `opd serve-teacher` process with
 server's ZeroMQ address and fingerprints, and supervises it: a background thread notices
 the process exiting (crash, OOM kill, SIGKILL) and starts it again on the same port when
 it can, on a fresh one otherwise. The actor never touches a request; clients connect to
-the server directly (opd/cluster/pool.py), so logits never enter Ray's object store.
+the server directly (teachers/pool.py), so logits never enter Ray's object store.
 
 A `TeacherGroup` is the N replicas of one teacher. Their resources (CPUs, GPUs) are
 reserved together in one placement group (SPREAD across nodes by default), so a replica

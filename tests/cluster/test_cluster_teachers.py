@@ -10,7 +10,7 @@ from oracles import process_gone
 
 from opd.cluster.config import ClusterConfig, TeacherReplicas
 from opd.cluster.session import RayCluster
-from opd.cluster.pool import FingerprintMismatch, ReplicaPool
+from opd.teachers.pool import FingerprintMismatch, ReplicaPool
 from opd.teachers.launch import start_server_process
 
 SEQS = [[5, 17, 99, 3, 42, 7, 8], [120, 4, 9, 11, 250]]

@@ -115,7 +115,7 @@ def test_sigkill_mid_topk_forward_restart_finishes_exactly(tiny_teacher_dir, dir
 
 
 def test_replica_pool_fails_over_mid_stream(tiny_teacher_dir, direct):
-    from opd.cluster.pool import ReplicaPool
+    from opd.teachers.pool import ReplicaPool
 
     a = serve(tiny_teacher_dir, f"tcp://127.0.0.1:{free_port()}")
     b = serve(tiny_teacher_dir, f"tcp://127.0.0.1:{free_port()}")

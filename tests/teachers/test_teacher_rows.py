@@ -133,8 +133,8 @@ def test_split_batch_keeps_each_parts_masks_and_candidates(server, model):
 
 
 def test_a_replica_pool_passes_row_masks_through(server, client):
-    """opd.cluster.pool.ReplicaPool (what a run with replicas talks to) sends the masks along."""
-    from opd.cluster.pool import ReplicaPool
+    """opd.teachers.pool.ReplicaPool (what a run with replicas talks to) sends the masks along."""
+    from opd.teachers.pool import ReplicaPool
 
     seqs, starts, rows = batch(27)
     with ReplicaPool([server.address], timeout_s=20) as pool:

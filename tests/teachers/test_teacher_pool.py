@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from opd.cluster.pool import ReplicaPool
+from opd.teachers.pool import ReplicaPool
 from opd.teachers.client import TeacherClient, TeacherError
 from opd.teachers.server import ServerLimits, serving_in_thread
 

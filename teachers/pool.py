@@ -39,7 +39,7 @@ from opd.teachers.batching import scored_lengths
 from opd.teachers.client import FullChunk, TeacherClient, TeacherError, TopKResult
 from opd.teachers.protocol import Welcome
 
-log = logging.getLogger("opd.cluster.pool")
+log = logging.getLogger("opd.teachers.pool")
 
 DEAD_CODES = {"TIMEOUT", "CLOSED", "SHUTTING_DOWN"}          # the replica is gone: mark it dead
 ELSEWHERE_CODES = {"BUSY", "INTERNAL"}                        # try another replica, keep this one
