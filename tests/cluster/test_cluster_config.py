@@ -52,6 +52,16 @@ def test_the_sharded_example_is_a_cluster_section_of_opd_train_and_opd_rl_with_i
     assert rl.cluster.ranks_on_ray
 
 
+def test_the_2x8_layout_loads_as_opd_train_with_replicas_and_vllm_beside_8_ranks():
+    from opd.distill.config import TrainConfig
+
+    cfg = load_yaml(EXAMPLE.with_name("train_2x8.yaml"), TrainConfig)
+    assert (cfg.cluster.mode, cfg.cluster.student.num_workers, cfg.rollout.engine) == ("local", 8, "vllm")
+    assert [(t.name, t.address, t.replicas) for t in cfg.merge.teachers] == [
+        ("math", "tcp://10.0.0.9:5601", ["tcp://10.0.0.9:5602"]), ("code", "tcp://10.0.0.9:5611", ["tcp://10.0.0.9:5612"])]
+    assert cfg.rollout.prompts_per_step % cfg.cluster.student.num_workers == 0
+
+
 def test_bad_cluster_configs_are_refused():
     with pytest.raises(ConfigError, match="student.num_workers"):
         from_dict({"mode": "ray", "student": {"num_workers": 0}}, ClusterConfig)
