@@ -60,7 +60,7 @@ from opd.benchmarks.recipes_report import (acc_at, machine, markdown, plot, reac
 from opd.benchmarks.recipes_worker import CODE_OPTIONS, _read_jsonl, _write_jsonl  # noqa: F401
 from opd.benchmarks.recipes_inputs import (  # noqa: F401  (constants, inputs, configs)
     ARMS, DEFAULT_LRS, DOMAINS, GRPO_GROUP, Plan, QUICK, REPO, USES_SERVERS, domain_ratios, grpo_config, opd_config,
-    parse_lrs, prepare_data, sft_config, snapshot_code, snapshot_demo)
+    parse_betas, parse_lrs, prepare_data, sft_config, snapshot_code, snapshot_demo)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo-dir", type=Path, default=Path("runs/demo"),
@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline-samples", type=int, default=6400,
                    help="offline distillation: teacher samples drawn before SFT (in the domain mix; one per "
                         "prompt, prompts reused once a domain's are all used)")
+    p.add_argument("--betas", action="append", default=[], metavar="ARM=B1,B2",
+                   help="an OPD arm's AdamW betas (repeatable), e.g. --betas opd_sampled=0.99,0.999; default: the "
+                        "merge config's")
     p.add_argument("--lr", action="append", default=[], metavar="ARM=LR",
                    help="an arm's learning rate (repeatable), e.g. --lr opd_sampled=1e-4; the defaults are each "
                         f"arm's tuned rate ({', '.join(f'{a} {v:g}' for a, v in DEFAULT_LRS.items())}; "
@@ -295,7 +298,7 @@ def make_report(args, plan: Plan, bench: Bench, ref: dict, results: list[dict], 
                else [round(0.5 * teacher_acc, 3), round(0.8 * teacher_acc, 3)])
     return {"plan": {"cpu_budget": plan.budget, "steps": plan.steps, "batch": plan.batch, "evals": plan.evals,
                      "eval_prompts": args.eval_prompts, "max_new_tokens": plan.max_new_tokens, "lrs": plan.lrs,
-                     "offline_samples": plan.offline_samples, "reward_weight": plan.reward_weight,
+                     "betas": plan.betas, "offline_samples": plan.offline_samples, "reward_weight": plan.reward_weight,
                      "reward_advantage": plan.reward_advantage, "ratios": plan.ratios, "seeds": seeds, "arms": arms,
                      "quick": bool(args.quick), "checkpoint_every": {a: plan.every(a) for a in arms},
                      "budget": (f"{plan.budget:g} CPU-s per run" if plan.budget else f"{plan.steps} steps per run")
@@ -333,7 +336,8 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan(out=out, steps=steps, batch=args.batch, evals=args.evals, budget=args.cpu_budget,
                 max_new_tokens=args.max_new_tokens, lrs={a: lrs[a] for a in arms}, ratios=ratios, data=data,
                 models=snap["models"], merge=merge, offline_samples=args.offline_samples,
-                reward_weight=args.reward_weight, reward_advantage=args.reward_advantage)
+                reward_weight=args.reward_weight, reward_advantage=args.reward_advantage,
+                betas={a: b for a, b in parse_betas(args.betas).items() if a in arms})
     code = snapshot_code(out, args.code_rev)
     print(f"[recipes] library snapshot in {code['info']['path']} ({code['info']['rev'][:10]}"
           f"{', working tree' if code['info']['working_tree'] else ''})", flush=True)

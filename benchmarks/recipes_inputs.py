@@ -71,6 +71,23 @@ def parse_lrs(items: list[str]) -> dict[str, float]:
     return out
 
 
+def parse_betas(items: list[str]) -> dict[str, list[float]]:
+    """["opd_sampled=0.99,0.999", ...] -> {"opd_sampled": [0.99, 0.999]}: AdamW's betas of an OPD
+    arm (its config's optim.betas); a bad item exits with what is wrong."""
+    out = {}
+    for item in items:
+        arm, _, value = item.partition("=")
+        try:
+            if arm not in USES_SERVERS:
+                raise ValueError(f"an OPD arm takes betas; choose from {', '.join(sorted(USES_SERVERS))}")
+            out[arm] = [float(b) for b in value.split(",")]
+            if len(out[arm]) != 2 or not all(0 <= b < 1 for b in out[arm]):
+                raise ValueError("two values in [0, 1)")
+        except ValueError as e:
+            raise SystemExit(f"opd bench recipes: --betas {item!r}: {e}") from None
+    return out
+
+
 def snapshot_demo(demo: Path, out: Path) -> dict:
     """Copy the models and data this benchmark uses from the demo folder into OUT/inputs (the
     demo can be rebuilt while this runs); return their paths, fingerprints and the merge config."""
@@ -186,6 +203,7 @@ class Plan:
     offline_samples: int = 6400
     reward_weight: float = 1.0
     reward_advantage: str = "batch"   # batch: 32 prompts x 1 (no groups); grpo: 8 x 4
+    betas: dict = field(default_factory=dict)   # OPD arm -> AdamW's betas (else the merge config's)
     ports: dict = field(default_factory=dict)
 
     def every(self, arm: str) -> int:
@@ -238,6 +256,8 @@ def opd_config(plan: Plan, arm: str, out_dir: Path, seed: int) -> dict:
     cfg["rollout"] = {**cfg.get("rollout", {}), "prompts_per_step": plan.batch // group, "samples_per_prompt": group,
                       "temperature": 1.0, "max_new_tokens": plan.max_new_tokens}
     cfg["optim"] = {**cfg.get("optim", {}), "micro_batch_size": plan.batch, "lr": plan.lrs[arm], "schedule": "constant"}
+    if arm in plan.betas:
+        cfg["optim"]["betas"] = plan.betas[arm]
     cfg["run"] = {**{k: v for k, v in cfg.get("run", {}).items() if k != "eval_prompts"},
                   **_run_keys(plan, arm, out_dir, seed)}
     if arm == "opd_reward":

@@ -165,7 +165,7 @@ def test_shaping_adds_per_valid_and_failed_call(tmp_path, chat_model_dir):
     ({"cluster": {"mode": "ray"}}, "agent with cluster.mode ray is not supported"),
     ({"cluster": {"student": {"num_workers": 2}}}, "agent with cluster.student.num_workers > 1"),
     ({"agent": None, "agent_shaping": {"valid_call": 0.1}}, "agent_shaping .* needs `agent`"),
-    ({"agent_shaping": {"failed_call": float("inf")}}, "key 'agent_shaping'"),
+    ({"agent_shaping": {"failed_call": float("inf")}}, "key 'agent_shaping.failed_call' must be a finite number"),
     ({"rollout": {"engine": "vllm", "vllm_max_model_len": 240}}, "agent.max_tokens 240 leaves no room for a prompt"),   # the loader's finite check
 ])
 def test_what_agent_cannot_combine_with_is_refused(tmp_path, chat_model_dir, over, error):
