@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from opd.data import write_jsonl
 from opd.metrics import read_metrics
+from opd.spine.shards import is_sharded_checkpoint
 from opd.teachers.launch import start_server_process
 from opd.tiny import lm_head_teacher
 
@@ -88,8 +89,8 @@ def card_run(out: Path) -> dict:
     return next(v for k, v in card.items() if isinstance(v, dict) and "memory_per_rank_bytes" in v)
 
 
-# LoRA runs of sft and rl: ~26 s each, in make test-all (the suite's 20-min budget); opd train
-# keeps both in make test.
+# LoRA runs and the ranks on Ray: 25 to 50 s each, in make test-all (the suite's 8-minute
+# target); make test keeps every command's full-weight run on torchrun's ranks.
 LORA_IN_TEST_ALL = pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)],
                                            ids=["full", "lora"])
 
@@ -111,8 +112,10 @@ def test_opd_sft_on_two_ranks_is_one_process_with_half_the_memory_per_rank(tmp_p
         assert 0.45 < two[k] / one[k] < 0.56, (k, one[k], two[k])
 
 
-@LORA_IN_TEST_ALL
-def test_opd_rl_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, lora):
+@pytest.mark.parametrize("lora, ray", [(False, False), pytest.param(False, True, marks=pytest.mark.slow),
+                                       pytest.param(True, False, marks=pytest.mark.slow)],
+                         ids=["full", "full-ray", "lora"])
+def test_opd_rl_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, lora, ray):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"Number {i}:", "answer": str(i)} for i in range(10, 26)])
     (tmp_path / "digits.py").write_text("def digits(sample, text):\n    return sum(c.isdigit() for c in text) / "
                                         "max(len(text), 1)\n")
@@ -124,7 +127,7 @@ def test_opd_rl_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, lora):
           "algorithm: {{epochs: 2, kl_beta: 0.01, advantage: batch_std}}\n"
           "rewards: [{{name: python, path: 'digits.py:digits'}}]\noptim: {{lr: 0.01}}\n"
           "run: {{steps: 3, checkpoint_every: 3, out_dir: {out}, progress: false, tensorboard: false}}\n"
-          "cluster: {cluster}\n"), ray=not lora)
+          "cluster: {cluster}\n"), ray=ray)
     assert_same_run(runs, ("loss", "kl", "reward/mean", "entropy", "grad_norm"))
     for n in set(runs) - {1}:
         assert "2 (FSDP2, each rank 2 prompts a step)" in (runs[n] / "card.md").read_text()
@@ -138,8 +141,10 @@ def teacher(tmp_path_factory, tiny_model_dir):
         yield server.address
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_opd_train_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, teacher, lora):
+@pytest.mark.parametrize("lora, ray", [(False, False), pytest.param(False, True, marks=pytest.mark.slow),
+                                       pytest.param(True, False, marks=pytest.mark.slow)],
+                         ids=["full", "full-ray", "lora"])
+def test_opd_train_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, teacher, lora, ray):
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(10, 26)])
     write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?", "answer": str(2 * i)}
                                           for i in range(30, 35)])   # 5 held-out prompts: a rank's share padded
@@ -152,7 +157,7 @@ def test_opd_train_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, teacher
         "  sft: {{path: sft.jsonl, batch_size: 2, lambda_sft: 0.1}}\n"
         "rollout: {{prompts_per_step: 4, max_new_tokens: 6}}\noptim: {{lr: 0.003, micro_batch_size: 1}}\n"
         "run: {{steps: 3, out_dir: {out}, progress: false, tensorboard: false, checkpoint_every: 3}}\n"
-        "cluster: {cluster}\n"), ray=not lora)
+        "cluster: {cluster}\n"), ray=ray)
     assert_same_run(runs, ("loss", "kl", "sft_loss", "grad_norm", "teacher_tail_mass"))
     evals = {n: [r["eval/kl"] for r in read_metrics(runs[n] / "metrics.jsonl") if "eval/kl" in r] for n in runs}
     for n in set(runs) - {1}:
@@ -200,9 +205,10 @@ def test_the_ranks_load_their_shards_without_a_whole_copy(tmp_path, tiny_model_d
     assert r0["logits"] == r1["logits"]
 
 
-def test_a_checkpoint_of_one_process_resumes_sharded_with_the_losses_of_one_process(tmp_path):
+def test_a_checkpoint_of_one_process_resumes_sharded_and_back_with_the_losses_of_one_process(tmp_path):
     # Started on one device, continued on two: rank 0 reads the checkpoint, the other receives
-    # its shards of the weights and of AdamW's moments; the losses go on as one process's.
+    # its shards of the weights and of AdamW's moments; the losses go on as one process's. Then
+    # the 2-rank run's own checkpoint (DCP, step 10) resumed in one process: the same again.
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+1=", "response": str(a + 1)} for a in range(10, 40)])
     base = ("model: {tiny: {layers: 2, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64}, device: cpu}\n"
             "data: {train: [{path: train.jsonl}], batch_size: 4}\noptim: {lr: 0.01, warmup_steps: 0}\n"
@@ -220,6 +226,23 @@ def test_a_checkpoint_of_one_process_resumes_sharded_with_the_losses_of_one_proc
     assert [r["loss"] for r in two][-7:] == pytest.approx([r["loss"] for r in one][5:], rel=1e-4)
     wa, wb = (load_file(str(tmp_path / name / "model" / "model.safetensors")) for name in ("one", "two"))
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+
+    back = tmp_path / "back"
+    shutil.copytree(tmp_path / "two", back)
+    for ckpt in (back / "checkpoints").iterdir():   # keep step 10, the 2 ranks' own
+        if ckpt.name != "step_000010":
+            shutil.rmtree(ckpt) if ckpt.is_dir() and not ckpt.is_symlink() else ckpt.unlink()
+    assert is_sharded_checkpoint(back / "checkpoints" / "step_000010")
+    (back / "metrics.jsonl").unlink()
+    shutil.rmtree(back / "model")
+    (tmp_path / "back.yaml").write_text(base.replace("OUT", "back"))
+    resumed = opd("sft", "back.yaml", "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = read_metrics(back / "metrics.jsonl")
+    assert [r["step"] for r in again] == [11, 12]
+    assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in one][10:], rel=1e-4)
+    wc = load_file(str(back / "model" / "model.safetensors"))
+    assert max(float((wa[k] - wc[k]).abs().max()) for k in wa) < 1e-4
 
 
 def test_a_killed_rank_stops_the_run_naming_it_and_resume_continues_from_the_sharded_checkpoint(tmp_path):
