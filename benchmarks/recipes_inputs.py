@@ -55,37 +55,43 @@ def reward_group(advantage: str) -> int:
     return 1 if advantage == "batch" else REWARD_GROUP
 
 
-def parse_lrs(items: list[str]) -> dict[str, float]:
-    """["opd_topk=1e-3", ...] -> {"opd_topk": 0.001}; a bad item exits with what is wrong."""
+def parse_arm_values(items: list[str], flag: str, arms, value):
+    """["ARM=VALUE", ...] -> {ARM: value("VALUE")} for `arms`; `value` raises ValueError on a bad
+    value, and a bad item exits with the flag and what is wrong."""
     out = {}
     for item in items:
-        arm, _, value = item.partition("=")
+        arm, _, text = item.partition("=")
         try:
-            if arm not in ARMS:
-                raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
-            out[arm] = float(value)
-            if out[arm] <= 0:
-                raise ValueError("a learning rate is positive")
+            if arm not in arms:
+                raise ValueError(f"unknown arm {arm!r} for {flag}; choose from {', '.join(sorted(arms))}")
+            out[arm] = value(text)
         except ValueError as e:
-            raise SystemExit(f"opd bench recipes: --lr {item!r}: {e}") from None
+            raise SystemExit(f"opd bench recipes: {flag} {item!r}: {e}") from None
     return out
+
+
+def _lr(text: str) -> float:
+    if (lr := float(text)) <= 0:
+        raise ValueError("a learning rate is positive")
+    return lr
+
+
+def _betas(text: str) -> list[float]:
+    betas = [float(b) for b in text.split(",")]
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError("two values in [0, 1)")
+    return betas
+
+
+def parse_lrs(items: list[str]) -> dict[str, float]:
+    """["opd_topk=1e-3", ...] -> {"opd_topk": 0.001}."""
+    return parse_arm_values(items, "--lr", ARMS, _lr)
 
 
 def parse_betas(items: list[str]) -> dict[str, list[float]]:
     """["opd_sampled=0.99,0.999", ...] -> {"opd_sampled": [0.99, 0.999]}: AdamW's betas of an OPD
-    arm (its config's optim.betas); a bad item exits with what is wrong."""
-    out = {}
-    for item in items:
-        arm, _, value = item.partition("=")
-        try:
-            if arm not in USES_SERVERS:
-                raise ValueError(f"an OPD arm takes betas; choose from {', '.join(sorted(USES_SERVERS))}")
-            out[arm] = [float(b) for b in value.split(",")]
-            if len(out[arm]) != 2 or not all(0 <= b < 1 for b in out[arm]):
-                raise ValueError("two values in [0, 1)")
-        except ValueError as e:
-            raise SystemExit(f"opd bench recipes: --betas {item!r}: {e}") from None
-    return out
+    arm (its config's optim.betas)."""
+    return parse_arm_values(items, "--betas", USES_SERVERS, _betas)
 
 
 def snapshot_demo(demo: Path, out: Path) -> dict:

@@ -5,6 +5,7 @@ budget, and the table's 'CPU-s to reach X' is the compute at the first checkpoin
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +23,8 @@ from opd.benchmarks.recipes import (
     grpo_config,
     markdown,
     opd_config,
+    parse_betas,
+    parse_lrs,
     pick,
     reach,
     run_counted,
@@ -144,6 +147,21 @@ def test_every_arm_samples_the_same_sequences_per_step_and_checkpoints_alike(tmp
     # Under a CPU budget, cheaper steps checkpoint less often in steps: about 2 x evals within the budget.
     plan.budget, plan.steps = 100.0, 100000
     assert plan.every("offline") > plan.every("opd_topk") > plan.every("grpo") >= 2
+
+
+def test_an_arms_rate_and_betas_reach_its_config_and_bad_ones_are_refused_with_the_flag(tmp_path):
+    assert parse_lrs(["opd_topk=3e-4"]) == {"opd_topk": 3e-4}
+    assert parse_betas(["opd_sampled=0.99,0.999"]) == {"opd_sampled": [0.99, 0.999]}
+    for parse, item, says in ((parse_lrs, "nope=1e-3", "--lr 'nope=1e-3': unknown arm"),
+                              (parse_lrs, "grpo=0", "a learning rate is positive"),
+                              (parse_betas, "grpo=0.9,0.999", "--betas 'grpo=0.9,0.999': unknown arm"),
+                              (parse_betas, "opd_topk=0.9", "two values in [0, 1)")):
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            parse([item])
+    plan = _plan(tmp_path)
+    plan.betas = {"opd_sampled": [0.99, 0.999]}
+    assert opd_config(plan, "opd_sampled", tmp_path / "s", 0)["optim"]["betas"] == [0.99, 0.999]
+    assert "betas" not in opd_config(plan, "opd_topk", tmp_path / "t", 0)["optim"]   # the merge config's
 
 
 def test_table_reports_reach_and_final_accuracy_over_seeds():
