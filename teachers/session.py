@@ -215,32 +215,27 @@ def connect_teachers(specs: list, s, student_fingerprint: str, student_path: str
     """One client per teacher spec, checked before any compute: reachable, same tokenizer, able
     to answer the configured mode and k (`s`: the teacher_client settings; `key`: where the config
     lists the teachers, for messages). A teacher named in `on_ray` (cluster.mode: ray) gets the
-    cluster's ReplicaPool over its replicas instead of a TeacherClient at its address.
+    cluster's ReplicaPool over its replicas instead of a TeacherClient at its address, and one
+    with `replicas` a ReplicaPool over its address and theirs.
     Returns {name: (client, welcome)}."""
     out: dict = {}
     try:
         for i, spec in enumerate(specs):
             curve = teacher_curve(s, key, i, spec)
-            if spec.name in on_ray:
-                try:
-                    pool = cluster.teacher_pool(spec.name, backoff_s=s.backoff_s, curve=curve)  # its own failover
-                    welcome = pool.info()
-                except TeacherError as e:
-                    raise TrainError(f"teacher {spec.name!r} on the Ray cluster is unusable ({e})") from None
-                out[spec.name] = (pool, welcome)
-                _check_welcome(key, i, spec, f"replicas {pool.live_addresses()}", welcome, student_fingerprint,
-                               student_path, (fingerprints or {}).get(spec.name))
-                continue
-            if spec.replicas:
+            if spec.name in on_ray or spec.replicas:   # a pool over the replicas: its own failover
                 addresses = [spec.address, *spec.replicas]
                 try:
-                    pool = ReplicaPool(addresses, timeout_s=s.timeout_s, backoff_s=s.backoff_s, curve=curve,
-                                       wait_for_replica_s=s.connect_timeout_s, name=f"opd-train:{spec.name}")
+                    pool = (cluster.teacher_pool(spec.name, backoff_s=s.backoff_s, curve=curve) if spec.name in on_ray
+                            else ReplicaPool(addresses, timeout_s=s.timeout_s, backoff_s=s.backoff_s, curve=curve,
+                                             wait_for_replica_s=s.connect_timeout_s, name=f"opd-train:{spec.name}"))
+                    welcome = pool.info()
                 except TeacherError as e:
+                    if spec.name in on_ray:
+                        raise TrainError(f"teacher {spec.name!r} on the Ray cluster is unusable ({e})") from None
                     hint = f"; start them or fix {key}[{i}].address/replicas" if e.code == "NO_REPLICA" else ""
                     raise TrainError(f"teacher {spec.name!r}: its replicas {addresses} are unusable ({e}){hint}") from None
-                out[spec.name] = (pool, pool.info())
-                _check_welcome(key, i, spec, f"replicas {pool.live_addresses()}", pool.info(), student_fingerprint,
+                out[spec.name] = (pool, welcome)
+                _check_welcome(key, i, spec, f"replicas {pool.live_addresses()}", welcome, student_fingerprint,
                                student_path, (fingerprints or {}).get(spec.name))
                 continue
             # A short-lived client with a short timeout answers "reachable?" quickly; the working
