@@ -289,6 +289,16 @@ def near(base: str | Path, p: str | None) -> str | None:
     return str(q if q.is_absolute() else Path(base) / q)
 
 
+def config_arguments(parser, cls: type, what: str, example: str, about: str = "") -> None:
+    """A config command's `CONFIG` and `--describe`, and its --help epilog: `about`, then every
+    key of `cls` (what `config_from_args` reads back)."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("config", nargs="?", help=f"{what} config YAML (e.g. {example})")
+    parser.add_argument("--describe", action="store_true", help="print every config key with its help and exit")
+    parser.epilog = (about + ("\n\n" if about else "") + "Config keys (YAML; unknown keys are refused with "
+                     "file:line; relative paths are relative to the config file):\n\n" + describe(cls, "  "))
+
+
 def config_from_args(args, cls: type[T], command: str, example: str):
     """A command's config from `args.config` (`--describe`: every key printed): the loaded
     config, or the exit code when there is none to run with (0 after --describe; 2 with the

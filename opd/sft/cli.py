@@ -6,21 +6,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from opd.config import config_from_args, describe
+from opd.config import config_arguments, config_from_args
 from opd.sft.config import SFTConfig, resolve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("config", nargs="?", help="SFT config YAML (e.g. configs/demo/sft_base.yaml)")
-    parser.add_argument("--describe", action="store_true", help="print every config key with its help and exit")
+    config_arguments(parser, SFTConfig, "SFT", "configs/demo/sft_base.yaml")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in run.out_dir from its newest checkpoint (see run.checkpoint_every)")
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh even if run.out_dir holds an earlier run: delete its metrics, plots, card, "
                              "checkpoints and model first (without it such a run is refused)")
-    parser.epilog = ("Config keys (YAML; unknown keys are refused with file:line; relative paths are relative "
-                     "to the config file):\n\n" + describe(SFTConfig, "  "))
 
 
 def run(args: argparse.Namespace) -> int:

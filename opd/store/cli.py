@@ -6,15 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from opd.config import config_from_args, describe
+from opd.config import config_arguments, config_from_args
 from opd.store.config import StoreConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("config", nargs="?", help="store config YAML (e.g. configs/store.yaml)")
-    parser.add_argument("--describe", action="store_true", help="print every config key with its help and exit")
-    parser.epilog = (
+    config_arguments(parser, StoreConfig, "store", "configs/store.yaml", about=(
         "Scores sequences once with a teacher server (a running `opd serve-teacher`, or teacher.model served for "
         "the run) and writes, per response token, the teacher's top-k ids (uint16 where the vocabulary allows), "
         "their log-probs (fp16), the exact tail log-mass and the token's log-prob (fp32), one .npz shard per "
@@ -22,9 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dtypes). The sequences: prompt/response JSONL (what `opd generate` writes), or the student's own "
         "rollouts of a prompt file. Run it again after an interruption: it resumes after the last whole shard.\n\n"
         "Train against it with no teacher running: a train config with `store: {path: OUT, k: K}` instead of "
-        "`merge` (docs/train.md).\n\n"
-        "Config keys (YAML; unknown keys are refused with file:line; relative paths are relative to the config "
-        "file):\n\n" + describe(StoreConfig, "  "))
+        "`merge` (docs/train.md)."))
 
 
 def run(args: argparse.Namespace) -> int:
