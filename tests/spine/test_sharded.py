@@ -12,7 +12,6 @@ Prompts of equal length keep the ranks' padding the one process's.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -31,35 +30,11 @@ from opd.spine.shards import is_sharded_checkpoint
 from opd.teachers.launch import start_server_process
 from opd.tiny import lm_head_teacher
 
+from sharded_runs import ENV, LABEL, both, opd, worker_reports   # tests/spine/sharded_runs.py
+
 pytestmark = pytest.mark.timeout(600)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def opd(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opd.cli", *map(str, args)], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 # The ranks as Ray actors (cluster.mode ray) on a local Ray cluster the command starts itself.
 ON_RAY = "{mode: ray, address: null, num_cpus: 2, student: {num_workers: 2}}"
-LABEL = {1: "1 process", 2: "2 torchrun ranks", "ray": "2 Ray actors"}
-
-
-def both(command: str, cwd: Path, yaml_text: str, ray: bool = False) -> dict[int | str, Path]:
-    """Run `opd COMMAND` on 1 and on 2 ranks (torchrun's launcher) and, with `ray`, on 2 Ray
-    actors ("ray"); {ranks: run directory}. The template's {cluster} is the cluster section."""
-    out = {}
-    for ranks in (1, 2) + (("ray",) if ray else ()):
-        path = cwd / f"run{ranks}.yaml"
-        cluster = ON_RAY if ranks == "ray" else f"{{student: {{num_workers: {ranks}}}}}"
-        path.write_text(yaml_text.format(out=f"out{ranks}", ranks=2 if ranks == "ray" else ranks, cluster=cluster))
-        t0 = time.monotonic()
-        r = opd(command, path, cwd=cwd)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert ("2 ranks on Ray" in r.stdout) == (ranks == "ray"), r.stdout[-3000:]   # not torchrun's, and back
-        print(f"\n{cwd.name}: opd {command}, {LABEL[ranks]}: {time.monotonic() - t0:.1f} s")
-        out[ranks] = cwd / f"out{ranks}"
-    return out
 
 
 def assert_same_run(runs: dict[int | str, Path], keys: tuple[str, ...], tol: float = 1e-4) -> None:
@@ -127,7 +102,7 @@ def test_opd_rl_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, lora, ray)
           "algorithm: {{epochs: 2, kl_beta: 0.01, advantage: batch_std}}\n"
           "rewards: [{{name: python, path: 'digits.py:digits'}}]\noptim: {{lr: 0.01}}\n"
           "run: {{steps: 3, checkpoint_every: 3, out_dir: {out}, progress: false, tensorboard: false}}\n"
-          "cluster: {cluster}\n"), ray=ray)
+          "cluster: {cluster}\n"), ray_cluster=ON_RAY if ray else None)
     assert_same_run(runs, ("loss", "kl", "reward/mean", "entropy", "grad_norm"))
     for n in set(runs) - {1}:
         assert "2 (FSDP2, each rank 2 prompts a step)" in (runs[n] / "card.md").read_text()
@@ -157,7 +132,7 @@ def test_opd_train_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, teacher
         "  sft: {{path: sft.jsonl, batch_size: 2, lambda_sft: 0.1}}\n"
         "rollout: {{prompts_per_step: 4, max_new_tokens: 6}}\noptim: {{lr: 0.003, micro_batch_size: 1}}\n"
         "run: {{steps: 3, out_dir: {out}, progress: false, tensorboard: false, checkpoint_every: 3}}\n"
-        "cluster: {cluster}\n"), ray=ray)
+        "cluster: {cluster}\n"), ray_cluster=ON_RAY if ray else None)
     assert_same_run(runs, ("loss", "kl", "sft_loss", "grad_norm", "teacher_tail_mass"))
     evals = {n: [r["eval/kl"] for r in read_metrics(runs[n] / "metrics.jsonl") if "eval/kl" in r] for n in runs}
     for n in set(runs) - {1}:
@@ -192,13 +167,7 @@ def test_the_ranks_load_their_shards_without_a_whole_copy(tmp_path, tiny_model_d
         (model_dir / "model.safetensors").unlink()
         whole.save_pretrained(str(model_dir), max_shard_size="60KB")
         assert len(set(json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"].values())) > 2
-    out = tmp_path / "report"
-    worker = Path(__file__).with_name("sharded_load_worker.py")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(worker),
-                          str(model_dir), "lora" if lora else "full", str(out)], env=ENV, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = (json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))
+    r0, r1 = worker_reports("sharded_load_worker.py", model_dir, "lora" if lora else "full", out=tmp_path / "report")
     assert (r0["reads"], r1["reads"]) == ((1, 0) if lora else (0, 0))
     assert r0["weights_equal"]                                     # the shards hold the directory's weights
     assert r0["buffers_equal"] and r0["buffers"] == r1["buffers"]  # RoPE's inverse frequencies as built

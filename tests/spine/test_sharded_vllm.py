@@ -5,16 +5,11 @@ Ray tests' worker (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from sharded_runs import both, worker_reports   # tests/spine/sharded_runs.py
+
 pytestmark = pytest.mark.timeout(600)
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.mark.vllm
@@ -23,13 +18,8 @@ def test_a_sharded_student_samples_with_rank_0s_vllm_engine_and_pushes_its_weigh
     # 2 ranks, one vLLM engine (rank 0's): after 3 optimizer steps, each followed by the sync of
     # the gathered shards, the engine's log-probs of its samples are the trained weights' own,
     # and each rank got the rollouts of its own prompts.
-    out = tmp_path / "report"
-    worker = Path(__file__).with_name("sharded_vllm_worker.py")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(worker),
-                          str(vllm_model_dir), "lora" if lora else "full", str(out)], env=ENV, capture_output=True,
-                         text=True, timeout=400)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r0, r1 = (json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1))
+    r0, r1 = worker_reports("sharded_vllm_worker.py", vllm_model_dir, "lora" if lora else "full",
+                            out=tmp_path / "report", timeout=400)
     assert r0["prompts"] == [[5, 6, 7]] * 2 + [[8, 9]] * 2 and r1["prompts"] == [[10, 11, 12, 13]] * 2 + [[14]] * 2
     assert r0["index"] == r1["index"] == [0, 0, 1, 1]
     for r in (r0, r1):
@@ -37,11 +27,6 @@ def test_a_sharded_student_samples_with_rank_0s_vllm_engine_and_pushes_its_weigh
             assert len(engine) == len(forward) > 0
             assert max(abs(a - b) for a, b in zip(engine, forward)) < 1e-4, (engine, forward)
     assert r0["vllm_children"] > 0 and r1["vllm_children"] == 0   # the engine is rank 0's alone
-
-
-def opd(*args, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opd.cli", *map(str, args)], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 @pytest.mark.vllm
@@ -55,19 +40,15 @@ def test_opd_rl_on_two_ranks_with_vllm_rollouts_is_one_process_with_vllm(tmp_pat
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"Number {i}:", "answer": str(i)} for i in range(10, 26)])
     (tmp_path / "digits.py").write_text("def digits(sample, text):\n    return sum(c.isdigit() for c in text) / "
                                         "max(len(text), 1)\n")
-    rows = {}
-    for ranks in (1, 2):
-        (tmp_path / f"rl{ranks}.yaml").write_text(
-            f"model: {{path: {vllm_model_dir}, device: cpu}}\n"
-            "data: {train: train.jsonl, prompts_per_step: 4}\n"
-            "rollout: {group_size: 4, max_new_tokens: 4, temperature: 1.0, engine: vllm, vllm_max_model_len: 128}\n"
-            "algorithm: {epochs: 2, kl_beta: 0.01, advantage: batch_std}\n"
-            "rewards: [{name: python, path: 'digits.py:digits'}]\noptim: {lr: 0.01}\n"
-            f"run: {{steps: 3, checkpoint_every: 3, out_dir: out{ranks}, progress: false, tensorboard: false}}\n"
-            f"cluster: {{student: {{num_workers: {ranks}}}}}\n")
-        run = opd("rl", f"rl{ranks}.yaml", cwd=tmp_path)
-        assert run.returncode == 0, run.stderr[-3000:]
-        rows[ranks] = read_metrics(tmp_path / f"out{ranks}" / "metrics.jsonl")
+    runs = both("rl", tmp_path, (
+        f"model: {{{{path: {vllm_model_dir}, device: cpu}}}}\n"
+        "data: {{train: train.jsonl, prompts_per_step: 4}}\n"
+        "rollout: {{group_size: 4, max_new_tokens: 4, temperature: 1.0, engine: vllm, vllm_max_model_len: 128}}\n"
+        "algorithm: {{epochs: 2, kl_beta: 0.01, advantage: batch_std}}\n"
+        "rewards: [{{name: python, path: 'digits.py:digits'}}]\noptim: {{lr: 0.01}}\n"
+        "run: {{steps: 3, checkpoint_every: 3, out_dir: {out}, progress: false, tensorboard: false}}\n"
+        "cluster: {cluster}\n"), timeout=400)
+    rows = {n: read_metrics(runs[n] / "metrics.jsonl") for n in runs}
     for key in ("reward/mean", "loss", "kl", "ratio/mean"):
         assert [r[key] for r in rows[2]] == pytest.approx([r[key] for r in rows[1]], rel=1e-4, abs=1e-6), key
     assert len(rows[2]) == 3   # steps 2 and 3 sample the pushed weights: unsynced, they would part from one process's
@@ -82,21 +63,17 @@ def test_opd_train_on_two_ranks_with_vllm_rollouts_is_one_process_with_vllm(tmp_
     from opd.tiny import lm_head_teacher
 
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(16)])
-    rows = {}
     with start_server_process(["--model", str(lm_head_teacher(vllm_model_dir, tmp_path / "teacher")), "--max-k", "16",
                                "--name", "t"]) as server:
-        for ranks in (1, 2):
-            (tmp_path / f"train{ranks}.yaml").write_text(
-                f"student: {{path: {vllm_model_dir}, device: cpu}}\n"
-                f"merge: {{teachers: [{{name: t, address: '{server.address}', k: 8}}], "
-                "datasets: [{domain: gen, path: train.jsonl}]}\n"
-                "rollout: {prompts_per_step: 4, max_new_tokens: 8, engine: vllm, vllm_max_model_len: 128}\n"
-                "optim: {lr: 0.003}\n"
-                f"run: {{steps: 3, out_dir: out{ranks}, progress: false, tensorboard: false, pipeline: false}}\n"
-                f"cluster: {{student: {{num_workers: {ranks}}}}}\n")
-            run = opd("train", f"train{ranks}.yaml", cwd=tmp_path)
-            assert run.returncode == 0, run.stderr[-3000:]
-            rows[ranks] = read_metrics(tmp_path / f"out{ranks}" / "metrics.jsonl")
+        runs = both("train", tmp_path, (
+            f"student: {{{{path: {vllm_model_dir}, device: cpu}}}}\n"
+            f"merge: {{{{teachers: [{{{{name: t, address: '{server.address}', k: 8}}}}], "
+            "datasets: [{{domain: gen, path: train.jsonl}}]}}\n"
+            "rollout: {{prompts_per_step: 4, max_new_tokens: 8, engine: vllm, vllm_max_model_len: 128}}\n"
+            "optim: {{lr: 0.003}}\n"
+            "run: {{steps: 3, out_dir: {out}, progress: false, tensorboard: false, pipeline: false}}\n"
+            "cluster: {cluster}\n"), timeout=400)
+    rows = {n: read_metrics(runs[n] / "metrics.jsonl") for n in runs}
     steps = [r for r in rows[2] if "loss" in r]
     assert len(steps) == 3
     for key in ("loss", "kl"):
