@@ -19,6 +19,7 @@ chi-square of 74: p about 1e-12), where the token mean gives 1.1.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -100,13 +101,19 @@ def _trainer(pair, name: str, mode: str, *, norm: str, temperature: float, basel
     return tr
 
 
-def _gradient(tr: Trainer, batch) -> torch.Tensor:
-    """The gradient [P] that `opd train` accumulates for `batch` (its own copy, sent afresh)."""
-    tr.optimizer.zero_grad(set_to_none=True)
+def _submitted(tr: Trainer, batch):
+    """A copy of `batch` sent to the teachers afresh (its own futures)."""
     b = copy.copy(batch)
     b.futures, b.members = {}, {}
     tr._submit(b)
-    tr._train_batch(b, StepStats(), 1.0)
+    return b
+
+
+def _gradient(tr: Trainer, batch, submitted=None) -> torch.Tensor:
+    """The gradient [P] that `opd train` accumulates for `batch`: sent afresh, or with the
+    answers of `submitted` (a `_submitted` copy of it)."""
+    tr.optimizer.zero_grad(set_to_none=True)
+    tr._train_batch(submitted or _submitted(tr, batch), StepStats(), 1.0)
     return torch.cat([p.grad.flatten() for p in tr.params]).double()
 
 
@@ -184,17 +191,23 @@ def test_policy_gradient_terms_take_the_token_mean_under_sequence_norm(pair):
     """`length_norm: sequence` averages each sequence's exact divergence over its own rows, but a
     sampled term weighted by 1 / its own sequence's length would follow c * grad E[1/L] (the
     reward of length the module docstring measures): its rows take the token mean, so its
-    update is the token-norm one to the bit, while full mode's changes."""
+    update is the token-norm one to the bit, while full mode's changes.
+
+    Both norms train on one batch and one teacher answer: the server groups requests as they
+    arrive and keeps prompt caches, so two answers to the same batch may differ in their last
+    float32 bits (it happened under a loaded CI box)."""
     grads = {}
     for mode in ("sampled", "full"):
-        for norm in ("token", "sequence"):
-            tr = _trainer(pair, f"norm-{mode}-{norm}", mode, norm=norm, temperature=1.0, baseline="batch")
-            try:
-                batch = tr._sample_batch()
-                lengths = {len(r) for r in batch.responses()}
-                grads[mode, norm] = _gradient(tr, batch)
-            finally:
-                tr.close()
+        tr = _trainer(pair, f"norm-{mode}", mode, norm="token", temperature=1.0, baseline="batch")
+        try:
+            batch = tr._sample_batch()
+            lengths = {len(r) for r in batch.responses()}
+            once = _submitted(tr, batch) if mode == "sampled" else None   # full mode streams: sent per use
+            for norm in ("token", "sequence"):
+                tr.cfg = dataclasses.replace(tr.cfg, loss=dataclasses.replace(tr.cfg.loss, length_norm=norm))
+                grads[mode, norm] = _gradient(tr, batch, once)
+        finally:
+            tr.close()
     assert len(lengths) > 2
     assert torch.equal(grads["sampled", "token"], grads["sampled", "sequence"])
     assert not torch.allclose(grads["full", "token"], grads["full", "sequence"])
