@@ -109,8 +109,17 @@ def per_position(args) -> dict:
             if len(positions) >= args.positions:
                 break
     mean_kl = sum(float((lp.exp() * (lp - lq)).sum()) for lp, lq in positions) / len(positions)
-    forms = {"plain": lambda est, kl: est, "batch_mean_baseline": lambda est, kl: est - mean_kl,
-             "exact_kl_baseline": lambda est, kl: est - kl, "clipped_2": lambda est, kl: est.clamp(-2, 2)}
+    mean_ce = sum(float((lp.exp() * -lq).sum()) for lp, lq in positions) / len(positions)
+    # Each form: (an exact logit gradient it adds, the sampled token's weight on grad log pi).
+    # entropy_exact_*: the student's half of the KL, -H(pi), taken exactly from its own logits,
+    # and only the cross-entropy -log q(x) sampled (plain, or less its batch mean).
+    forms = {"plain": lambda p, lp, lq, est, kl: (0.0, est),
+             "batch_mean_baseline": lambda p, lp, lq, est, kl: (0.0, est - mean_kl),
+             "exact_kl_baseline": lambda p, lp, lq, est, kl: (0.0, est - kl),
+             "clipped_2": lambda p, lp, lq, est, kl: (0.0, est.clamp(-2, 2)),
+             "entropy_exact": lambda p, lp, lq, est, kl: (p * (lp - (p * lp).sum()), -lq),
+             "entropy_exact_batch_mean_baseline": lambda p, lp, lq, est, kl: (p * (lp - (p * lp).sum()),
+                                                                              -lq - mean_ce)}
     out = {k: [0.0, 0.0] for k in forms}   # summed variance, summed squared bias
     signal = 0.0
     for lp, lq in positions:
@@ -120,7 +129,8 @@ def per_position(args) -> dict:
         eye = torch.eye(len(p))
         signal += float((exact ** 2).sum())
         for k, form in forms.items():
-            g = form(est, kl)[:, None] * (eye - p[None, :])   # the update's logit gradient if x is drawn
+            det, weight = form(p, lp, lq, est, kl)
+            g = det + weight[:, None] * (eye - p[None, :])    # the update's logit gradient if x is drawn
             m = (p[:, None] * g).sum(0)
             out[k][0] += float((p * ((g - m) ** 2).sum(1)).sum())
             out[k][1] += float(((m - exact) ** 2).sum())
@@ -134,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     if args.positions:
-        print(json.dumps(per_position(args), indent=1), flush=True)
+        row = per_position(args)
+        print(json.dumps(row, indent=1), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(row, indent=1))
         return 0
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp, \
