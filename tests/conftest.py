@@ -150,14 +150,49 @@ def two_vllm_ranks(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in (cpus[:half], cpus[half:])))
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster per test module (Ray's local_mode no longer exists). Here rather than in
-    tests/cluster/conftest.py: a second conftest.py shadows this one for `from conftest import ...`."""
+RAY_INIT = dict(num_cpus=2, include_dashboard=False, namespace="opd-test", log_to_driver=False)
+
+
+def _ray_up():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, namespace="opd-test", log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(**RAY_INIT)
+    return ray
+
+
+@pytest.fixture(scope="session")
+def _ray_shut_at_the_end():
+    yield
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_module(_ray_shut_at_the_end):
+    """The session's local Ray cluster (below), for a module-scoped fixture that needs it."""
+    return _ray_up()
+
+
+@pytest.fixture
+def ray_cluster(ray_module):
+    """A local Ray cluster (Ray's local_mode no longer exists), one for the whole test session:
+    every test file that joins one runs on the same pytest-xdist worker (the "ray" group below),
+    and each start took 9-20 s here. A test leaves it as it found it: its actors and placement
+    groups gone, its CPUs free; started again only after a test that needed none
+    (`without_ray_session`). Here rather than in tests/cluster/conftest.py: a second conftest.py
+    shadows this one for `from conftest import ...`."""
+    return _ray_up()
+
+
+@pytest.fixture
+def without_ray_session():
+    """No Ray session in this process for the test (one that checks what a command does when it
+    starts its own); the next test that asks for `ray_cluster` starts it again."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    return ray
 
 
 # ---- `make test` runs on two pytest-xdist workers -----------------------------------------------

@@ -78,10 +78,8 @@ def test_a_killed_rank_is_named_and_the_waiting_one_is_stopped(ray_cluster, caps
     assert_nothing_left(ray_cluster, pids)   # rank 0 stopped, not left sleeping
 
 
-def test_ranks_that_cannot_fit_the_local_cluster_the_run_starts_are_refused_at_once(monkeypatch):
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        ray.shutdown()
+def test_ranks_that_cannot_fit_the_local_cluster_the_run_starts_are_refused_at_once(without_ray_session):
+    ray = without_ray_session
     cfg = from_dict({"mode": "ray", "num_cpus": 1, "student": {"num_workers": 2}}, ClusterConfig)
     t0 = time.monotonic()
     with pytest.raises(TrainError, match=r"2 ranks x \{'CPU': 1.0\} need more than the local Ray cluster this run "

@@ -19,7 +19,7 @@ K = 4
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_cluster, tiny_model_dir):
+def cluster(ray_module, tiny_model_dir):
     spec = TeacherReplicas(name="tiny", model=str(tiny_model_dir), replicas=2, num_cpus=0.5,
                            serve_args=["--max-k", "8"], startup_timeout_s=120, max_restarts=3)
     c = RayCluster.start(ClusterConfig(mode="ray", teachers=[spec], request_timeout_s=20, recheck_s=0.2))

@@ -17,10 +17,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.mark.parametrize("mode", ["topk", "full"])   # full: streams opened before the loss reads them
-def test_opd_train_on_ray_uses_both_teacher_replicas(tmp_path, tiny_model_dir, tiny_teacher_dir, monkeypatch, mode):
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        ray.shutdown()
+def test_opd_train_on_ray_uses_both_teacher_replicas(tmp_path, tiny_model_dir, tiny_teacher_dir, monkeypatch, mode,
+                                                     without_ray_session):
+    ray = without_ray_session
     write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"q{i}: what is {i}+{i}?"} for i in range(12)])
     write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"held out {i}"} for i in range(2)])
     config = {
