@@ -14,10 +14,13 @@ from typing import Literal
 import torch
 
 from opd.spine.objective import equal_groups, group_advantages  # noqa: F401  (shared with opd train)
+from opd.spine.rows import sequence_weights
 
 AdvantageEstimator = Literal["grpo", "dr_grpo", "batch_std", "rloo"]
 KLEstimator = Literal["k1", "k3"]
 LossAggregation = Literal["token_mean", "seq_mean", "dr_grpo"]
+# opd rl's names for opd.spine.rows.sequence_weights' norms (opd train's length_norm: token, sequence)
+AGGREGATION_NORM = {"token_mean": "token", "seq_mean": "sequence", "dr_grpo": "constant"}
 
 
 # ---- advantages ---------------------------------------------------------------------------
@@ -63,7 +66,7 @@ def kl_to_reference(logprobs_B_T: torch.Tensor, ref_logprobs_B_T: torch.Tensor,
 def aggregate(loss_B_T: torch.Tensor, mask_B_T: torch.Tensor, mode: LossAggregation, *,
               num_sequences: int | None = None, num_tokens: float | None = None,
               max_tokens: int | None = None) -> torch.Tensor:
-    """Reduce per-token losses to a scalar.
+    """Reduce per-token losses to a scalar, with opd train's weights (opd.spine.rows.sequence_weights):
 
     token_mean: sum over all tokens / number of tokens (DAPO; long answers weigh more)
     seq_mean:   mean over sequences of each sequence's token mean (original GRPO)
@@ -73,18 +76,15 @@ def aggregate(loss_B_T: torch.Tensor, mask_B_T: torch.Tensor, mode: LossAggregat
     The normalizers can be given for the whole batch (num_sequences, num_tokens), so that
     micro-batches summed together give exactly the full-batch value.
     """
+    if mode not in AGGREGATION_NORM:
+        raise ValueError(f"unknown loss aggregation {mode!r}")
     m = mask_B_T.to(loss_B_T.dtype)
-    B = num_sequences if num_sequences is not None else loss_B_T.shape[0]
-    if mode == "token_mean":
-        n = num_tokens if num_tokens is not None else m.sum()
-        return (loss_B_T * m).sum() / max(float(n), 1.0)
-    if mode == "seq_mean":
-        per_seq_B = (loss_B_T * m).sum(dim=1) / m.sum(dim=1).clamp_min(1.0)
-        return per_seq_B.sum() / max(B, 1)
-    if mode == "dr_grpo":
-        T = max_tokens if max_tokens is not None else loss_B_T.shape[1]
-        return (loss_B_T * m).sum() / max(B * T, 1)
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+    lengths = [int(n) for n in m.sum(dim=1).tolist()]
+    counts = {"tokens/": float(num_tokens if num_tokens is not None else sum(lengths)),
+              "seqs/": float(num_sequences if num_sequences is not None else loss_B_T.shape[0])}
+    w_B = sequence_weights(lengths, [""] * len(lengths), {}, AGGREGATION_NORM[mode], counts,
+                           max_tokens if max_tokens is not None else loss_B_T.shape[1])
+    return (loss_B_T * m * torch.tensor(w_B, dtype=loss_B_T.dtype, device=loss_B_T.device)[:, None]).sum()
 
 
 # ---- helpers on logits --------------------------------------------------------------------

@@ -151,27 +151,48 @@ def group_counts(row_offsets: list[int], groups: list[str]) -> dict[str, float]:
     return counts
 
 
+def sequence_weights(lengths: list[int], groups: list[str], group_weight: dict[str, float],
+                     norm: Literal["token", "sequence", "constant"], counts: dict[str, float],
+                     max_tokens: int | None = None) -> list[float]:
+    """The weight w_b of every token of sequence b, so that sum_b w_b * (its tokens' summed loss)
+    = sum_g lambda_g * L^g, L^g the loss of group g aggregated as `norm` says:
+
+        token      its tokens' mean (DAPO's token mean)                      lambda_g / tokens_g
+        sequence   the mean over its sequences of each one's token mean     lambda_g / (seqs_g * len_b)
+                   (GRPO's)
+        constant   its tokens' sum over seqs_g * max_tokens (Dr. GRPO's:    lambda_g / (seqs_g * max_tokens)
+                   no length bias either way)
+
+    The one loss aggregation of opd train (`row_weights`, groups the domains) and opd rl
+    (`rl.grpo.aggregate`, one group). counts: {"tokens/<g>", "seqs/<g>"} (`group_counts`, or the
+    whole step's when the sequences are one micro-batch or one rank's share of it); a sequence
+    without tokens gets 0."""
+    out = []
+    for g, n in zip(groups, lengths):
+        if n == 0:
+            out.append(0.0)
+            continue
+        lam, tokens, seqs = group_weight.get(g, 1.0), counts[f"tokens/{g}"], counts[f"seqs/{g}"]
+        out.append(lam / max(tokens, 1.0) if norm == "token" else
+                   lam / max(seqs * n, 1.0) if norm == "sequence" else
+                   lam / max(seqs * max_tokens, 1.0))
+    return out
+
+
 def row_weights(row_offsets: list[int], groups: list[str], group_weight: dict[str, float],
                 length_norm: Literal["token", "sequence"], counts: dict[str, float] | None = None) -> torch.Tensor:
     """fp32 [N]: the weight of each row so that sum(w * loss_row) = sum_g lambda_g * L^g.
 
     groups[b] is sequence b's group (domain); L^g is the mean over g's rows ("token") or
-    the mean over g's sequences of each sequence's mean row loss ("sequence").
+    the mean over g's sequences of each sequence's mean row loss ("sequence"): `sequence_weights`.
     Sequences without rows contribute nothing. counts: `group_counts` of the whole step when
     these rows are one rank's share of it (then the ranks' weighted sums add up to L).
     """
-    n = row_offsets[-1]
-    w = torch.zeros(n, dtype=torch.float32)
     lens = [row_offsets[b + 1] - row_offsets[b] for b in range(len(groups))]
     counts = group_counts(row_offsets, groups) if counts is None else counts
-    tokens = {k.split("/", 1)[1]: v for k, v in counts.items() if k.startswith("tokens/")}
-    seqs = {k.split("/", 1)[1]: v for k, v in counts.items() if k.startswith("seqs/")}
-    for b, (g, ln) in enumerate(zip(groups, lens)):
-        if ln == 0:
-            continue
-        lam = group_weight.get(g, 1.0)
-        w[row_offsets[b]:row_offsets[b + 1]] = lam / tokens[g] if length_norm == "token" else lam / (seqs[g] * ln)
-    return w
+    per_seq = sequence_weights(lens, groups, group_weight, length_norm, counts)
+    return torch.tensor(per_seq, dtype=torch.float32).repeat_interleave(torch.tensor(lens, dtype=torch.long)) \
+        if lens else torch.zeros(row_offsets[-1], dtype=torch.float32)
 
 
 # ---- the student side -------------------------------------------------------------------
