@@ -175,8 +175,9 @@ def train_config(plan: Plan, arm: str, length: int, start: str, out_dir: Path, s
 
 def grpo_config(plan: Plan, length: int, out_dir: Path, seed: int, model: str) -> dict:
     return {"model": {"path": model, "device": "cpu"},
-            "data": {"train": plan.inputs["sets"][str(length)]["train"], "prompts_per_step": plan.batch // 8},
-            "rollout": {"engine": "hf", "group_size": 8, "temperature": 1.0, "max_new_tokens": length + 8},
+            "data": {"train": plan.inputs["sets"][str(length)]["train"]},
+            "rollout": {"engine": "hf", "prompts_per_step": plan.batch // 8, "samples_per_prompt": 8,
+                        "temperature": 1.0, "max_new_tokens": length + 8},
             "algorithm": {"advantage": "grpo", "epochs": 1, "kl_beta": 0.0, "loss_aggregation": "token_mean",
                           "micro_batch_size": plan.batch},
             "rewards": [{"name": "math"}],

@@ -229,8 +229,9 @@ def _run_keys(plan: Plan, arm: str, out_dir: Path, seed: int) -> dict:
 def grpo_config(plan: Plan, out_dir: Path, seed: int) -> dict:
     return {
         "model": {"path": plan.models["start"]["path"], "device": "cpu"},
-        "data": {"train": str(plan.data["grpo_train"]), "prompts_per_step": plan.batch // GRPO_GROUP},
-        "rollout": {"engine": "hf", "group_size": GRPO_GROUP, "temperature": 1.0,
+        "data": {"train": str(plan.data["grpo_train"])},
+        "rollout": {"engine": "hf", "prompts_per_step": plan.batch // GRPO_GROUP, "samples_per_prompt": GRPO_GROUP,
+                    "temperature": 1.0,
                     "max_new_tokens": plan.max_new_tokens, "batch_size": 64},
         "algorithm": {"advantage": "grpo", "epochs": 1, "kl_beta": 0.0, "loss_aggregation": "token_mean",
                       "micro_batch_size": plan.batch},

@@ -26,8 +26,8 @@ def write_grpo_card(out: Path, c, *, reward: dict, train_report, resumes: list[d
         "model": {"start": c.model.path, "training": "LoRA" if is_lora else "full fine-tuning",
                   **({"lora": to_dict(c.model.lora)} if is_lora else {}), "dtype": c.model.dtype,
                   "dropout": "off (the ratio is taken against dropout-free rollouts)"},
-        "objective": {"advantage estimator": c.algorithm.advantage, "group size G": c.rollout.group_size,
-                      "prompts per step P": c.data.prompts_per_step, "eps_low": c.algorithm.eps_low,
+        "objective": {"advantage estimator": c.algorithm.advantage, "group size G": c.rollout.samples_per_prompt,
+                      "prompts per step P": c.rollout.prompts_per_step, "eps_low": c.algorithm.eps_low,
                       "eps_high": c.algorithm.eps_high, "epochs per batch": c.algorithm.epochs,
                       "minibatches": c.algorithm.minibatches, "kl beta": c.algorithm.kl_beta,
                       "kl estimator": c.algorithm.kl_estimator,
@@ -52,7 +52,7 @@ def write_grpo_card(out: Path, c, *, reward: dict, train_report, resumes: list[d
                       "warmup steps": c.optim.warmup_steps, "gradient clip": c.optim.grad_clip,
                       "schedule": c.optim.schedule},
         "run": {"steps": c.run.steps, "seed": c.run.seed, "out": str(out),
-                "ranks": f"{ranks} (FSDP2, each rank {c.data.prompts_per_step // ranks} prompts a step)"
+                "ranks": f"{ranks} (FSDP2, each rank {c.rollout.prompts_per_step // ranks} prompts a step)"
                 if ranks > 1 else "1", **({"memory_per_rank_bytes": memory} if memory else {})},
     }
     if agent is not None:

@@ -38,7 +38,11 @@ from opd.spine.config import RewardConfig  # noqa: F401  (opd rl's rewards; opd 
 class RolloutConfig(spine.RolloutConfig):
     max_new_tokens: int = field(256, help="response length limit (also the Dr. GRPO normalizer); with `agent` "
                                           "each turn's limit", min=1)
-    group_size: int = field(8, help="G: responses sampled per prompt", min=2)
+    RETIRED: ClassVar[dict[str, str]] = {"group_size": "it is rollout.samples_per_prompt now (opd train's name for it)"}
+    prompts_per_step: int = field(8, help="P: prompts per step; a step trains on P x samples_per_prompt responses",
+                                  min=1)
+    samples_per_prompt: int = field(8, help="G: responses sampled per prompt, the group its advantage compares",
+                                    min=2)
     # --- on Ray (cluster.mode: ray): hf engines as actors, the prompts split between them
     actors: int = field(1, help="cluster.mode ray: rollout actors, each with its own copy of the policy", min=1)
     actor_cpus: float = field(1.0, help="cluster.mode ray: CPUs reserved per rollout actor (its torch threads)",
@@ -48,9 +52,10 @@ class RolloutConfig(spine.RolloutConfig):
 
 @dataclass(frozen=True)
 class DataConfig:
+    RETIRED: ClassVar[dict[str, str]] = {
+        "prompts_per_step": "it moved to rollout.prompts_per_step (where opd train has it)"}
     train: str = field(help="training prompts, JSONL (prompt, domain, answer or tests)")
     eval: str | None = field(None, help="held-out prompts for periodic evaluation (mean reward, greedy)")
-    prompts_per_step: int = field(8, help="P: prompts per step; a step trains on P * G responses", min=1)
     eval_prompts: int = field(64, help="at most this many eval prompts per evaluation", min=1)
     on_error: Literal["stop", "skip"] = field("stop", help="a malformed JSONL line stops the run or is skipped and counted")
 
@@ -65,7 +70,7 @@ class AlgorithmConfig:
     eps_high: float = field(0.28, help="clip above at 1 + eps_high (> eps_low is DAPO's clip-higher)", min=0.0)
     epochs: int = field(1, help="optimizer passes over each batch of rollouts (>1 makes the clip matter)", min=1)
     minibatches: int = field(1, help="optimizer steps per epoch (the batch is split in this many near-equal "
-                                     "parts; at most prompts_per_step x group_size)", min=1)
+                                     "parts; at most prompts_per_step x samples_per_prompt)", min=1)
     micro_batch_size: int = field(16, help="sequences per forward/backward (gradient accumulation; memory only)", min=1)
     kl_beta: float = field(0.0, help="weight of the KL penalty to the reference (0 switches it and the "
                                      "reference forward pass off)", min=0.0)
@@ -161,11 +166,11 @@ class RLConfig:
                                                           "added to the trajectory's reward (reward/agent_shaping)")
 
     def __post_init__(self):
-        batch = self.data.prompts_per_step * self.rollout.group_size
+        batch = self.rollout.prompts_per_step * self.rollout.samples_per_prompt
         if self.algorithm.minibatches > batch:   # a part would be empty: fewer steps than promised
             raise ValueError(f"algorithm.minibatches ({self.algorithm.minibatches}) is more than the "
-                             f"{batch} responses of a step (data.prompts_per_step {self.data.prompts_per_step} "
-                             f"x rollout.group_size {self.rollout.group_size}); each optimizer step needs one")
+                             f"{batch} responses of a step (rollout.prompts_per_step {self.rollout.prompts_per_step} "
+                             f"x rollout.samples_per_prompt {self.rollout.samples_per_prompt}); each optimizer step needs one")
         if self.rollout.engine == "vllm" and self.model.lora is not None:
             check_vllm_lora(self.model.lora.target_modules, "model.lora.target_modules")
         off = [t.name for t in self.teachers if t.mode != "sampled"]
@@ -191,7 +196,7 @@ class RLConfig:
         ranks = self.cluster.student.num_workers
         self._check_agent(ranks)
         # Whole groups per rank: a group's G responses are sampled and scored on one rank.
-        spine.check_sharded_sampling(ranks, "data.prompts_per_step", self.data.prompts_per_step,
+        spine.check_sharded_sampling(ranks, "rollout.prompts_per_step", self.rollout.prompts_per_step,
                                      self.rollout.engine, self.cluster.ranks_on_ray)
         if self.cluster.mode != "ray":
             return

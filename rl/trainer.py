@@ -81,24 +81,34 @@ PLOT_GROUPS = {
 
 # Config keys a resumed run must share with its checkpoint (opd.checkpoint.resume_changes):
 # they define the objective, so another value would make the card's one description of the run
-# false for the steps before the resume (resumed with group_size 2 / temperature 0.3 after
+# false for the steps before the resume (resumed with samples_per_prompt 2 / temperature 0.3 after
 # steps trained with G=4 / T=1.0, the card said G=2, T=0.3). The others (run.steps, eval,
 # checkpoints, optim.lr, cluster, ...) may change and are listed in the card. model.device and
 # algorithm.micro_batch_size are free: where the weights sit and how a batch is split for
 # memory change nothing the policy learns.
-RESUME_FIXED = ("model.*", "rollout.group_size", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
-                "algorithm.*", "rewards", "rewards.*", "data.train", "data.prompts_per_step", "run.seed",
+RESUME_FIXED = ("model.*", "rollout.samples_per_prompt", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
+                "algorithm.*", "rewards", "rewards.*", "data.train", "rollout.prompts_per_step", "run.seed",
                 "teachers", "teachers.*", "agent", "agent.*", "agent_shaping", "agent_shaping.*", "terms.*")
 RESUME_FREE = ("agent.workers", "teachers.*.address", "teachers.*.curve_server_key", "model.device", "model.gradient_checkpointing", "algorithm.micro_batch_size",
                "algorithm.max_grad_norm")   # retired: optim.grad_clip (a checkpoint from before has it)
 
 
+# Keys a checkpoint written before their rename holds: (section, old) -> (section, new).
+RENAMED = {("rollout", "group_size"): ("rollout", "samples_per_prompt"),
+           ("data", "prompts_per_step"): ("rollout", "prompts_per_step")}
+
+
 def _resume_view(config: dict | None) -> dict | None:
-    """The saved (or current) config as resume_changes compares it: the rewards keyed by their
-    label (math, python:fn, format#2, as the metrics name them), so that two rewards of one name
-    are two entries rather than one overwriting the other."""
+    """The saved (or current) config as resume_changes compares it: renamed keys under their new
+    names (RENAMED), the rewards keyed by their label (math, python:fn, format#2, as the metrics
+    name them), so that two rewards of one name are two entries rather than one overwriting the
+    other."""
     if config is None:
         return None
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    for (section, old), (to, new) in RENAMED.items():
+        if old in config.get(section, {}):
+            config.setdefault(to, {})[new] = config[section].pop(old)
     rewards = config.get("rewards") or []
     labels = reward_labels([(r.get("name"), r.get("path")) for r in rewards])
     return {**config, "rewards": {label: r for label, r in zip(labels, rewards)}}
@@ -172,7 +182,7 @@ class GRPOTrainer:
     # -- the loop --------------------------------------------------------------------------
 
     def train(self) -> dict:
-        cfg, P, G = self.cfg, self.cfg.data.prompts_per_step, self.cfg.rollout.group_size
+        cfg, P, G = self.cfg, self.cfg.rollout.prompts_per_step, self.cfg.rollout.samples_per_prompt
         logger = self.run_dir.metrics(tensorboard=cfg.run.tensorboard)
         # After --resume the summary covers the whole run: the steps before it from metrics.jsonl.
         history = [r for r in read_metrics(self.out / "metrics.jsonl")
@@ -270,7 +280,7 @@ class GRPOTrainer:
     def sample(self, step: int, draw: int = 0) -> tuple[list, list]:
         """(P prompts, their P x G rollouts) from the current policy, this rank's share of them;
         `draw` > 0: a further draw of dynamic sampling, with its own numbers."""
-        cfg, P, G, world = self.cfg, self.cfg.data.prompts_per_step, self.cfg.rollout.group_size, self.world
+        cfg, P, G, world = self.cfg, self.cfg.rollout.prompts_per_step, self.cfg.rollout.samples_per_prompt, self.world
         samples_P = world.shard(self.data.take(P))
         # A rank draws the numbers one process would draw for its rows of the whole batch.
         share = (world.rank * len(samples_P) * G, P * G) if world.sharded else None
@@ -289,7 +299,7 @@ class GRPOTrainer:
     def _all_ranks(self, rewards_B: list[float], parts: dict[str, list[float]], rollouts_B: list):
         """The step's rewards [P, G], reward parts and rollouts of every rank, in prompt order
         (each rank scored whole groups of its share of the prompts)."""
-        G = self.cfg.rollout.group_size
+        G = self.cfg.rollout.samples_per_prompt
         if not self.world.sharded:
             return torch.tensor(rewards_B, dtype=torch.float32).view(-1, G), parts, rollouts_B
         ranks = self.world.gather((rewards_B, parts, rollouts_B))
@@ -463,7 +473,7 @@ class GRPOTrainer:
         else:
             why = "responses in a group get identical rewards"
         text = (f"warning at step {step + 1}: {share:.0%} of groups got the same reward for all "
-                f"{self.cfg.rollout.group_size} responses and carry no gradient; {why}, or the temperature "
+                f"{self.cfg.rollout.samples_per_prompt} responses and carry no gradient; {why}, or the temperature "
                 f"({self.cfg.rollout.temperature}) is too low for responses to differ. Reward will stay flat.")
         self.warnings.append(text)   # for the card
         if self.world.main:

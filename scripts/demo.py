@@ -51,8 +51,8 @@ QUICK = {
     "sft_base": {"run.steps": 20, "data.batch_size": 8},
     "sft_math": {"run.steps": 5, "data.batch_size": 8},
     "sft_code": {"run.steps": 5, "data.batch_size": 8},
-    "rl_math": {"run.steps": 2, "data.prompts_per_step": 2, "rollout.group_size": 2, "data.eval_prompts": 4},
-    "rl_code": {"run.steps": 2, "data.prompts_per_step": 2, "rollout.group_size": 2, "data.eval_prompts": 4},
+    "rl_math": {"run.steps": 2, "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "data.eval_prompts": 4},
+    "rl_code": {"run.steps": 2, "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "data.eval_prompts": 4},
     "merge": {"run.steps": 2, "run.eval_prompts": 4, "rollout.prompts_per_step": 2, "run.eval_every": 0},
     "validate": {"limit": 8},
 }

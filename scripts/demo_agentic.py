@@ -38,7 +38,7 @@ FULL_DATA = {"n_sft": 2000, "n_train": 1000, "n_eval": 100, "digits": [3, 4], "s
 QUICK = {
     "data": {"n_sft": 40, "n_train": 24, "n_eval": 6},
     "agentic_teacher_sft": {"run.steps": 6, "data.batch_size": 4},
-    "agentic_rl": {"run.steps": 1, "data.prompts_per_step": 2, "rollout.group_size": 2, "data.eval_prompts": 2,
+    "agentic_rl": {"run.steps": 1, "rollout.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "data.eval_prompts": 2,
                    "run.eval_every": 0},
     "agentic_student_sft": {"run.steps": 4, "data.batch_size": 4},
     "agentic_train": {"run.steps": 2, "rollout.prompts_per_step": 2, "run.eval_prompts": 2, "run.eval_every": 0},

@@ -109,8 +109,8 @@ open("/tmp/gpu_rl/train.jsonl", "w").write("".join(json.dumps(r) + "\n" for r in
 open("/tmp/gpu_rl/digits.py", "w").write(
     "def digits(sample, text):\n    return sum(c.isdigit() for c in text) / max(len(text), 1)\n")
 open("/tmp/gpu_rl/rl.yaml", "w").write(
-    "model: {path: model, device: %s}\ndata: {train: train.jsonl, prompts_per_step: 4}\n"
-    "rollout: {group_size: 4, max_new_tokens: 8, engine: vllm, vllm_max_model_len: 128, vllm_enforce_eager: true,\n"
+    "model: {path: model, device: %s}\ndata: {train: train.jsonl}\n"
+    "rollout: {prompts_per_step: 4, samples_per_prompt: 4, max_new_tokens: 8, engine: vllm, vllm_max_model_len: 128, vllm_enforce_eager: true,\n"
     "          vllm_gpu_memory_utilization: 0.2}\n"
     "algorithm: {epochs: 2, kl_beta: 0.01, advantage: batch_std}\n"
     "rewards: [{name: python, path: 'digits.py:digits'}]\noptim: {lr: 0.01}\n"

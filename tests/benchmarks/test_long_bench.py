@@ -39,7 +39,7 @@ def test_every_arm_trains_32_sequences_a_step_on_its_length(tmp_path):
     assert modes == {"opd_topk": ("topk", 1.0), "opd_sampled": ("sampled", None), "opd_full": ("full", 1.0),
                      "opd_reward": ("topk", 1.0), "offline_then_opd": ("topk", 1.0)}
     g = grpo_config(plan, 16, tmp_path / "g", 0, "M")
-    assert g["data"]["prompts_per_step"] * g["rollout"]["group_size"] == 32 and g["rewards"] == [{"name": "math"}]
+    assert g["rollout"]["prompts_per_step"] * g["rollout"]["samples_per_prompt"] == 32 and g["rewards"] == [{"name": "math"}]
     s = sft_config(plan, "offline", 16, tmp_path / "s", 0, "M", tmp_path / "d.jsonl")
     assert s["data"]["batch_size"] == 32 and s["model"]["path"] == "M"
     assert from_dict(s, SFTConfig).run.steps == 100000   # a config opd sft takes

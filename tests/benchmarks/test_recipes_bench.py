@@ -115,7 +115,7 @@ def _plan(tmp_path: Path) -> Plan:
 def test_every_arm_samples_the_same_sequences_per_step_and_checkpoints_alike(tmp_path):
     plan = _plan(tmp_path)
     g = grpo_config(plan, tmp_path / "g", 3)
-    assert g["data"]["prompts_per_step"] * g["rollout"]["group_size"] == plan.batch == 4 * GRPO_GROUP
+    assert g["rollout"]["prompts_per_step"] * g["rollout"]["samples_per_prompt"] == plan.batch == 4 * GRPO_GROUP
     assert [r["name"] for r in g["rewards"]] == ["math", "code"]
     for arm in ("opd_sampled", "opd_topk", "opd_reward", "opd_full"):
         c = opd_config(plan, arm, tmp_path / arm, 3)

@@ -47,7 +47,7 @@ def test_the_sharded_example_is_a_cluster_section_of_opd_train_and_opd_rl_with_i
                        "merge": {"teachers": [{"name": "math", "address": "tcp://10.0.0.9:5601"}],
                                  "datasets": [{"domain": "math", "path": "m.jsonl"}]}}, TrainConfig)
     assert train.cluster == cfg
-    rl = from_dict({"model": {"path": "m"}, "data": {"train": "t.jsonl", "prompts_per_step": 16},
+    rl = from_dict({"model": {"path": "m"}, "data": {"train": "t.jsonl"}, "rollout": {"prompts_per_step": 16},
                     "cluster": section}, RLConfig)
     assert rl.cluster.ranks_on_ray
 

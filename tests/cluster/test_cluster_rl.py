@@ -27,8 +27,8 @@ def write_config(tmp_path, model_dir) -> dict:
     (tmp_path / "bytesum.py").write_text(REWARD_PY)
     return {
         "model": {"path": str(model_dir)},
-        "data": {"train": "train.jsonl", "prompts_per_step": 2},
-        "rollout": {"group_size": 4, "max_new_tokens": 4, "actors": 2, "actor_cpus": 0.5},
+        "data": {"train": "train.jsonl"},
+        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 4, "actors": 2, "actor_cpus": 0.5},
         "rewards": [{"name": "python", "path": "bytesum.py:bytesum"}],
         "optim": {"lr": 0.05},
         "run": {"steps": 3, "ckpt_every": 0, "out_dir": "run", "seed": 0},

@@ -663,8 +663,8 @@ def test_opd_rl_takes_a_teacher_into_its_advantage(setup):
 
     out = setup["root"] / "rl_teacher"
     cfg = from_dict({"model": {"path": str(setup["student"])},
-                     "data": {"train": str(setup["root"] / "train.jsonl"), "prompts_per_step": 2},
-                     "rollout": {"group_size": 2, "max_new_tokens": 8},
+                     "data": {"train": str(setup["root"] / "train.jsonl")},
+                     "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 8},
                      "rewards": [{"name": "format", "options": {"pattern": "[0-9]"}}],
                      "teachers": [{"name": "t", "address": setup["address"], "mode": "sampled", "k": 8, "weight": 0.5,
                                    "gamma": 0.9}],

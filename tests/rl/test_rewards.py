@@ -116,7 +116,7 @@ def test_shipped_configs_load_and_paths_are_relative_to_the_config():
     for name in ("rl_math.yaml", "rl_code.yaml"):
         cfg = load_config(str(root / name))
         assert Path(cfg.data.train).is_absolute() and cfg.data.train.startswith(str(root))
-        assert cfg.rollout.group_size >= 2
+        assert cfg.rollout.samples_per_prompt >= 2
     v = resolve_paths(load_yaml(root / "validate_demo.yaml", ValidateConfig), root)
     assert {m.role for m in v.models} >= {"teacher", "student"}
     assert all(Path(s.path).is_absolute() for s in v.sets)

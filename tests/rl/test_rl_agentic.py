@@ -49,8 +49,8 @@ def write_data(tmp_path) -> str:
 
 def config(tmp_path, model_dir, **over) -> RLConfig:
     cfg = {"model": {"path": str(model_dir)},
-           "data": {"train": write_data(tmp_path), "prompts_per_step": 2},
-           "rollout": {"group_size": 4, "max_new_tokens": 90, "temperature": 1.0},
+           "data": {"train": write_data(tmp_path)},
+           "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 90, "temperature": 1.0},
            "algorithm": {"epochs": 1},
            "rewards": [{"name": "math"}],
            "optim": {"lr": 1e-3},
@@ -230,9 +230,10 @@ def write_yaml(tmp_path, model_dir, engine: str, **extra) -> str:
 
     data = write_data(tmp_path)
     cfg = {"model": {"path": str(model_dir)},
-           "rollout": {"engine": engine, "group_size": 4, "max_new_tokens": 90, "temperature": 1.0,
+           "rollout": {"engine": engine, "prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 90,
+                       "temperature": 1.0,
                        **({"vllm_max_model_len": 512} if engine == "vllm" else {})},
-           "data": {"train": data, "eval": data, "prompts_per_step": 2, "eval_prompts": 2},
+           "data": {"train": data, "eval": data, "eval_prompts": 2},
            "algorithm": {"epochs": 1, "kl_beta": 0.01},
            "rewards": [{"name": "math"}],
            "agent": {"tools": [{"function": "calculator"}], "max_turns": 2, "max_tokens": 240, "workers": 2},

@@ -13,7 +13,7 @@ from opd.spine.dist import World
 
 
 def _trainer_stub():
-    cfg = from_dict({"model": {"path": "m"}, "data": {"train": "t"}, "rollout": {"group_size": 4, "temperature": 0.3}},
+    cfg = from_dict({"model": {"path": "m"}, "data": {"train": "t"}, "rollout": {"samples_per_prompt": 4, "temperature": 0.3}},
                     RLConfig)
     return SimpleNamespace(cfg=cfg, last_flat_warning=-10**9, warnings=[], world=World())
 

@@ -23,8 +23,8 @@ def make_config(tmp_path, model_dir, **overrides) -> RLConfig:
     (tmp_path / "digits.py").write_text(REWARD_PY)
     cfg = {
         "model": {"path": str(model_dir)},
-        "data": {"train": str(tmp_path / "train.jsonl"), "prompts_per_step": 4},
-        "rollout": {"group_size": 8, "max_new_tokens": 4, "temperature": 1.0},
+        "data": {"train": str(tmp_path / "train.jsonl")},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 8, "max_new_tokens": 4, "temperature": 1.0},
         "algorithm": {"epochs": 2, "kl_beta": 0.01},
         "rewards": [{"name": "python", "path": str(tmp_path / "digits.py") + ":digits"}],
         "optim": {"lr": 0.01},
@@ -150,7 +150,7 @@ def test_cli_help():
         assert out.returncode == 0, out.stderr
         assert "config" in out.stdout
     out = helps["rl"]
-    assert "group_size" in out.stdout and "--resume" in out.stdout
+    assert "samples_per_prompt" in out.stdout and "--resume" in out.stdout
     # cluster.mode: it described opd train's fork mode (starting teachers), which opd rl refuses
     mode = next(line for line in out.stdout.splitlines() if line.strip().startswith("mode (") and "'local'" in line)
     assert "fork: opd train starts" not in mode and "teachers at the merge config" not in mode
@@ -188,9 +188,8 @@ def test_every_reward_kind_runs_in_the_loop_with_eval(tmp_path, tiny_model_dir, 
             {"prompt": "def inc", "tests": "assert inc(1) == 2", "domain": "code"}]
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = make_config(tmp_path, tiny_model_dir,
-                      data={"train": str(tmp_path / "mixed.jsonl"), "eval": str(tmp_path / "mixed.jsonl"),
-                            "prompts_per_step": 2},
-                      rollout={"group_size": 2}, optim={"warmup_steps": 2},
+                      data={"train": str(tmp_path / "mixed.jsonl"), "eval": str(tmp_path / "mixed.jsonl")},
+                      rollout={"prompts_per_step": 2, "samples_per_prompt": 2}, optim={"warmup_steps": 2},
                       run={"steps": 2, "ckpt_every": 0})
     cfg = from_dict({**to_dict(cfg), "rewards": [
         {"name": "math"}, {"name": "code", "options": {"timeout_s": 2.0, "workers": 2}},
@@ -275,7 +274,7 @@ def test_eval_reports_the_hidden_tests_beside_the_visible_ones_and_warns_when_th
 
 
 def _variant(cfg: RLConfig, **changes) -> RLConfig:
-    """cfg with dotted keys replaced ("rollout.group_size": 2) or top-level ones (rewards=[...])."""
+    """cfg with dotted keys replaced ("rollout.samples_per_prompt": 2) or top-level ones (rewards=[...])."""
     d = to_dict(cfg)
     for dotted, value in changes.items():
         *parents, leaf = dotted.split(".")
@@ -288,7 +287,7 @@ def _variant(cfg: RLConfig, **changes) -> RLConfig:
 
 def test_resume_refuses_another_objective_and_the_card_lists_what_changed(tmp_path, tiny_model_dir, one_thread,
                                                                           monkeypatch):
-    # Resumed with group_size 2 / temperature 0.3 after steps trained with G=4 / T=1.0, the run
+    # Resumed with samples_per_prompt 2 / temperature 0.3 after steps trained with G=4 / T=1.0, the run
     # was accepted silently and its card described the whole run as G=2, T=0.3.
     from opd.checkpoint import CheckpointError
     from opd.rl import trainer as rl_trainer
@@ -298,7 +297,7 @@ def test_resume_refuses_another_objective_and_the_card_lists_what_changed(tmp_pa
     load_policy = rl_trainer.load_policy
     monkeypatch.setattr(rl_trainer, "load_policy", lambda *a, **kw: (loads.append(1), load_policy(*a, **kw))[1])
     cfg = _variant(make_config(tmp_path, tiny_model_dir), **{
-        "rollout.group_size": 4, "rollout.temperature": 1.0, "data.prompts_per_step": 2, "algorithm.epochs": 1,
+        "rollout.samples_per_prompt": 4, "rollout.temperature": 1.0, "rollout.prompts_per_step": 2, "algorithm.epochs": 1,
         "run.steps": 2, "run.checkpoint_every": 2})
     GRPOTrainer(cfg).train()
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000002" / "state.json").read_text())
@@ -306,13 +305,13 @@ def test_resume_refuses_another_objective_and_the_card_lists_what_changed(tmp_pa
 
     digits = str(tmp_path / "digits.py") + ":digits"
     for changes, said in [
-        ({"rollout.group_size": 2}, "rollout.group_size: 4 -> 2"),
+        ({"rollout.samples_per_prompt": 2}, "rollout.samples_per_prompt: 4 -> 2"),
         ({"rollout.temperature": 0.3}, "rollout.temperature: 1.0 -> 0.3"),
         ({"rollout.top_p": 0.9}, "rollout.top_p: 1.0 -> 0.9"),
         ({"rollout.max_new_tokens": 6}, "rollout.max_new_tokens: 4 -> 6"),
         ({"algorithm.kl_beta": 0.1}, "algorithm.kl_beta: 0.01 -> 0.1"),
         ({"model.dtype": "bfloat16"}, "model.dtype: 'float32' -> 'bfloat16'"),
-        ({"data.prompts_per_step": 3}, "data.prompts_per_step: 2 -> 3"),
+        ({"rollout.prompts_per_step": 3}, "rollout.prompts_per_step: 2 -> 3"),
         ({"run.seed": 5}, "run.seed: 0 -> 5"),
         ({"rewards": [{"name": "python", "path": digits, "weight": 0.5}]}, "rewards.python:digits.weight: 1.0 -> 0.5"),
         # a second reward of the same name is its own entry, not one overwriting the other
@@ -350,7 +349,7 @@ def test_the_card_is_rewritten_with_the_results_of_the_whole_run(tmp_path, tiny_
     from opd.rl.trainer import GRPOTrainer
 
     cfg = _variant(make_config(tmp_path, tiny_model_dir), **{
-        "rollout.group_size": 2, "data.prompts_per_step": 2, "data.eval": str(tmp_path / "train.jsonl"),
+        "rollout.samples_per_prompt": 2, "rollout.prompts_per_step": 2, "data.eval": str(tmp_path / "train.jsonl"),
         "data.eval_prompts": 2, "algorithm.epochs": 1, "run.steps": 3, "run.checkpoint_every": 3, "run.flat_warning": 0.4})
     cfg = _variant(cfg, rewards=[*to_dict(cfg)["rewards"],
                                  {"name": "length", "weight": 0.1, "options": {"hard_max": 30, "soft_max": 20}}])

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from opd.config import ConfigError, from_dict
+from opd.config import ConfigError, from_dict, to_dict
 from opd.rl.config import AlgorithmConfig, OptimConfig, RLConfig
 from opd.spine.terms import TermsConfig
 from opd.rl.batch import collate
@@ -62,8 +62,31 @@ def test_update_takes_exactly_epochs_times_minibatches_steps(B, epochs, minibatc
 
 
 def test_config_refuses_more_minibatches_than_responses_per_step():
-    base = {"model": {"path": "m"}, "data": {"train": "t", "prompts_per_step": 2}, "rollout": {"group_size": 4}}
+    base = {"model": {"path": "m"}, "data": {"train": "t"}, "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4}}
     assert from_dict({**base, "algorithm": {"minibatches": 8}}, RLConfig).algorithm.minibatches == 8
     with pytest.raises(ConfigError, match=r"algorithm.minibatches \(9\) is more than the 8 responses of a step "
-                                          r"\(data.prompts_per_step 2 x rollout.group_size 4\)"):
+                                          r"\(rollout.prompts_per_step 2 x rollout.samples_per_prompt 4\)"):
         from_dict({**base, "algorithm": {"minibatches": 9}}, RLConfig)
+
+
+def test_the_renamed_keys_are_refused_with_their_new_names_and_old_checkpoints_compare_under_them():
+    """opd rl's `rollout.group_size` and `data.prompts_per_step` are opd train's
+    `rollout.samples_per_prompt` and `rollout.prompts_per_step` now: a config with the old keys
+    is told where they went, and a checkpoint saved with them resumes as the same objective."""
+    from opd.rl.trainer import _resume_view
+
+    with pytest.raises(ConfigError, match=r"key 'rollout.group_size' is no longer read here: it is "
+                                          r"rollout.samples_per_prompt now"):
+        from_dict({"model": {"path": "m"}, "data": {"train": "t"}, "rollout": {"group_size": 4}}, RLConfig)
+    with pytest.raises(ConfigError, match=r"key 'data.prompts_per_step' is no longer read here: it moved to "
+                                          r"rollout.prompts_per_step"):
+        from_dict({"model": {"path": "m"}, "data": {"train": "t", "prompts_per_step": 2}}, RLConfig)
+    saved = {"rollout": {"group_size": 4, "temperature": 1.0}, "data": {"train": "t", "prompts_per_step": 2},
+             "rewards": []}
+    assert _resume_view(saved) == {"rollout": {"samples_per_prompt": 4, "temperature": 1.0, "prompts_per_step": 2},
+                                   "data": {"train": "t"}, "rewards": {}}
+    assert saved["rollout"] == {"group_size": 4, "temperature": 1.0}      # the checkpoint's own dict untouched
+    cfg = from_dict({"model": {"path": "m"}, "data": {"train": "t"},
+                     "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4}}, RLConfig)
+    view = _resume_view(to_dict(cfg))
+    assert view["rollout"]["samples_per_prompt"] == 4 and view["rollout"]["prompts_per_step"] == 2

@@ -242,8 +242,8 @@ def test_cli_on_tiny_models_with_grpo_check(tmp_path, tiny_model_dir, tiny_teach
                                                  for i in range(3)))
     (tmp_path / "rl.yaml").write_text(
         f"model: {{path: {tiny_model_dir}}}\n"
-        f"data: {{train: {tmp_path / 'math.jsonl'}, prompts_per_step: 2}}\n"
-        "rollout: {group_size: 2, max_new_tokens: 3}\n"
+        f"data: {{train: {tmp_path / 'math.jsonl'}}}\n"
+        "rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 3}\n"
         "rewards: [{name: math}, {name: format, weight: 0.1}]\n")
     (tmp_path / "validate.yaml").write_text(
         f"models:\n  - {{name: base, path: {tiny_model_dir}, role: student}}\n"

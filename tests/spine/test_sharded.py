@@ -97,8 +97,8 @@ def test_opd_rl_on_two_ranks_is_one_process(tmp_path, tiny_model_dir, lora, ray)
     model = f"{{path: {tiny_model_dir}, device: cpu" + (", lora: {rank: 4}}" if lora else "}")
     runs = both("rl", tmp_path, (
         f"model: {model}\n".replace("{", "{{").replace("}", "}}")
-        + "data: {{train: train.jsonl, prompts_per_step: 4}}\n"
-          "rollout: {{group_size: 4, max_new_tokens: 4, temperature: 1.0}}\n"
+        + "data: {{train: train.jsonl}}\n"
+          "rollout: {{prompts_per_step: 4, samples_per_prompt: 4, max_new_tokens: 4, temperature: 1.0}}\n"
           "algorithm: {{epochs: 2, kl_beta: 0.01, advantage: batch_std}}\n"
           "rewards: [{{name: python, path: 'digits.py:digits'}}]\noptim: {{lr: 0.01}}\n"
           "run: {{steps: 3, checkpoint_every: 3, out_dir: {out}, progress: false, tensorboard: false}}\n"

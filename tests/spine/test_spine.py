@@ -141,10 +141,10 @@ def test_a_sharded_run_needs_prompts_that_divide_among_its_ranks_and_the_hf_engi
     from opd.rl.config import RLConfig
 
     shards = {"student": {"num_workers": 2}}
-    rl = {"model": {"path": "m"}, "data": {"train": "t.jsonl", "prompts_per_step": 3}, "cluster": shards}
-    with pytest.raises(ConfigError, match="data.prompts_per_step 3 does not divide among cluster.student.num_workers 2"):
+    rl = {"model": {"path": "m"}, "data": {"train": "t.jsonl"}, "rollout": {"prompts_per_step": 3}, "cluster": shards}
+    with pytest.raises(ConfigError, match="rollout.prompts_per_step 3 does not divide among cluster.student.num_workers 2"):
         from_dict(rl, RLConfig)
-    rl["data"]["prompts_per_step"] = 4
+    rl["rollout"]["prompts_per_step"] = 4
     assert from_dict(rl, RLConfig).cluster.student.num_workers == 2
     train = {"student": {"path": "s"}, "cluster": shards, "rollout": {"prompts_per_step": 4, "engine": "vllm"},
              "merge": {"teachers": [{"name": "t", "address": "tcp://127.0.0.1:1"}],
