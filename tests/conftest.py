@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import threading
 import types
 from pathlib import Path
 
@@ -60,7 +62,25 @@ def tiny_longrope_dir(tmp_path_factory):
     return out
 
 
+from opd.teachers import launch as _launch  # noqa: E402
 from opd.teachers.launch import free_port  # noqa: E402  (import it from there, not from conftest)
+
+
+def _servers_die_with_their_test_process(start):
+    """`start_server_process` whose servers, started from a test process's main thread (its
+    fixtures, its tests), get Linux's SIGTERM when that process dies: a pytest worker killed
+    mid-run (a timeout, Ctrl-C twice, CI cancelling) left its `opd serve-teacher` processes
+    running. A caller's explicit die_with_parent wins; other threads keep the library default
+    (the signal comes when the starting thread ends, which for them may be too soon)."""
+    @functools.wraps(start)
+    def start_server_process(args, *, die_with_parent=None, **kwargs):
+        if die_with_parent is None:
+            die_with_parent = threading.current_thread() is threading.main_thread()
+        return start(args, die_with_parent=die_with_parent, **kwargs)
+    return start_server_process
+
+
+_launch.start_server_process = _servers_die_with_their_test_process(_launch.start_server_process)
 
 
 @pytest.fixture
