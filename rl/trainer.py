@@ -20,7 +20,7 @@ sampled are trained (rl/agentic.py).
 
 The card is written at the start and rewritten with the results at the end. A checkpoint
 holds the run's config: `--resume` with another value of a key that defines the objective
-(RESUME_FIXED) is refused, other changes are listed in the card. Loading the policy, the
+(rl/resume.py) is refused, other changes are listed in the card. Loading the policy, the
 rollout engine, the optimizer and the run directory are the training spine's (opd/spine).
 
 Deviation from DeepSeekMath's GRPO worth knowing: the importance ratio is taken against
@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from opd.agent.trajectory import trajectory
-from opd.rl import agentic
+from opd.rl import agentic, resume
 from opd.rl.batch import PaddedRollouts, collate
 from opd.rl.card import summary as summarize
 from opd.rl.groups import keep_informative, verifier_verdict
@@ -61,7 +61,7 @@ from opd.metrics import read_metrics
 from opd.rl import grpo
 from opd.rl.config import RLConfig
 from opd.rewards import build_reward
-from opd.rewards.combine import check_reward_fields, reward_labels
+from opd.rewards.combine import check_reward_fields
 from opd.rollout import SamplingParams
 from opd.spine.dist import World, memory_per_rank
 from opd.spine.model import load_policy, make_engine
@@ -79,39 +79,6 @@ PLOT_GROUPS = {
     "agent": ["agent/turns", "agent/tool_calls", "agent/tool_failure_share", "agent/turn_limit_rate"],
 }
 
-# Config keys a resumed run must share with its checkpoint (opd.checkpoint.resume_changes):
-# they define the objective, so another value would make the card's one description of the run
-# false for the steps before the resume (resumed with samples_per_prompt 2 / temperature 0.3 after
-# steps trained with G=4 / T=1.0, the card said G=2, T=0.3). The others (run.steps, eval,
-# checkpoints, optim.lr, cluster, ...) may change and are listed in the card. model.device and
-# algorithm.micro_batch_size are free: where the weights sit and how a batch is split for
-# memory change nothing the policy learns.
-RESUME_FIXED = ("model.*", "rollout.samples_per_prompt", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
-                "algorithm.*", "rewards", "rewards.*", "data.train", "rollout.prompts_per_step", "run.seed",
-                "teachers", "teachers.*", "agent", "agent.*", "agent_shaping", "agent_shaping.*", "terms.*")
-RESUME_FREE = ("agent.workers", "teachers.*.address", "teachers.*.curve_server_key", "model.device", "model.gradient_checkpointing", "algorithm.micro_batch_size",
-               "algorithm.max_grad_norm")   # retired: optim.grad_clip (a checkpoint from before has it)
-
-
-# Keys a checkpoint written before their rename holds: (section, old) -> (section, new).
-RENAMED = {("rollout", "group_size"): ("rollout", "samples_per_prompt"),
-           ("data", "prompts_per_step"): ("rollout", "prompts_per_step")}
-
-
-def _resume_view(config: dict | None) -> dict | None:
-    """The saved (or current) config as resume_changes compares it: renamed keys under their new
-    names (RENAMED), the rewards keyed by their label (math, python:fn, format#2, as the metrics
-    name them), so that two rewards of one name are two entries rather than one overwriting the
-    other."""
-    if config is None:
-        return None
-    config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
-    for (section, old), (to, new) in RENAMED.items():
-        if old in config.get(section, {}):
-            config.setdefault(to, {})[new] = config[section].pop(old)
-    rewards = config.get("rewards") or []
-    labels = reward_labels([(r.get("name"), r.get("path")) for r in rewards])
-    return {**config, "rewards": {label: r for label, r in zip(labels, rewards)}}
 
 
 # ---- the trainer --------------------------------------------------------------------------
@@ -126,8 +93,8 @@ class GRPOTrainer:
         self.world = world
         self.out = Path(cfg.run.out_dir)
         # --resume: the checkpoint's config checked against this one before the model loads.
-        self.run_dir = RunDir(self.out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=RESUME_FIXED,
-                              free=RESUME_FREE, view=_resume_view, world=world)
+        self.run_dir = RunDir(self.out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=resume.FIXED,
+                              free=resume.FREE, view=resume.view, world=world)
         # Data and rewards before the model: their mistakes are said in a second, not after a load.
         train_samples, self.train_report = load_jsonl(cfg.data.train, on_error=cfg.data.on_error)
         self.eval_samples = (load_jsonl(cfg.data.eval, on_error=cfg.data.on_error)[0][:cfg.data.eval_prompts]

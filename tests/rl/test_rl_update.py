@@ -73,7 +73,7 @@ def test_the_renamed_keys_are_refused_with_their_new_names_and_old_checkpoints_c
     """opd rl's `rollout.group_size` and `data.prompts_per_step` are opd train's
     `rollout.samples_per_prompt` and `rollout.prompts_per_step` now: a config with the old keys
     is told where they went, and a checkpoint saved with them resumes as the same objective."""
-    from opd.rl.trainer import _resume_view
+    from opd.rl.resume import view as resume_view
 
     with pytest.raises(ConfigError, match=r"key 'rollout.group_size' is no longer read here: it is "
                                           r"rollout.samples_per_prompt now"):
@@ -83,10 +83,10 @@ def test_the_renamed_keys_are_refused_with_their_new_names_and_old_checkpoints_c
         from_dict({"model": {"path": "m"}, "data": {"train": "t", "prompts_per_step": 2}}, RLConfig)
     saved = {"rollout": {"group_size": 4, "temperature": 1.0}, "data": {"train": "t", "prompts_per_step": 2},
              "rewards": []}
-    assert _resume_view(saved) == {"rollout": {"samples_per_prompt": 4, "temperature": 1.0, "prompts_per_step": 2},
+    assert resume_view(saved) == {"rollout": {"samples_per_prompt": 4, "temperature": 1.0, "prompts_per_step": 2},
                                    "data": {"train": "t"}, "rewards": {}}
     assert saved["rollout"] == {"group_size": 4, "temperature": 1.0}      # the checkpoint's own dict untouched
     cfg = from_dict({"model": {"path": "m"}, "data": {"train": "t"},
                      "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4}}, RLConfig)
-    view = _resume_view(to_dict(cfg))
+    view = resume_view(to_dict(cfg))
     assert view["rollout"]["samples_per_prompt"] == 4 and view["rollout"]["prompts_per_step"] == 2
