@@ -46,7 +46,8 @@ import torch
 from tqdm import tqdm
 
 from opd.agent.trajectory import trajectory
-from opd.rl import agentic, resume
+from opd.rl import agentic
+from opd.rl import resume as resume_rules
 from opd.rl.batch import PaddedRollouts, collate
 from opd.rl.card import summary as summarize
 from opd.rl.groups import keep_informative, verifier_verdict
@@ -93,8 +94,8 @@ class GRPOTrainer:
         self.world = world
         self.out = Path(cfg.run.out_dir)
         # --resume: the checkpoint's config checked against this one before the model loads.
-        self.run_dir = RunDir(self.out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=resume.FIXED,
-                              free=resume.FREE, view=resume.view, world=world)
+        self.run_dir = RunDir(self.out, to_dict(cfg), resume=resume, overwrite=overwrite, fixed=resume_rules.FIXED,
+                              free=resume_rules.FREE, view=resume_rules.view, world=world)
         # Data and rewards before the model: their mistakes are said in a second, not after a load.
         train_samples, self.train_report = load_jsonl(cfg.data.train, on_error=cfg.data.on_error)
         self.eval_samples = (load_jsonl(cfg.data.eval, on_error=cfg.data.on_error)[0][:cfg.data.eval_prompts]
