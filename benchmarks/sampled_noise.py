@@ -113,13 +113,13 @@ def per_position(args) -> dict:
     # Each form: (an exact logit gradient it adds, the sampled token's weight on grad log pi).
     # entropy_exact_*: the student's half of the KL, -H(pi), taken exactly from its own logits,
     # and only the cross-entropy -log q(x) sampled (plain, or less its batch mean).
-    forms = {"plain": lambda p, lp, lq, est, kl: (0.0, est),
-             "batch_mean_baseline": lambda p, lp, lq, est, kl: (0.0, est - mean_kl),
-             "exact_kl_baseline": lambda p, lp, lq, est, kl: (0.0, est - kl),
-             "clipped_2": lambda p, lp, lq, est, kl: (0.0, est.clamp(-2, 2)),
-             "entropy_exact": lambda p, lp, lq, est, kl: (p * (lp - (p * lp).sum()), -lq),
-             "entropy_exact_batch_mean_baseline": lambda p, lp, lq, est, kl: (p * (lp - (p * lp).sum()),
-                                                                              -lq - mean_ce)}
+    # neg_h: d(-H(pi)) / d logits at the position, exact.
+    forms = {"plain": lambda est, kl, lq, neg_h: (0.0, est),
+             "batch_mean_baseline": lambda est, kl, lq, neg_h: (0.0, est - mean_kl),
+             "exact_kl_baseline": lambda est, kl, lq, neg_h: (0.0, est - kl),
+             "clipped_2": lambda est, kl, lq, neg_h: (0.0, est.clamp(-2, 2)),
+             "entropy_exact": lambda est, kl, lq, neg_h: (neg_h, -lq),
+             "entropy_exact_batch_mean_baseline": lambda est, kl, lq, neg_h: (neg_h, -lq - mean_ce)}
     out = {k: [0.0, 0.0] for k in forms}   # summed variance, summed squared bias
     signal = 0.0
     for lp, lq in positions:
@@ -127,9 +127,10 @@ def per_position(args) -> dict:
         kl = float((p * est).sum())
         exact = p * (est - kl)                                # d KL / d logits
         eye = torch.eye(len(p))
+        neg_h = p * (lp - (p * lp).sum())
         signal += float((exact ** 2).sum())
         for k, form in forms.items():
-            det, weight = form(p, lp, lq, est, kl)
+            det, weight = form(est, kl, lq, neg_h)
             g = det + weight[:, None] * (eye - p[None, :])    # the update's logit gradient if x is drawn
             m = (p[:, None] * g).sum(0)
             out[k][0] += float((p * ((g - m) ** 2).sum(1)).sum())

@@ -170,7 +170,8 @@ class RLConfig:
         if self.algorithm.minibatches > batch:   # a part would be empty: fewer steps than promised
             raise ValueError(f"algorithm.minibatches ({self.algorithm.minibatches}) is more than the "
                              f"{batch} responses of a step (rollout.prompts_per_step {self.rollout.prompts_per_step} "
-                             f"x rollout.samples_per_prompt {self.rollout.samples_per_prompt}); each optimizer step needs one")
+                             f"x rollout.samples_per_prompt {self.rollout.samples_per_prompt}); each optimizer step "
+                             "needs one")
         if self.rollout.engine == "vllm" and self.model.lora is not None:
             check_vllm_lora(self.model.lora.target_modules, "model.lora.target_modules")
         off = [t.name for t in self.teachers if t.mode != "sampled"]

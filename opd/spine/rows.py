@@ -191,8 +191,7 @@ def row_weights(row_offsets: list[int], groups: list[str], group_weight: dict[st
     lens = [row_offsets[b + 1] - row_offsets[b] for b in range(len(groups))]
     counts = group_counts(row_offsets, groups) if counts is None else counts
     per_seq = sequence_weights(lens, groups, group_weight, length_norm, counts)
-    return torch.tensor(per_seq, dtype=torch.float32).repeat_interleave(torch.tensor(lens, dtype=torch.long)) \
-        if lens else torch.zeros(row_offsets[-1], dtype=torch.float32)
+    return torch.tensor(per_seq, dtype=torch.float32).repeat_interleave(torch.tensor(lens, dtype=torch.long))
 
 
 # ---- the student side -------------------------------------------------------------------

@@ -43,7 +43,8 @@ def test_opd_rl_on_two_ranks_with_vllm_rollouts_is_one_process_with_vllm(tmp_pat
     runs = both("rl", tmp_path, (
         f"model: {{{{path: {vllm_model_dir}, device: cpu}}}}\n"
         "data: {{train: train.jsonl}}\n"
-        "rollout: {{prompts_per_step: 4, samples_per_prompt: 4, max_new_tokens: 4, temperature: 1.0, engine: vllm, vllm_max_model_len: 128}}\n"
+        "rollout: {{prompts_per_step: 4, samples_per_prompt: 4, max_new_tokens: 4, temperature: 1.0, engine: vllm, "
+        "vllm_max_model_len: 128}}\n"
         "algorithm: {{epochs: 2, kl_beta: 0.01, advantage: batch_std}}\n"
         "rewards: [{{name: python, path: 'digits.py:digits'}}]\noptim: {{lr: 0.01}}\n"
         "run: {{steps: 3, checkpoint_every: 3, out_dir: {out}, progress: false, tensorboard: false}}\n"
