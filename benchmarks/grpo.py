@@ -3,10 +3,11 @@
 Two paths over the same stand-in model, the decoder body's output hidden [B, T, H] (a leaf
 tensor: the body itself is the same on both sides and left out) and an LM head weight [V, H]:
 
-    before  logits [B, T, V] = hidden @ W.T, then opd.spine.rows.token_logprobs + rl/grpo.py entropy, as
-            GRPO did before rl/logprobs.py (on the model's own logits, even [B, L, V])
+    before  logits [B, T, V] = hidden @ W.T, then opd.spine.rows.token_logprobs + the entropy
+            (opd.spine.terms.entropy), as GRPO did before rl/logprobs.py (on the model's own
+            logits, even [B, L, V])
     after   rl/logprobs.py: the mask's N rows of hidden, the fused log-prob kernel
-            (rows_logprobs_and_entropy) and the chunked entropy, scattered back to [B, T]
+            (rows_logprobs_and_entropy) and the chunked entropy
 
 then the same token-mean policy-gradient loss and its backward to hidden and W. Every response
 fills its T positions (N = B x T), so "after" gains nothing from skipping padding.
@@ -27,7 +28,8 @@ import time
 from opd.benchmarks import standalone
 from opd.benchmarks.cases import PeakMemory, pick_device, run_case, write_rows
 from opd.rl import grpo
-from opd.rl.logprobs import ResponseRows, chunked_entropy, rows_logprobs_and_entropy, to_B_T
+from opd.rl.logprobs import chunked_entropy, rows_logprobs_and_entropy
+from opd.spine import terms
 from opd.spine.rows import token_logprobs
 
 FULL = dict(B=8, T=256, V=152064, H=1024)
@@ -114,8 +116,11 @@ def _step_fn(spec: dict, inputs: dict, torch):
     h, w, targets, mask, adv = (inputs[k] for k in ("hidden_B_T_H", "weight_V_H", "targets_B_T", "mask_B_T", "adv_B"))
     sync = torch.cuda.synchronize if h.device.type == "cuda" else (lambda: None)
 
-    def loss_of(lp_B_T):   # rl/trainer.py's policy-gradient term at ratio 1, token mean
-        return grpo.aggregate(-lp_B_T * adv[:, None], mask, "token_mean")
+    b_N, t_N = (mask > 0).nonzero(as_tuple=True)   # the rows, sequence by sequence
+    lengths = [int(n) for n in mask.sum(1).tolist()]
+
+    def loss_of(lp_N):   # rl/trainer.py's policy-gradient term at ratio 1, token mean
+        return grpo.aggregate(-lp_N * adv[b_N], lengths, "token_mean")
 
     # The order of rl/trainer.py's update: log-probs, loss.backward(), then the entropy metric
     # (there on the logits the step still holds).
@@ -125,29 +130,27 @@ def _step_fn(spec: dict, inputs: dict, torch):
         lp_B_T = token_logprobs(logits_B_T_V, targets)
         sync()
         t1 = time.perf_counter()
-        loss_of(lp_B_T).backward()
+        loss_of(lp_B_T[b_N, t_N]).backward()
         sync()
         t2 = time.perf_counter()
         with torch.no_grad():
-            ent_B_T = grpo.entropy(logits_B_T_V.detach())
+            ent_B_T = terms.entropy(logits_B_T_V.detach())
         sync()
         del logits_B_T_V, ent_B_T
         return {"forward": t1 - t0, "backward": t2 - t1, "entropy": time.perf_counter() - t2}
 
     def after():   # rows_logprobs_and_entropy's two parts, timed apart
         t0 = time.perf_counter()
-        b_N, t_N = (mask > 0).nonzero(as_tuple=True)
-        rows = ResponseRows(h[b_N, t_N], targets[b_N, t_N], b_N, t_N)
-        lp_N, _ = rows_logprobs_and_entropy(rows.hidden_N_H, w, rows.targets_N, with_entropy=False)
-        lp_B_T = to_B_T(lp_N, rows, tuple(mask.shape))
+        hidden_N_H = h[b_N, t_N]
+        lp_N, _ = rows_logprobs_and_entropy(hidden_N_H, w, targets[b_N, t_N], with_entropy=False)
         sync()
         t1 = time.perf_counter()
-        loss_of(lp_B_T).backward()
+        loss_of(lp_N).backward()
         sync()
         t2 = time.perf_counter()
-        ent_B_T = to_B_T(chunked_entropy(rows.hidden_N_H.detach(), w.detach()), rows, tuple(mask.shape))
+        ent_N = chunked_entropy(hidden_N_H.detach(), w.detach())
         sync()
-        del ent_B_T
+        del ent_N
         return {"forward": t1 - t0, "backward": t2 - t1, "entropy": time.perf_counter() - t2}
 
     return before if spec["case"] == "before" else after, [h, w]

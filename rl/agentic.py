@@ -5,9 +5,9 @@ trajectory of the policy's turns and the tool observations between them, one Rol
 `mask` (1 on what the policy sampled). What changes in GRPO, and where:
 
     prompts    rendered with the tools' JSON schemas (the chat template's `tools=`): `toolbox`
-    rows       rl/batch.py's mask_B_T is the rollout's mask: the policy loss, the KL, the
-               entropy, the token-mean and seq-mean normalizers and the teachers' terms count
-               the sampled tokens alone; the episode's group advantage is credited to each
+    rows       rl/batch.py's rows are the tokens the rollout's mask marks: the policy loss, the
+               KL, the entropy, the token-mean and seq-mean normalizers and the teachers' terms
+               count the sampled tokens alone; the episode's group advantage is credited to each
     rewards    the reward functions read the final answer (Rollout.text: the last turn); with
                `agent_shaping` every valid / failed call (and a turn-limit hit) adds its amount
                to the trajectory's reward (`shaped`, logged as reward/agent_shaping)

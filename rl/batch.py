@@ -1,13 +1,20 @@
-"""GRPO's batch as tensors: rollouts left-padded so every response starts at one column.
+"""GRPO's batch as the response rows every loop trains on (opd.spine.rows.Packed).
 
-    collate(rollouts, pad_id) -> PaddedRollouts   ids, masks, positions, the rollout log-probs
+    collate(rollouts, pad_id) -> RolloutRows   the packed sequences, their rows, the rollout log-probs
+    rows.sequences(idx)       -> RolloutRows   a minibatch or micro-batch of them
 
-A multi-turn trajectory (opd.agent) is one rollout whose response holds the model's turns and
-the tool observations between them: all of it is in the input (the context each turn saw),
-and `mask_B_T` is 1 only on the tokens the model sampled (`Rollout.sampled`), so the loss, the
-KL, the entropy, every normalizer and the teachers' terms count assistant tokens alone.
+A row is a response token the policy sampled: the packed rows of opd train, in the same order
+(sequence by sequence, then position). A multi-turn trajectory (opd.agent) is one rollout whose
+response holds the model's turns and the tool observations between them: all of it is in the
+sequence (the context each turn saw), and only the tokens the model sampled (`Rollout.sampled`)
+are rows, so the loss, the KL, the entropy, every normalizer and the teachers' terms count
+assistant tokens alone.
 
-The policy's log-probs of a batch are rl/logprobs.py's (never [B, T, V]); the plain [B, T, V]
+A part of the batch keeps where its sequences and rows sit in the whole (`seq_B`, `index_N`):
+what is computed once per step (advantages, reference log-probs, the teachers' answers) is
+indexed by them.
+
+The policy's log-probs of the rows are rl/logprobs.py's (never [B, T, V]); the plain
 computation they are held to is tests/oracles.py:response_logits.
 """
 
@@ -17,42 +24,40 @@ import dataclasses
 
 import torch
 
+from opd.spine.rows import Packed, pack, rows_of, subset
+
 
 @dataclasses.dataclass
-class PaddedRollouts:
-    """A batch of rollouts as tensors, every response starting at column `start`."""
-    input_ids_B_L: torch.Tensor
-    attention_B_L: torch.Tensor
-    position_B_L: torch.Tensor
-    response_B_T: torch.Tensor      # response token ids
-    mask_B_T: torch.Tensor          # 1 on response tokens the policy sampled (0: padding, tool observations)
-    old_logprobs_B_T: torch.Tensor  # rollout policy's raw log-probs (0 off the mask)
-    start: int                      # column where every response begins
+class RolloutRows:
+    """Rollouts as packed response rows (N rows over B sequences)."""
+    packed: Packed                 # right-padded sequences; row_b_N, targets_N, row_offsets
+    old_logprobs_N: torch.Tensor   # fp32 [N]: the rollout policy's raw log-probs of the rows' tokens
+    seq_B: torch.Tensor            # long [B]: each sequence's index in the step's batch
+    index_N: torch.Tensor          # long [N]: each row's index among the step's batch's rows
 
-    def rows(self, idx: slice | torch.Tensor) -> "PaddedRollouts":
-        return PaddedRollouts(self.input_ids_B_L[idx], self.attention_B_L[idx], self.position_B_L[idx],
-                     self.response_B_T[idx], self.mask_B_T[idx], self.old_logprobs_B_T[idx], self.start)
+    @property
+    def lengths(self) -> list[int]:
+        """Rows per sequence."""
+        o = self.packed.row_offsets
+        return [o[b + 1] - o[b] for b in range(len(o) - 1)]
+
+    def sequences(self, idx: slice | torch.Tensor | list[int]) -> "RolloutRows":
+        """The sequences `idx` (in that order) as a batch of their own."""
+        seqs = list(range(len(self.seq_B)))[idx] if isinstance(idx, slice) else [int(b) for b in idx]
+        rows = rows_of(self.packed, seqs)
+        return RolloutRows(subset(self.packed, seqs), self.old_logprobs_N[rows], self.seq_B[seqs], self.index_N[rows])
+
+    def per_row(self, values_B: torch.Tensor) -> torch.Tensor:
+        """[N]: a per-sequence value [B] at each of the sequence's rows."""
+        return values_B[self.packed.row_b_N.to(values_B.device)]
 
 
-def collate(rollouts, pad_id: int) -> PaddedRollouts:
-    """Left-pad prompts so every response starts at the same column W, right-pad responses;
-    the mask is each rollout's sampled tokens (every response token of a single turn)."""
-    W = max(len(r.prompt_ids) for r in rollouts)
-    T = max(max(len(r.response_ids) for r in rollouts), 1)
-    B = len(rollouts)
-    ids = torch.full((B, W + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, W + T), dtype=torch.long)
-    resp = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    old = torch.zeros((B, T), dtype=torch.float32)
-    for i, r in enumerate(rollouts):
-        p, n = len(r.prompt_ids), len(r.response_ids)
-        ids[i, W - p:W] = torch.tensor(r.prompt_ids)
-        ids[i, W:W + n] = torch.tensor(r.response_ids, dtype=torch.long)
-        attn[i, W - p:W + n] = 1
-        resp[i, :n] = torch.tensor(r.response_ids, dtype=torch.long)
-        mask[i, :n] = 1.0 if r.mask is None else torch.tensor(r.sampled(n), dtype=torch.float32)
-        # 0 where the policy did not sample: a value there (any, NaN too) never reaches the ratio
-        old[i, :n] = torch.where(mask[i, :n] > 0, torch.tensor(r.logprobs, dtype=torch.float32), 0.0)
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)  # the positions `generate` used with left padding
-    return PaddedRollouts(ids, attn, pos, resp, mask, old, W)
+def collate(rollouts, pad_id: int) -> RolloutRows:
+    """Pack the rollouts (right padding) with their sampled tokens as rows, and take the rollout
+    policy's log-probs of those tokens (a trajectory's observations have none that count)."""
+    masks = [None if r.mask is None else r.sampled() for r in rollouts]
+    packed = pack([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts], pad_id, masks)
+    old = [lp for r in rollouts for lp, m in zip(r.logprobs, r.sampled()) if m]
+    n = packed.row_offsets[-1]
+    return RolloutRows(packed, torch.tensor(old, dtype=torch.float32).reshape(n), torch.arange(len(rollouts)),
+                       torch.arange(n))

@@ -8,9 +8,9 @@ opd train computes with `rewards`).
 
 Multi-turn trajectories (`agent`): a teacher reads the whole trajectory, observations
 included, and answers only the tokens the policy sampled (SCORE's row masks,
-`Rollout.sampled`); its terms go to those positions (`mask_B_T`), an observation's term is 0,
-and the discount runs over the sampled tokens alone (`objective.discounted_B_T`), as opd train's rows
-are. A batch of single turns sends no masks: what a server without row masks reads too.
+`Rollout.sampled`): the batch's rows, an observation being none, so the discount runs over the
+sampled tokens alone (`objective.discounted`), as opd train's rows do. A batch of single turns
+sends no masks: what a server without row masks reads too.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ import torch
 
 from opd.teachers.session import TeacherSet
 from opd.fingerprint import tokenizer_fingerprint
-from opd.rl.batch import PaddedRollouts
+from opd.rl.batch import RolloutRows
 from opd.spine import objective
 
 
 @dataclass(frozen=True)
 class TeacherTerm:
-    """One teacher's part of the per-token advantage."""
+    """One teacher's part of the per-token advantage, over the step's rows (rl/batch.py)."""
     lam: float                 # its weight
     gamma: float               # discount of later tokens' terms
-    lp_B_T: torch.Tensor       # its log-probs of the sampled tokens (0 off its sequences)
+    lp_N: torch.Tensor         # its log-probs of the rows' tokens (0 off its sequences)
     on_B: torch.Tensor         # 1 on the sequences it scored
     baseline_B: torch.Tensor   # subtracted from each token's estimate (0: `baseline: none`)
 
@@ -57,51 +57,53 @@ def submit(teachers: TeacherSet, specs, rollouts_B, samples_P) -> dict[str, tupl
     return out
 
 
-def terms(teachers: TeacherSet, specs, futures: dict, batch: PaddedRollouts, world=None) -> list[TeacherTerm]:
-    """Each teacher's log-probs of the sampled tokens, [B, T] (0 off its sequences and off the
-    mask: its answer's rows are a sequence's masked positions in order), and with `baseline:
-    batch` each sequence's leave-one-out mean estimate over the teacher's other sequences, from
-    the rollout's own log-probs (opd.spine.objective; over every rank's, `world` sharded)."""
+def terms(teachers: TeacherSet, specs, futures: dict, batch: RolloutRows, world=None) -> list[TeacherTerm]:
+    """Each teacher's log-probs of the sampled tokens, [N] (0 off its sequences: its answer's rows
+    are a sequence's rows in order), and with `baseline: batch` each sequence's leave-one-out mean
+    estimate over the teacher's other sequences, from the rollout's own log-probs
+    (opd.spine.objective; over every rank's, `world` sharded)."""
     answers = teachers.answers({t: f for t, (_, f) in futures.items()})
+    offsets = batch.packed.row_offsets
     out = []
     for spec in specs:
         if spec.name not in futures:
             continue
         seqs, answer = futures[spec.name][0], answers[spec.name]
-        lp_B_T, on_B = torch.zeros_like(batch.old_logprobs_B_T), torch.zeros(batch.mask_B_T.shape[0])
+        lp_N, on_B = torch.zeros_like(batch.old_logprobs_N), torch.zeros(len(batch.seq_B))
         for j, b in enumerate(seqs):
             a, e = answer.row_offsets[j], answer.row_offsets[j + 1]
-            at = batch.mask_B_T[b].nonzero(as_tuple=True)[0]   # one turn: 0 .. len - 1
-            lp_B_T[b, at] = torch.as_tensor(answer.token_logprob[a:e], dtype=lp_B_T.dtype)
+            lp_N[offsets[b]:offsets[b + 1]] = torch.as_tensor(answer.token_logprob[a:e], dtype=lp_N.dtype)
             on_B[b] = 1.0
-        baseline_B = sampled_baseline(batch, lp_B_T, on_B, world) if spec.baseline == "batch" else torch.zeros_like(on_B)
-        out.append(TeacherTerm(spec.weight, spec.gamma, lp_B_T, on_B, baseline_B))
+        baseline_B = sampled_baseline(batch, lp_N, on_B, world) if spec.baseline == "batch" else torch.zeros_like(on_B)
+        out.append(TeacherTerm(spec.weight, spec.gamma, lp_N, on_B, baseline_B))
     return out
 
 
-def sampled_baseline(batch: PaddedRollouts, lp_B_T: torch.Tensor, on_B: torch.Tensor, world=None) -> torch.Tensor:
+def sampled_baseline(batch: RolloutRows, lp_N: torch.Tensor, on_B: torch.Tensor, world=None) -> torch.Tensor:
     """[B]: each scored sequence's leave-one-out mean of the estimate log pi_rollout(x) -
     log pi_teacher(x) over the other scored sequences' tokens (0 off the teacher's sequences)."""
-    m = batch.mask_B_T.to(lp_B_T.dtype) * on_B[:, None]
-    est_B = ((batch.old_logprobs_B_T - lp_B_T) * m).sum(1).double()
+    on_N = batch.per_row(on_B).to(lp_N.dtype)
+    b_N = batch.packed.row_b_N
+    est_B = torch.zeros(len(on_B), dtype=torch.float64).index_add_(0, b_N, ((batch.old_logprobs_N - lp_N) * on_N).double())
+    count_B = torch.tensor(batch.lengths, dtype=lp_N.dtype) * on_B
     total = None
     if world is not None and world.sharded:
-        both = world.sum({"sum": float(est_B.sum()), "count": float(m.sum())})
+        both = world.sum({"sum": float(est_B.sum()), "count": float(count_B.sum())})
         total = (both["sum"], both["count"])
-    return objective.leave_one_out(est_B, m.sum(1), total) * on_B
+    return objective.leave_one_out(est_B, count_B, total) * on_B
 
 
-def token_advantages(adv_B, lp_B_T, mask_B_T, terms, rows, sl):
-    """([B, T] advantages: adv_B plus every teacher's discounted reverse-KL term on its
-    sequences, {summed |signal| of the reward and of the teachers} over real tokens)."""
-    m = mask_B_T.to(lp_B_T.dtype)
-    adv_B_T = adv_B[:, None].expand_as(lp_B_T)
-    signal = {"signal/reward": float((adv_B_T.abs() * m).sum()), "signal/teacher": 0.0}
+def token_advantages(adv_N: torch.Tensor, lp_N: torch.Tensor, part: RolloutRows, terms: list[TeacherTerm]):
+    """([N] advantages of a part's rows: each row's sequence advantage adv_N plus every
+    teacher's discounted reverse-KL term on its sequences, {summed |signal| of the reward and of
+    the teachers} over the rows). lp_N: the trained policy's log-probs of the part's rows."""
+    signal = {"signal/reward": float(adv_N.abs().sum()), "signal/teacher": 0.0}
+    dev = lp_N.device
     for term in terms:
-        on = term.on_B[rows][sl].to(lp_B_T.device)[:, None] * m
-        base = term.baseline_B[rows][sl].to(lp_B_T.device)[:, None]
-        adv_t = objective.teacher_advantage(lp_B_T, term.lp_B_T[rows][sl].to(lp_B_T.device), term.lam, base)
-        t_B_T = objective.discounted_B_T(adv_t, on, term.gamma)
-        adv_B_T = adv_B_T + t_B_T
-        signal["signal/teacher"] += float(t_B_T.abs().sum())
-    return adv_B_T, signal
+        on_N = part.per_row(term.on_B[part.seq_B]).to(dev)
+        base_N = part.per_row(term.baseline_B[part.seq_B]).to(dev)
+        adv_t = objective.teacher_advantage(lp_N, term.lp_N[part.index_N].to(dev), term.lam, base_N)
+        t_N = objective.discounted(adv_t * on_N, part.packed.row_offsets, term.gamma)
+        adv_N = adv_N + t_N
+        signal["signal/teacher"] += float(t_N.abs().sum())
+    return adv_N, signal

@@ -48,7 +48,7 @@ from tqdm import tqdm
 from opd.agent.trajectory import trajectory
 from opd.rl import agentic
 from opd.rl import resume as resume_rules
-from opd.rl.batch import PaddedRollouts, collate
+from opd.rl.batch import RolloutRows, collate
 from opd.rl.card import summary as summarize
 from opd.rl.groups import keep_informative, verifier_verdict
 from opd.rl.card import write_grpo_card
@@ -185,12 +185,12 @@ class GRPOTrainer:
                 rewards_P_G, parts, every_rollout = self._all_ranks(rewards_B, parts, rollouts_B)
                 adv_B = world.shard(grpo.group_advantages(rewards_P_G, cfg.algorithm.advantage).flatten().tolist())
                 adv_B = torch.tensor(adv_B, dtype=torch.float32)
-                # 4. reference log-probs of the sampled tokens
+                # 4. the rows (the sampled tokens, packed as opd train packs them) and their reference log-probs
                 batch = collate(rollouts_B, self.pad_id)
-                ref_B_T = self.reference_logprobs(batch) if cfg.algorithm.kl_beta > 0 else None
+                ref_N = self.reference_logprobs(batch) if cfg.algorithm.kl_beta > 0 else None
                 # 5. clipped updates (an optimizer step whose gradient is not finite is skipped)
                 terms = rl_teachers.terms(self.teachers, cfg.teachers, futures, batch, world) if futures is not None else []
-                upd = self.update(batch, adv_B, ref_B_T, terms)
+                upd = self.update(batch, adv_B, ref_N, terms)
                 skipped = self.nonfinite.check(step + 1, not upd["steps_skipped"],
                                                f" in {upd['steps_skipped']:.0f} of its optimizer steps")
                 if skipped:
@@ -314,23 +314,25 @@ class GRPOTrainer:
         return rollout.text(self.tokenizer)   # a trajectory's final answer: its last turn
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: PaddedRollouts) -> torch.Tensor:
+    def reference_logprobs(self, batch: RolloutRows) -> torch.Tensor:
+        """[N]: the reference model's log-probs of the batch's rows (the base weights under LoRA)."""
         out = []
         mb = self.cfg.algorithm.micro_batch_size
-        for i in range(0, batch.mask_B_T.shape[0], mb):
-            part = batch.rows(slice(i, i + mb))
+        for i in range(0, len(batch.seq_B), mb):
+            part = batch.sequences(slice(i, i + mb))
             if self.is_lora:
                 with self.model.disable_adapter():  # the base weights are the reference
-                    lp, _ = token_logprobs_and_entropy(self.model, part, with_entropy=False)
+                    lp, _ = token_logprobs_and_entropy(self.model, part.packed, with_entropy=False)
             else:
-                lp, _ = token_logprobs_and_entropy(self.reference, part, with_entropy=False)
+                lp, _ = token_logprobs_and_entropy(self.reference, part.packed, with_entropy=False)
             out.append(lp.cpu())
         return torch.cat(out)
 
-    def update(self, batch: PaddedRollouts, adv_B: torch.Tensor, ref_B_T: torch.Tensor | None,
+    def update(self, batch: RolloutRows, adv_B: torch.Tensor, ref_N: torch.Tensor | None,
                terms: list[TeacherTerm] = ()) -> dict:
         """`epochs` passes, each split into `minibatches` optimizer steps of micro-batches.
-        terms: the teachers' log-probs; each token's advantage gains their reverse-KL terms."""
+        adv_B: each sequence's advantage; ref_N: the reference's log-probs of the rows (None: no
+        KL term); terms: the teachers' log-probs; each token's advantage gains their reverse-KL terms."""
         a = self.cfg.algorithm
         B = adv_B.shape[0]
         sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "ratio": 0.0,
@@ -341,49 +343,48 @@ class GRPOTrainer:
             order = torch.randperm(B) if a.minibatches > 1 else torch.arange(B)
             # Exactly `minibatches` parts, sizes differing by at most one: chunks of ceil(B / m)
             # rows gave fewer steps than promised (B=16, m=12: 8). The config keeps m <= B.
-            for rows in torch.tensor_split(order, a.minibatches):
-                mini = batch.rows(rows)
+            for seqs in torch.tensor_split(order, a.minibatches):
+                mini = batch.sequences(seqs)
                 # Normalizers over every rank's share of the minibatch: the ranks' gradients sum to one
                 # process's over the whole of it.
-                counts = self.world.sum({"seq": float(len(rows)), "tok": float(mini.mask_B_T.sum())})
+                counts = self.world.sum({"seq": float(len(seqs)), "tok": float(len(mini.index_N))})
                 n_seq, n_tok = int(counts["seq"]), counts["tok"]
+                # every rank runs as many micro-batches as the largest share needs (empty ones too):
+                # a sharded model's passes are collectives
                 for u0 in range(0, n_seq, a.micro_batch_size):
-                    sl = slice(u0, u0 + a.micro_batch_size)
-                    part = mini.rows(sl)
-                    adv = adv_B[rows][sl]
+                    part = mini.sequences(slice(u0, u0 + a.micro_batch_size))
                     # Log-probs and entropy from the hidden states in vocabulary chunks (rl/logprobs.py):
-                    # nothing of size [B, T, V] (0 off the mask).
-                    lp, ent = token_logprobs_and_entropy(self.model, part,
+                    # nothing of size [rows, V] (unless a term trains the entropy).
+                    lp, ent = token_logprobs_and_entropy(self.model, part.packed,
                                                          entropy_grad=self.cfg.terms.needs_entropy)
                     dev = lp.device
-                    mask = part.mask_B_T.to(dev)
-                    adv = adv.to(dev)
+                    old = part.old_logprobs_N.to(dev)
+                    adv = part.per_row(adv_B[part.seq_B]).to(dev)
                     if terms:   # per token: the reward's advantage plus each teacher's (opd.spine.objective)
-                        adv, signal = rl_teachers.token_advantages(adv, lp, mask, terms, rows, sl)
+                        adv, signal = rl_teachers.token_advantages(adv, lp, part, terms)
                         for k, v in signal.items():
                             sums[k] = sums.get(k, 0.0) + v
-                    pg_B_T, clipped_B_T = grpo.clipped_surrogate(lp, part.old_logprobs_B_T.to(dev), adv,
-                                                                 a.eps_low, a.eps_high)
+                    pg_N, clipped_N = grpo.clipped_surrogate(lp, old, adv, a.eps_low, a.eps_high)
                     agg = dict(num_sequences=n_seq, num_tokens=n_tok, max_tokens=agentic.sampled_budget(self.cfg))
-                    pg = grpo.aggregate(pg_B_T, mask, a.loss_aggregation, **agg)
+                    lengths = part.lengths
+                    pg = grpo.aggregate(pg_N, lengths, a.loss_aggregation, **agg)
                     loss = pg
-                    extra_B_T = term_loss(self.cfg.terms, entropy=ent)   # opd.spine.terms
-                    if extra_B_T is not None:
-                        loss = loss + grpo.aggregate(extra_B_T, mask, a.loss_aggregation, **agg)
-                    if ref_B_T is not None:
-                        kl_B_T = grpo.kl_to_reference(lp, ref_B_T[rows][sl].to(dev), a.kl_estimator)
-                        loss = loss + a.kl_beta * grpo.aggregate(kl_B_T, mask, a.loss_aggregation, **agg)
+                    extra_N = term_loss(self.cfg.terms, entropy=ent)   # opd.spine.terms
+                    if extra_N is not None:
+                        loss = loss + grpo.aggregate(extra_N, lengths, a.loss_aggregation, **agg)
+                    if ref_N is not None:
+                        kl_N = grpo.kl_to_reference(lp, ref_N[part.index_N].to(dev), a.kl_estimator)
+                        loss = loss + a.kl_beta * grpo.aggregate(kl_N, lengths, a.loss_aggregation, **agg)
                     else:
                         with torch.no_grad():  # tracked against the rollout policy when no reference
-                            kl_B_T = grpo.kl_to_reference(lp.detach(), part.old_logprobs_B_T.to(dev), "k3")
+                            kl_N = grpo.kl_to_reference(lp.detach(), old, "k3")
                     loss.backward()
                     with torch.no_grad():
-                        k = float(mask.sum())
-                        n_tok_total += k
-                        sums["kl"] += float((kl_B_T.detach() * mask).sum())
-                        sums["clip_fraction"] += float((clipped_B_T.float() * mask).sum())
-                        sums["entropy"] += float((ent.detach() * mask).sum())
-                        sums["ratio"] += float((torch.exp(lp.detach() - part.old_logprobs_B_T.to(dev)) * mask).sum())
+                        n_tok_total += len(lp)
+                        sums["kl"] += float(kl_N.detach().sum())
+                        sums["clip_fraction"] += float(clipped_N.float().sum())
+                        sums["entropy"] += float(ent.detach().sum())
+                        sums["ratio"] += float(torch.exp(lp.detach() - old).sum())
                         sums["loss"] += float(loss.detach())
                         sums["pg_loss"] += float(pg.detach())
                 norm, applied = optimizer_step(self.optimizer, self.params, self.cfg.optim.grad_clip)

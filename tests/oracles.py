@@ -37,23 +37,17 @@ def forward_topk_ids(model, rollout, k: int) -> torch.Tensor:
 
 
 def response_logits(model, batch) -> torch.Tensor:
-    """[B, T, V]: the logits that predict each response token of a GRPO batch (rl/batch.py's
-    PaddedRollouts), from the model's own forward over [B, L]: the plain computation that
-    rl/logprobs.py's chunked log-probs and entropies must equal. A longrope model gets one pass
-    per side of its switch length (opd.rope), rows put back in order."""
-    from opd.rope import rope_groups
-
+    """[N, V]: the logits that predict each row of a GRPO batch (rl/batch.py's RolloutRows),
+    from the model's own forward over each sequence alone (no padding, no batching): the plain
+    computation that rl/logprobs.py's chunked log-probs and entropies must equal, whatever the
+    model (a longrope one's rows are each sequence's own)."""
     device = next(model.parameters()).device
-    T = batch.response_B_T.shape[1]
+    p = batch.packed
+    out = []
+    for b in range(len(p.row_offsets) - 1):
+        n = int(p.attention_B_L[b].sum())
+        logits = model(input_ids=p.input_ids_B_L[b:b + 1, :n].to(device)).logits[0]
+        out.append(logits[p.row_pos_N[p.row_b_N == b].to(device)])
+    return torch.cat(out)
 
-    def logits(rows=slice(None)) -> torch.Tensor:
-        out = model(input_ids=batch.input_ids_B_L[rows].to(device), attention_mask=batch.attention_B_L[rows].to(device),
-                    position_ids=batch.position_B_L[rows].to(device))
-        return out.logits[:, batch.start - 1:batch.start - 1 + T]
 
-    groups = rope_groups(model, batch.attention_B_L.sum(1).tolist())
-    if len(groups) == 1:
-        return logits()
-    outs = torch.cat([logits(torch.tensor(g)) for g in groups])
-    back = torch.argsort(torch.cat([torch.tensor(g) for g in groups]))
-    return outs[back.to(device)]

@@ -62,33 +62,21 @@ class Importance:
 
 
 def discounted(x_N: torch.Tensor, offsets: list[int], gamma: float) -> torch.Tensor:
-    """sum_{s >= t} gamma^(s-t) x_s within each sequence (rows offsets[i]..offsets[i+1]) [N]:
-    `discounted_B_T` on the packed rows laid out as [B, T]; gamma = 0 returns x_N itself."""
+    """sum_{s >= t} gamma^(s-t) x_s within each sequence (rows offsets[i]..offsets[i+1]) [N];
+    gamma = 0 returns x_N itself. The rows are the tokens the policy sampled (a trajectory's
+    observations are none), so an observation neither adds a term nor takes a discount step."""
     if gamma == 0.0 or len(x_N) == 0:
         return x_N
     lengths = torch.tensor(offsets, device=x_N.device).diff()
     mask_B_T = torch.arange(int(lengths.max()), device=x_N.device)[None, :] < lengths[:, None]   # row-major = packed order
     x_B_T = x_N.new_zeros(mask_B_T.shape)
     x_B_T[mask_B_T] = x_N
-    return discounted_B_T(x_B_T, mask_B_T, gamma)[mask_B_T]
-
-
-def discounted_B_T(x_B_T: torch.Tensor, mask_B_T: torch.Tensor, gamma: float) -> torch.Tensor:
-    """`discounted` on [B, T] rows: sum over the later masked tokens s >= t of
-    gamma^(k(s) - k(t)) x_s, k counting masked tokens only (0 off the mask). With one turn
-    (right padding) that is `discounted` per row; across a trajectory's turns an observation
-    between them neither adds a term nor takes a discount step, as opd train's packed rows
-    (sampled tokens only) have it."""
-    m = mask_B_T.to(x_B_T.dtype)
-    x = x_B_T * m
-    if gamma == 0.0:
-        return x
-    out = torch.zeros_like(x)
-    acc = x.new_zeros(x.shape[0])
-    for t in range(x.shape[1] - 1, -1, -1):
-        acc = torch.where(m[:, t] > 0, x[:, t] + gamma * acc, acc)
-        out[:, t] = acc
-    return out * m
+    out_B_T = torch.zeros_like(x_B_T)
+    acc_B = x_B_T.new_zeros(x_B_T.shape[0])
+    for t in range(x_B_T.shape[1] - 1, -1, -1):   # right padding is 0: it adds nothing to acc
+        acc_B = x_B_T[:, t] + gamma * acc_B
+        out_B_T[:, t] = acc_B
+    return out_B_T[mask_B_T]
 
 
 def teacher_advantage(student_lp: torch.Tensor, teacher_lp: torch.Tensor, lam: float,

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from opd.kernels import TopKTeacher, fused_linear_distill_loss
-from opd.lm_head import FUSED_REFUSED, head_form, last_hidden, parts
+from opd.lm_head import FUSED_REFUSED, HeadForm, head_form, last_hidden, parts
 from opd.rope import rope_groups
 
 
@@ -208,14 +208,16 @@ def student_rows(model, packed: Packed, *, fused: bool):
     A longrope model gets one pass per side of its switch length (opd.rope), so that each
     sequence's rows are what they are alone.
     """
-    form = head_form(model)
+    # A model without a transformers body / LM head split (a test's stand-in) uses its own forward.
+    form = head_form(model) if hasattr(model, "get_decoder") or hasattr(model, "get_base_model") \
+        else HeadForm(None, False)
     if fused and not form.fusable:
         raise ValueError(FUSED_REFUSED)
     groups = rope_groups(model, packed.attention_B_L.sum(1).tolist())
     if len(groups) > 1:   # a longrope model: each side of its switch length in a pass of its own
-        outs = [_student_rows(model, _subset(packed, g), fused, form) for g in groups]
+        outs = [_student_rows(model, subset(packed, g), fused, form) for g in groups]
         # outs' rows, concatenated, are packed's rows `order`: index them back into packed's order
-        order = torch.cat([_rows_of(packed, g) for g in groups])
+        order = torch.cat([rows_of(packed, g) for g in groups])
         if fused:
             hidden = torch.cat([h for h, _ in outs])
             return hidden[torch.argsort(order).to(hidden.device)], outs[0][1]
@@ -274,24 +276,25 @@ class _RowsEmbedding(torch.autograd.Function):
         return None, torch.sparse_coo_tensor(ids[None], grad, ctx.shape, check_invariants=False), None
 
 
-def _rows_of(packed: Packed, seqs: list[int]) -> torch.Tensor:
+def rows_of(packed: Packed, seqs: list[int]) -> torch.Tensor:
     """long [n]: the indices in `packed` of the rows of sequences `seqs`, in order."""
     o = packed.row_offsets
-    return torch.cat([torch.arange(o[b], o[b + 1]) for b in seqs])
+    return torch.cat([torch.arange(o[b], o[b + 1]) for b in seqs]) if len(seqs) else torch.zeros(0, dtype=torch.long)
 
 
-def _subset(packed: Packed, seqs: list[int]) -> Packed:
-    """The batch of sequences `seqs` alone, as `pack` would have built it."""
-    index = torch.tensor(seqs)
-    width = int(packed.attention_B_L[index].sum(1).max())
+def subset(packed: Packed, seqs: list[int]) -> Packed:
+    """The batch of sequences `seqs` alone, as `pack` would have built it (no sequences: the
+    batch's width, no rows; a sharded model's rank still runs its passes on it)."""
+    seqs = [int(b) for b in seqs]
+    index = torch.tensor(seqs, dtype=torch.long)
+    width = int(packed.attention_B_L[index].sum(1).max()) if seqs else packed.input_ids_B_L.shape[1]
     ids, attn = packed.input_ids_B_L[index, :width], packed.attention_B_L[index, :width]
-    rows = _rows_of(packed, seqs)
+    rows = rows_of(packed, seqs)
     new_b = torch.full((len(packed.row_offsets) - 1,), -1, dtype=torch.long)
     new_b[index] = torch.arange(len(seqs))
-    lens = [packed.row_offsets[b + 1] - packed.row_offsets[b] for b in seqs]
     offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
+    for b in seqs:
+        offsets.append(offsets[-1] + packed.row_offsets[b + 1] - packed.row_offsets[b])
     return Packed(ids, attn, new_b[packed.row_b_N[rows]], packed.row_pos_N[rows], packed.targets_N[rows], offsets)
 
 

@@ -37,8 +37,8 @@ def write_config(tmp_path, model_dir) -> dict:
     }
 
 
-def forward_logprobs(model_dir, state_dict, rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log-probs of the sampled tokens under `state_dict`, the rollouts' own log-probs, mask)."""
+def forward_logprobs(model_dir, state_dict, rollouts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of the sampled tokens under `state_dict`, the rollouts' own log-probs), [N] each."""
     from transformers import AutoModelForCausalLM
 
     from opd.spine.rows import token_logprobs
@@ -49,8 +49,8 @@ def forward_logprobs(model_dir, state_dict, rollouts) -> tuple[torch.Tensor, tor
     model.load_state_dict(state_dict)
     batch = collate(rollouts, pad_id=0)
     with torch.no_grad():
-        lp_B_T = token_logprobs(response_logits(model, batch), batch.response_B_T)
-    return lp_B_T, batch.old_logprobs_B_T, batch.mask_B_T.bool()
+        lp_N = token_logprobs(response_logits(model, batch), batch.packed.targets_N)
+    return lp_N, batch.old_logprobs_N
 
 
 def test_opd_rl_on_ray_samples_on_both_actors_and_pushes_weights(tmp_path, tiny_model_dir, ray_cluster,
@@ -85,11 +85,11 @@ def test_opd_rl_on_ray_samples_on_both_actors_and_pushes_weights(tmp_path, tiny_
     from opd.spine.config import ModelConfig
     from opd.spine.model import load_policy
 
-    lp, rollout_lp, mask = forward_logprobs(tiny_model_dir, weights[0], calls[1]["rollouts"])
-    assert torch.allclose(lp[mask], rollout_lp[mask], atol=1e-3), (lp[mask] - rollout_lp[mask]).abs().max()
+    lp, rollout_lp = forward_logprobs(tiny_model_dir, weights[0], calls[1]["rollouts"])
+    assert torch.allclose(lp, rollout_lp, atol=1e-3), (lp - rollout_lp).abs().max()
     start = load_policy(ModelConfig(path=str(tiny_model_dir)), train=False)[0].state_dict()
-    lp0, _, _ = forward_logprobs(tiny_model_dir, start, calls[1]["rollouts"])
-    assert (lp0[mask] - rollout_lp[mask]).abs().max() > 0.05
+    lp0, _ = forward_logprobs(tiny_model_dir, start, calls[1]["rollouts"])
+    assert (lp0 - rollout_lp).abs().max() > 0.05
 
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -148,11 +148,10 @@ def test_rollout_actors_hold_the_policy_in_its_dtype(tmp_path, tiny_model_dir, r
         batch = collate(trainer.engine.generate([[65, 66, 67], [70, 71]], SamplingParams(max_new_tokens=4, n=2,
                                                                                            seed=0)), trainer.pad_id)
         with torch.no_grad():
-            policy = token_logprobs(response_logits(trainer.model, batch).float(), batch.response_B_T)
+            policy = token_logprobs(response_logits(trainer.model, batch).float(), batch.packed.targets_N)
     finally:
         trainer.engine.close()
         trainer.close_cluster()
-    mask = batch.mask_B_T.bool()
-    gap = (batch.old_logprobs_B_T[mask] - policy[mask]).abs().max()
+    gap = (batch.old_logprobs_N - policy).abs().max()
     # 0 here (same dtype, same ops); an fp32 actor gave 1.4e-3 on this tiny model
     assert trainer.model.dtype == torch.bfloat16 and gap < 2e-4, gap

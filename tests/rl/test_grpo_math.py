@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from opd.rl.grpo import (aggregate, clipped_surrogate, entropy, equal_groups, group_advantages,
-                         kl_to_reference)
+from opd.rl.grpo import aggregate, clipped_surrogate, equal_groups, group_advantages, kl_to_reference
+from opd.spine.terms import entropy
 
 
 def test_grpo_advantage_hand_computed():
@@ -82,16 +82,16 @@ def test_k1_k3_are_unbiased_for_the_true_kl():
 
 
 def test_aggregation_modes():
-    loss = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0]])
-    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
-    assert float(aggregate(loss, mask, "token_mean")) == pytest.approx(8 / 5)
-    assert float(aggregate(loss, mask, "seq_mean")) == pytest.approx((1 + 4) / 2)
-    assert float(aggregate(loss, mask, "dr_grpo", max_tokens=8)) == pytest.approx(8 / 16)
+    # rows of two sequences: 4 tokens of loss 1, one of loss 4
+    loss, lengths = torch.tensor([1.0, 1.0, 1.0, 1.0, 4.0]), [4, 1]
+    assert float(aggregate(loss, lengths, "token_mean")) == pytest.approx(8 / 5)
+    assert float(aggregate(loss, lengths, "seq_mean")) == pytest.approx((1 + 4) / 2)
+    assert float(aggregate(loss, lengths, "dr_grpo", max_tokens=8)) == pytest.approx(8 / 16)
     # micro-batches with global normalizers sum to the full-batch value
-    parts = sum(float(aggregate(loss[i:i + 1], mask[i:i + 1], "token_mean", num_sequences=2, num_tokens=5))
-                for i in range(2))
+    seqs = [(loss[:4], [4]), (loss[4:], [1])]
+    parts = sum(float(aggregate(x, n, "token_mean", num_sequences=2, num_tokens=5)) for x, n in seqs)
     assert parts == pytest.approx(8 / 5)
-    parts = sum(float(aggregate(loss[i:i + 1], mask[i:i + 1], "seq_mean", num_sequences=2)) for i in range(2))
+    parts = sum(float(aggregate(x, n, "seq_mean", num_sequences=2)) for x, n in seqs)
     assert parts == pytest.approx(2.5)
 
 

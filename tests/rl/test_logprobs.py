@@ -1,5 +1,6 @@
-"""rl/logprobs.py: GRPO's token log-probs and entropies without [B, T, V], checked against
-log_softmax.gather / rl/grpo.py's entropy on tests/oracles.py's response_logits."""
+"""rl/logprobs.py: GRPO's token log-probs and entropies of packed rows without [B, T, V], checked
+against log_softmax.gather / the entropy on tests/oracles.py's response_logits; and rl/batch.py's
+rows."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
 from opd.kernels import TopKTeacher, fused_linear_distill_loss
-from opd.rl import grpo
 from opd.rl import logprobs as rl_logprobs
-from opd.rl.logprobs import chunked_entropy, response_hidden, rows_logprobs_and_entropy, token_logprobs_and_entropy
+from opd.rl.logprobs import chunked_entropy, rows_logprobs_and_entropy, token_logprobs_and_entropy
 from opd.rl.batch import collate
+from opd.spine import terms
 from oracles import response_logits
 from opd.rollout import Rollout
 
@@ -32,32 +33,33 @@ SHAPES = [(5, 7), (9, 3), (2, 1), (4, 9), (3, 0)]
 
 
 def _want(model, batch):
-    """Today's path: [B, T, V] logits, rl/grpo.py's functions on them."""
-    logits_B_T_V = response_logits(model, batch)
-    lp_B_T = torch.log_softmax(logits_B_T_V.float(), -1).gather(-1, batch.response_B_T[..., None]).squeeze(-1)
-    return lp_B_T, grpo.entropy(logits_B_T_V.detach())
+    """The plain path: [N, V] logits of each sequence's own forward, log_softmax.gather and the
+    entropy on them."""
+    logits_N_V = response_logits(model, batch)
+    targets_N = batch.packed.targets_N.to(logits_N_V.device)
+    lp_N = torch.log_softmax(logits_N_V.float(), -1).gather(-1, targets_N[:, None]).squeeze(-1)
+    return lp_N, terms.entropy(logits_N_V.detach())
 
 
-def _grads(model, lp_B_T, weights_B_T):
+def _grads(model, lp_N, weights_N):
     model.zero_grad()
-    (lp_B_T * weights_B_T).sum().backward()
+    (lp_N * weights_N.to(lp_N.device)).sum().backward()
     out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     return out
 
 
 def _assert_same_as_today(model, batch, atol=1e-5, **kw):
-    mask_B_T = batch.mask_B_T
-    weights_B_T = torch.randn(mask_B_T.shape, generator=torch.Generator().manual_seed(1)) * mask_B_T
+    n = len(batch.packed.targets_N)
+    weights_N = torch.randn(n, generator=torch.Generator().manual_seed(1))
     want_lp, want_ent = _want(model, batch)
-    want_grads = _grads(model, want_lp, weights_B_T)
-    lp, ent = token_logprobs_and_entropy(model, batch, **kw)
-    assert lp.shape == ent.shape == mask_B_T.shape and lp.dtype == ent.dtype == torch.float32
+    want_grads = _grads(model, want_lp, weights_N)
+    lp, ent = token_logprobs_and_entropy(model, batch.packed, **kw)
+    assert lp.shape == ent.shape == (n,) and lp.dtype == ent.dtype == torch.float32
     assert lp.requires_grad and not ent.requires_grad
-    torch.testing.assert_close(lp.detach(), want_lp.detach() * mask_B_T, atol=atol, rtol=0)
-    torch.testing.assert_close(ent, want_ent * mask_B_T, atol=atol, rtol=0)
-    assert not lp[mask_B_T == 0].any() and not ent[mask_B_T == 0].any()   # exact zeros off the mask
-    grads = _grads(model, lp, weights_B_T)
+    torch.testing.assert_close(lp.detach(), want_lp.detach(), atol=atol, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=atol, rtol=0)
+    grads = _grads(model, lp, weights_N)
     assert grads.keys() == want_grads.keys() and grads
     for name, g in grads.items():
         # relative to the tensor's largest entry: the longrope fixture's weights are scaled up
@@ -109,7 +111,7 @@ def test_chunked_entropy_is_the_entropy_of_the_softmax(scale, chunk):
     # (scale 300) are where lse - E[z] would cancel: the shifted form keeps fp32 accuracy.
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(29, 16, generator=g), torch.randn(4999, 16, generator=g) * scale / 4
-    lp64 = torch.log_softmax(hidden.double() @ weight.double().T, -1)   # grpo.entropy is fp32
+    lp64 = torch.log_softmax(hidden.double() @ weight.double().T, -1)   # the entropy is fp32
     want = -(lp64.exp() * lp64).sum(-1)
     got = chunked_entropy(hidden, weight, chunk=chunk)
     assert got.dtype == torch.float32 and not got.requires_grad
@@ -122,23 +124,36 @@ def test_chunked_entropy_of_no_rows_is_empty():
 
 # ---- on a model: the same numbers as response_logits, and the same gradients -----------------
 
-def test_response_hidden_takes_only_the_rows_that_predict_response_tokens(tiny):
-    batch = collate(_rollouts(SHAPES), pad_id=0)
-    rows = response_hidden(tiny, batch)
-    b, t = (batch.mask_B_T > 0).nonzero(as_tuple=True)
-    assert torch.equal(rows.b_N, b) and torch.equal(rows.t_N, t)           # row-major, mask only
-    assert rows.hidden_N_H.shape == (int(batch.mask_B_T.sum()), tiny.config.hidden_size)
-    assert torch.equal(rows.targets_N, batch.response_B_T[b, t])
-    with torch.no_grad():
-        want = response_logits(tiny, batch)[b, t]
-        torch.testing.assert_close(tiny.get_output_embeddings()(rows.hidden_N_H), want, atol=1e-5, rtol=0)
+def test_collate_makes_the_sampled_tokens_rows_in_order_with_their_rollout_logprobs():
+    rollouts = _rollouts(SHAPES)
+    for r in rollouts:
+        r.logprobs = [-0.1 * (i + 1) - r.prompt_index for i in range(len(r.response_ids))]
+    traj = Rollout([3, 4], [10, 11, 12, 13, 14], [-1.0, float("nan"), float("nan"), -4.0, -5.0], "stop", 5,
+                   mask=[1, 0, 0, 1, 1])   # a tool observation (11, 12) between two turns: no rows, its NaNs unread
+    batch = collate(rollouts + [traj], pad_id=0)
+    p = batch.packed
+    assert batch.lengths == [7, 3, 1, 9, 0, 3] and p.row_offsets[-1] == 23
+    want_targets = [t for r in rollouts for t in r.response_ids] + [10, 13, 14]
+    assert p.targets_N.tolist() == want_targets
+    assert batch.old_logprobs_N.tolist() == pytest.approx([x for r in rollouts for x in r.logprobs] + [-1.0, -4.0, -5.0])
+    # each row is predicted by the position before its token, in its own sequence
+    assert torch.equal(p.input_ids_B_L[p.row_b_N, p.row_pos_N + 1], p.targets_N)
+    # a part keeps where its sequences and rows sit in the whole
+    part = batch.sequences(torch.tensor([5, 0]))
+    assert part.seq_B.tolist() == [5, 0] and part.lengths == [3, 7]
+    assert part.index_N.tolist() == [20, 21, 22, *range(7)]
+    assert torch.equal(part.old_logprobs_N, batch.old_logprobs_N[part.index_N])
+    assert torch.equal(part.packed.targets_N, p.targets_N[part.index_N])
+    assert part.per_row(torch.tensor([1.0, 2.0])).tolist() == [1.0] * 3 + [2.0] * 7
+    empty = batch.sequences(slice(6, 8))   # a rank's empty share: no sequences, the batch's width
+    assert empty.lengths == [] and empty.packed.input_ids_B_L.shape == (0, p.input_ids_B_L.shape[1])
 
 
 @pytest.mark.parametrize("chunk", [None, 37])
-def test_logprobs_and_entropy_equal_todays_on_the_tiny_model(tiny, chunk):
+def test_logprobs_and_entropy_equal_the_plain_ones_on_the_tiny_model(tiny, chunk):
     batch = collate(_rollouts(SHAPES), pad_id=0)
     _assert_same_as_today(tiny, batch, chunk=chunk)
-    lp, ent = token_logprobs_and_entropy(tiny, batch, with_entropy=False)
+    lp, ent = token_logprobs_and_entropy(tiny, batch.packed, with_entropy=False)
     assert ent is None and lp.requires_grad
 
 
@@ -146,16 +161,35 @@ def test_under_no_grad_as_the_reference_log_probs_are_taken(tiny):
     batch = collate(_rollouts(SHAPES), pad_id=0)
     with torch.no_grad():
         want, _ = _want(tiny, batch)
-        lp, _ = token_logprobs_and_entropy(tiny, batch, with_entropy=False)
+        lp, _ = token_logprobs_and_entropy(tiny, batch.packed, with_entropy=False)
     assert not lp.requires_grad
-    torch.testing.assert_close(lp, want * batch.mask_B_T, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
 
 
-def test_a_batch_of_empty_responses_gives_zeros_and_a_backward_that_runs(tiny):
+def test_a_batch_of_empty_responses_gives_no_rows_and_a_backward_that_runs(tiny):
     batch = collate(_rollouts([(4, 0), (2, 0)]), pad_id=0)
-    lp, ent = token_logprobs_and_entropy(tiny, batch)
-    assert lp.shape == (2, 1) and not lp.any() and not ent.any()
+    lp, ent = token_logprobs_and_entropy(tiny, batch.packed)
+    assert lp.shape == ent.shape == (0,)
     lp.sum().backward()
+    tiny.zero_grad()
+
+
+def test_the_entropy_a_term_trains_carries_its_gradient(tiny):
+    batch = collate(_rollouts(SHAPES, seed=2), pad_id=0)
+    lp, ent = token_logprobs_and_entropy(tiny, batch.packed, entropy_grad=True)
+    want_lp, want_ent = _want(tiny, batch)
+    torch.testing.assert_close(ent.detach(), want_ent, atol=1e-5, rtol=0)
+    assert ent.requires_grad
+    w = torch.randn(len(ent), generator=torch.Generator().manual_seed(3))
+    tiny.zero_grad()
+    (ent * w).sum().backward()
+    got = {n: p.grad.clone() for n, p in tiny.named_parameters() if p.grad is not None}
+    tiny.zero_grad()
+    logits = response_logits(tiny, batch)
+    (terms.entropy(logits) * w).sum().backward()
+    for n, p in tiny.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
     tiny.zero_grad()
 
 
@@ -184,9 +218,11 @@ def test_a_lora_adapter_on_the_lm_head_falls_back_to_logits_of_the_response_rows
 
 def test_a_head_of_no_known_form_uses_the_rows_of_the_models_own_forward(tiny, monkeypatch):
     from opd.lm_head import HeadForm
+    from opd.spine import rows as spine_rows
 
     monkeypatch.setattr(rl_logprobs, "head_form", lambda model: HeadForm(post=None, fusable=False))
-    monkeypatch.setattr(rl_logprobs, "response_hidden", None)   # the body alone must not be used
+    monkeypatch.setattr(spine_rows, "head_form", lambda model: HeadForm(post=None, fusable=False))
+    monkeypatch.setattr(spine_rows, "last_hidden", None)   # the body alone must not be used
     _assert_same_as_today(tiny, collate(_rollouts(SHAPES, seed=4), pad_id=0))
 
 
@@ -199,16 +235,10 @@ def phi(tiny_longrope_dir):
 
 def test_a_longrope_models_rows_are_each_sequences_own(phi):
     # Two sequences within the switch length (32) and two past it, interleaved (tests/opd/test_rope.py).
+    # response_logits runs each sequence alone: equal to it is each sequence's own rows.
     rollouts = _rollouts([(20, 30), (6, 6), (25, 20), (4, 10)])
     batch = collate(rollouts, pad_id=0)
     _assert_same_as_today(phi, batch, atol=1e-4)
-    with torch.no_grad():
-        lp, ent = token_logprobs_and_entropy(phi, batch)
-        for b, r in enumerate(rollouts):
-            alone_lp, alone_ent = token_logprobs_and_entropy(phi, collate([r], pad_id=0))
-            n = len(r.response_ids)
-            torch.testing.assert_close(lp[b, :n], alone_lp[0, :n], atol=1e-4, rtol=0)
-            torch.testing.assert_close(ent[b, :n], alone_ent[0, :n], atol=1e-4, rtol=0)
 
 
 # ---- memory: nothing of size [N, V] --------------------------------------------------------------
@@ -264,11 +294,11 @@ def test_memory_beyond_the_parameters_does_not_grow_with_the_vocabulary(wide_mod
 
     monkeypatch.setattr(chunked, "LINEAR_TILE_ELEMENTS", 1 << 14)
     batch = collate(_rollouts([(6, 12), (3, 10), (8, 12), (2, 7), (5, 12), (4, 7)]), pad_id=0)
-    N = int(batch.mask_B_T.sum())
+    N = batch.packed.row_offsets[-1]
     largest = {}
     for v, model in wide_models.items():
         nbytes, shape = _largest_beyond_parameters(
-            model, batch, lambda m, b: sum(token_logprobs_and_entropy(m, b, chunk=512)).sum())
+            model, batch, lambda m, b: sum(token_logprobs_and_entropy(m, b.packed, chunk=512)).sum())
         assert nbytes < 4 * N * 1024, (v, shape, nbytes)   # < [N, 1024] fp32, far below [N, V]
         largest[v] = nbytes
         today, shape = _largest_beyond_parameters(

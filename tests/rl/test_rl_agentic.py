@@ -79,30 +79,34 @@ def test_collate_masks_the_observation_and_drops_its_logprobs():
                      logprobs=[-0.1, -0.2, -0.3, float("nan"), 1e4, -0.4, -0.5])
     single = Rollout(prompt_ids=[5, 6], response_ids=[40, 41, 42], logprobs=[-1.0, -2.0, -3.0], finish_reason="eos")
     batch = collate([traj, single], pad_id=0)
-    assert batch.start == 3
-    assert batch.mask_B_T.tolist() == [[1, 1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0, 0]]
-    assert batch.old_logprobs_B_T[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0, 0.0, -0.4, -0.5])
-    assert torch.isfinite(batch.old_logprobs_B_T).all()
+    p = batch.packed
+    # the rows are the sampled tokens: the observation (20, 21) is none of them
+    assert batch.lengths == [5, 3]
+    assert p.targets_N.tolist() == [10, 11, 12, 30, 31, 40, 41, 42]
+    assert batch.old_logprobs_N.tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5, -1.0, -2.0, -3.0])
     # the observation is context: in the input, attended to, in the positions' count
-    assert batch.input_ids_B_L[0].tolist() == [1, 2, 3, 10, 11, 12, 20, 21, 30, 31]
-    assert batch.attention_B_L[0].tolist() == [1] * 10
-    assert batch.response_B_T[0].tolist() == [10, 11, 12, 20, 21, 30, 31]
+    assert p.input_ids_B_L[0].tolist() == [1, 2, 3, 10, 11, 12, 20, 21, 30, 31]
+    assert p.attention_B_L[0].tolist() == [1] * 10
+    assert p.row_pos_N[:5].tolist() == [2, 3, 4, 7, 8]
 
     from opd.rl import grpo   # ratio and loss stay finite however bad the observation's logprob was
-    lp = torch.zeros_like(batch.old_logprobs_B_T)
-    loss, _ = grpo.clipped_surrogate(lp, batch.old_logprobs_B_T, torch.tensor([1.0, -1.0]))
-    assert math.isfinite(float(grpo.aggregate(loss, batch.mask_B_T, "token_mean")))
+    lp = torch.zeros_like(batch.old_logprobs_N)
+    loss, _ = grpo.clipped_surrogate(lp, batch.old_logprobs_N, batch.per_row(torch.tensor([1.0, -1.0])))
+    assert math.isfinite(float(grpo.aggregate(loss, batch.lengths, "token_mean")))
 
 
 def test_the_teachers_discount_skips_observations():
-    from opd.spine.objective import discounted, discounted_B_T
+    from opd.rl.batch import collate
+    from opd.spine.objective import discounted
 
-    x = torch.tensor([[1.0, 2.0, 50.0, 60.0, 3.0, 0.0], [1.0, 2.0, 3.0, 0.0, 0.0, 0.0]])
-    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.float32)
-    out = discounted_B_T(x, mask, 0.5)
-    # over the sampled tokens 1, 2, 3 alone (the observation neither adds nor discounts)
-    assert out[0].tolist() == pytest.approx([1 + 0.5 * 2 + 0.25 * 3, 2 + 0.5 * 3, 0, 0, 3, 0])
-    assert torch.allclose(out[1, :3], discounted(x[1, :3], [0, 3], 0.5))   # one turn: the packed rows' discount
+    # a trajectory's rows are its sampled tokens: the observation neither adds a term nor takes
+    # a discount step, and the discount stops at the sequence's end
+    traj = two_turns([1, 2], [10, 11], [20, 21], [30])
+    single = Rollout(prompt_ids=[5], response_ids=[40, 41, 42], logprobs=[0.0] * 3, finish_reason="eos")
+    batch = collate([traj, single], pad_id=0)
+    x = torch.tensor([1.0, 2.0, 3.0, 1.0, 2.0, 3.0])
+    out = discounted(x, batch.packed.row_offsets, 0.5)
+    assert out.tolist() == pytest.approx([1 + 0.5 * 2 + 0.25 * 3, 2 + 0.5 * 3, 3, 1 + 0.5 * 2 + 0.25 * 3, 2 + 1.5, 3])
 
 
 # ---- the loss's normalizers --------------------------------------------------------------------
@@ -124,7 +128,7 @@ def test_the_loss_normalizer_counts_assistant_tokens_only(tmp_path, chat_model_d
     b = Rollout(prompt_ids=prompt, response_ids=ids[5:8], logprobs=[0.0] * 3, finish_reason="eos")
     batch = collate([a, b], trainer.pad_id)
     with torch.no_grad():   # the policy's own logprobs: ratio 1, so each token's loss is -advantage
-        batch.old_logprobs_B_T = token_logprobs_and_entropy(trainer.model, batch, with_entropy=False)[0].cpu()
+        batch.old_logprobs_N = token_logprobs_and_entropy(trainer.model, batch.packed, with_entropy=False)[0].cpu()
     adv = torch.tensor([1.0, -0.5])
     upd = trainer.update(batch, adv, None)
     signed = 1.0 * 5 - 0.5 * 3
@@ -212,8 +216,8 @@ class ToolCalling(RolloutEngine):
             assert len(ids) <= params.max_new_tokens
             forced = Rollout(prompt_ids=r.prompt_ids, response_ids=ids, logprobs=[0.0] * len(ids), finish_reason="eos")
             with torch.no_grad():
-                lp = token_logprobs_and_entropy(self.model, collate([forced], self.tok.pad_token_id),
-                                                with_entropy=False)[0][0]
+                lp = token_logprobs_and_entropy(self.model, collate([forced], self.tok.pad_token_id).packed,
+                                                with_entropy=False)[0]
             outs[i] = dataclasses.replace(r, response_ids=ids, logprobs=lp.tolist(), finish_reason="eos",
                                           topk_ids=None)
         return outs
@@ -406,10 +410,12 @@ def test_a_teacher_answers_only_the_sampled_tokens(tmp_path, chat_model_dir, one
     finally:
         server.stop()
     (batch, (term,)), = seen
-    mask = batch.mask_B_T.bool()
-    assert (~mask).any() and int(term.on_B.sum()) == 8
-    assert torch.allclose(term.lp_B_T[mask], batch.old_logprobs_B_T[mask], atol=1e-4)
-    assert (term.lp_B_T[~mask] == 0).all()
+    # observations between turns: in the sequences, not among the rows
+    o, pos = batch.packed.row_offsets, batch.packed.row_pos_N
+    spans = [int(pos[o[b + 1] - 1] - pos[o[b]]) + 1 for b in range(len(o) - 1) if o[b + 1] > o[b]]
+    assert sum(spans) > o[-1]
+    assert int(term.on_B.sum()) == 8
+    assert torch.allclose(term.lp_N, batch.old_logprobs_N, atol=1e-4)
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["signal/teacher"] < 1e-3 < row["signal/reward"]   # the start policy agrees with itself
 

@@ -97,14 +97,13 @@ def test_lora_reference_is_the_base_model_with_the_adapter_off(tmp_path, tiny_mo
     ref = trainer.reference_logprobs(batch)
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = token_logprobs(response_logits(base, batch), batch.response_B_T)
+        expected = token_logprobs(response_logits(base, batch), batch.packed.targets_N)
         policy_logits = response_logits(trainer.model, batch)
-        policy = token_logprobs(policy_logits, batch.response_B_T.to(policy_logits.device)).cpu()
-    mask = batch.mask_B_T.bool()
-    assert torch.allclose(ref[mask], expected[mask], atol=1e-5)
-    assert not torch.allclose(policy[mask], expected[mask], atol=1e-3)
+        policy = token_logprobs(policy_logits, batch.packed.targets_N.to(policy_logits.device)).cpu()
+    assert torch.allclose(ref, expected, atol=1e-5)
+    assert not torch.allclose(policy, expected, atol=1e-3)
     # the rollout engine's log-probs are the policy's own (ratio 1 in the first epoch)
-    assert torch.allclose(batch.old_logprobs_B_T[mask], policy[mask], atol=1e-4)
+    assert torch.allclose(batch.old_logprobs_N, policy, atol=1e-4)
 
     # a LoRA run checkpoints the adapter, resumes from it, and leaves a merged full model
     trainer.train()
@@ -137,9 +136,8 @@ def test_the_policy_has_no_dropout_so_the_first_epoch_ratio_is_one(tmp_path, tin
                     trainer.pad_id)
     assert trainer.model.training                      # the update's own mode
     with torch.no_grad():
-        policy = token_logprobs(response_logits(trainer.model, batch), batch.response_B_T)
-    mask = batch.mask_B_T.bool()
-    assert torch.allclose(batch.old_logprobs_B_T[mask], policy[mask], atol=1e-4)
+        policy = token_logprobs(response_logits(trainer.model, batch), batch.packed.targets_N)
+    assert torch.allclose(batch.old_logprobs_N, policy, atol=1e-4)
 
 
 def test_cli_help():

@@ -23,7 +23,7 @@ class TinyLM(torch.nn.Module):
         self.embed, self.head = torch.nn.Embedding(vocab, 4), torch.nn.Linear(4, vocab)
         self.rows_seen: list[int] = []
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, use_cache=None):
         self.rows_seen.append(input_ids.shape[0])
         return SimpleNamespace(logits=self.head(self.embed(input_ids)))
 

@@ -39,9 +39,6 @@ def test_discounted_sums_later_terms_within_each_sequence():
     assert out.tolist() == [3.0, 4.0, 4.0, 16.0, 16.0]
     assert objective.discounted(x, [0, 5], 0.0) is x
     assert objective.discounted(x, [0, 3, 3, 5], 0.5).tolist() == out.tolist()   # a sequence without rows
-    B_T = objective.discounted_B_T(torch.tensor([[1.0, 2.0, 4.0], [8.0, 16.0, 99.0]]),
-                                   torch.tensor([[1, 1, 1], [1, 1, 0]]), 0.5)
-    assert B_T.tolist() == [[3.0, 4.0, 4.0], [16.0, 16.0, 0.0]]
 
 
 def test_importance_weights_token_and_prefix_by_hand():
@@ -116,9 +113,11 @@ def _batch(model, G: int = 2, P: int = 2):
         response = torch.randint(1, V, (3 + b % 3,), generator=g).tolist()
         rollouts.append(Rollout(prompt, response, [0.0] * len(response), "length", b // G))
     with torch.no_grad():
-        lp = token_logprobs_and_entropy(model, collate(rollouts, 0), with_entropy=False)[0]
+        batch = collate(rollouts, 0)
+        lp = token_logprobs_and_entropy(model, batch.packed, with_entropy=False)[0]
+    o = batch.packed.row_offsets
     for b, r in enumerate(rollouts):
-        r.logprobs = lp[b, :len(r.response_ids)].tolist()
+        r.logprobs = lp[o[b]:o[b + 1]].tolist()
     teacher = [torch.randn(len(r.response_ids), generator=g) - 2.0 for r in rollouts]
     return rollouts, teacher
 
@@ -134,11 +133,9 @@ def _rl_update(model, rollouts, teacher, adv_B, lam):
     batch = collate(rollouts, 0)
     terms = []
     if lam is not None:
-        lp_B_T = torch.zeros_like(batch.old_logprobs_B_T)
-        for b, t in enumerate(teacher):
-            lp_B_T[b, :len(t)] = t
+        lp_N = torch.cat(teacher)   # the rows, sequence by sequence
         on_B = torch.ones(len(rollouts))   # teacher `baseline: batch`, the default (opd train's too)
-        terms = [TeacherTerm(lam, 0.0, lp_B_T, on_B, sampled_baseline(batch, lp_B_T, on_B))]
+        terms = [TeacherTerm(lam, 0.0, lp_N, on_B, sampled_baseline(batch, lp_N, on_B))]
     GRPOTrainer.update(stub, batch, adv_B, None, terms)
     return [p.detach().clone() for p in model.parameters()]
 

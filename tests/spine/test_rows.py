@@ -76,25 +76,23 @@ def test_row_weights_skip_empty_sequences():
 
 
 def test_opd_rl_aggregates_with_opd_train_weights():
-    """One aggregation for both loops: opd rl's [B, T] reduction of a loss is the sum of that
-    loss's packed rows weighted by opd train's row weights (one group), for the two norms they
-    share, and Dr. GRPO's constant normalizer divides by sequences x max_tokens."""
+    """One aggregation for both loops: opd rl's reduction of a loss over its rows is the sum of
+    those rows weighted by opd train's row weights (one group), for the two norms they share,
+    and Dr. GRPO's constant normalizer divides by sequences x max_tokens."""
     from opd.rl.grpo import aggregate
 
     lengths = [2, 4, 0, 1]
-    loss_B_T = torch.arange(16, dtype=torch.float32).view(4, 4) / 7
-    mask_B_T = torch.arange(4)[None, :] < torch.tensor(lengths)[:, None]
     offsets = [0, 2, 6, 6, 7]
-    rows_N = loss_B_T[mask_B_T]
+    rows_N = torch.arange(7, dtype=torch.float32) / 7
     for rl_mode, norm in (("token_mean", "token"), ("seq_mean", "sequence")):
         w = row_weights(offsets, ["g"] * 4, {}, norm, {"tokens/g": 7, "seqs/g": 4})
-        assert float(aggregate(loss_B_T, mask_B_T, rl_mode)) == pytest.approx(float((w * rows_N).sum()), rel=1e-6)
-    assert float(aggregate(loss_B_T, mask_B_T, "dr_grpo", max_tokens=8)) == \
+        assert float(aggregate(rows_N, lengths, rl_mode)) == pytest.approx(float((w * rows_N).sum()), rel=1e-6)
+    assert float(aggregate(rows_N, lengths, "dr_grpo", max_tokens=8)) == \
         pytest.approx(float(rows_N.sum()) / (4 * 8), rel=1e-6)
     assert sequence_weights(lengths, ["g"] * 4, {"g": 2.0}, "constant", {"tokens/g": 7, "seqs/g": 4}, 8) == \
         [2 / 32, 2 / 32, 0.0, 2 / 32]
     with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
-        aggregate(loss_B_T, mask_B_T, "mean")
+        aggregate(rows_N, lengths, "mean")
 
 
 def test_student_rows_equal_the_models_own_logits_at_the_response_rows(tiny_model_dir):
