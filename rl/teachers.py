@@ -102,8 +102,8 @@ def token_advantages(adv_N: torch.Tensor, lp_N: torch.Tensor, part: RolloutRows,
     for term in terms:
         on_N = part.per_row(term.on_B[part.seq_B]).to(dev)
         base_N = part.per_row(term.baseline_B[part.seq_B]).to(dev)
-        adv_t = objective.teacher_advantage(lp_N, term.lp_N[part.index_N].to(dev), term.lam, base_N)
-        t_N = objective.discounted(adv_t * on_N, part.packed.row_offsets, term.gamma)
+        t_N = objective.teacher_advantage(lp_N, term.lp_N[part.index_N].to(dev), part.packed.row_offsets,
+                                          term.gamma, term.lam, base_N) * on_N
         adv_N = adv_N + t_N
         signal["signal/teacher"] += float(t_N.abs().sum())
     return adv_N, signal

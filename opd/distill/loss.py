@@ -59,12 +59,11 @@ def teacher_loss(spec, rows, answer: Answer, idx: torch.Tensor, targets: torch.T
     if spec.mode == "sampled":
         device = rows[0].device if isinstance(rows, tuple) else rows.device
         student_lp = token_logprobs(rows, targets.to(device), temperature=spec.temperature, impl=impl)
-        est = sampled_token_reverse_kl(student_lp, answer.token_logprob[idx].to(student_lp.device))
-        adv = est if baseline is None else est - baseline.to(est.device)
-        # Policy gradient with advantage -(est - b) (discounted over the sequence with gamma):
-        # d/dθ of (est - b) * log p_student(x). (objective.policy_gradient(lp, b - est) is the same loss.)
-        ret = objective.discounted(adv, segments if segments is not None else [0, len(est)], spec.gamma)
-        return ret * student_lp * t2, est
+        teacher_lp = answer.token_logprob[idx].to(student_lp.device)
+        adv = objective.teacher_advantage(student_lp, teacher_lp, segments if segments is not None else
+                                          [0, len(student_lp)], spec.gamma,
+                                          baseline_N=0.0 if baseline is None else baseline.to(student_lp.device))
+        return objective.policy_gradient(student_lp, adv) * t2, sampled_token_reverse_kl(student_lp, teacher_lp)
     teacher = answer.teacher_rows(idx, rows[0].device if isinstance(rows, tuple) else rows.device)
     if isinstance(rows, tuple):
         hidden, weight = rows

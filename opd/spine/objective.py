@@ -79,12 +79,15 @@ def discounted(x_N: torch.Tensor, offsets: list[int], gamma: float) -> torch.Ten
     return out_B_T[mask_B_T]
 
 
-def teacher_advantage(student_lp: torch.Tensor, teacher_lp: torch.Tensor, lam: float,
-                      baseline: torch.Tensor | float = 0.0) -> torch.Tensor:
-    """-lambda * (log pi(x_t) - log pi_teacher(x_t) - b) per token, detached: the sampled-token
-    reverse-KL advantage (kernels.sampled_token_reverse_kl is its estimate, negated here), less
-    a baseline b that does not depend on the token (`leave_one_out`)."""
-    return -lam * (student_lp.detach().float() - teacher_lp.detach().float() - baseline)
+def teacher_advantage(student_lp_N: torch.Tensor, teacher_lp_N: torch.Tensor, offsets: list[int], gamma: float,
+                      lam: float = 1.0, baseline_N: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """[N], detached: a teacher's sampled-token term of each row's advantage, the one both loops
+    take (opd train's sampled mode, opd rl's teachers): -lambda * (log pi(x_t) - log pi_teacher(x_t)
+    - b), the reverse-KL estimate (kernels.sampled_token_reverse_kl) negated, less a baseline b
+    that does not depend on the token (`leave_one_out`), with the later tokens' terms of its
+    sequence (rows offsets[i]..offsets[i+1]) discounted into it (`discounted`, gamma)."""
+    adv_N = -lam * (student_lp_N.detach().float() - teacher_lp_N.detach().float() - baseline_N)
+    return discounted(adv_N, offsets, gamma)
 
 
 def leave_one_out(sums_B: torch.Tensor, counts_B: torch.Tensor, total: tuple[float, float] | None = None) -> torch.Tensor:
