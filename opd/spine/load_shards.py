@@ -16,7 +16,7 @@ the model is built, so nothing else crosses.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -90,9 +90,11 @@ def stream_weights(model: torch.nn.Module, files: dict[str, Path], keys: dict[st
         with safe_open(str(files[keys[name]]), framework="pt") as f:
             return f.get_tensor(keys[name]).to(dtype)
 
+    state = model.state_dict(keep_vars=True)
+    _check_shapes(state, files, keys, world)
     done: set[int] = set()
     with torch.no_grad():
-        for name, target in model.state_dict(keep_vars=True).items():
+        for name, target in state.items():
             if id(target) in done:       # a tied weight, filled under its first name
                 continue
             done.add(id(target))
@@ -101,6 +103,28 @@ def stream_weights(model: torch.nn.Module, files: dict[str, Path], keys: dict[st
                 _scatter_rows(full, target, world, name)
             else:
                 _broadcast(full, target, world)
+
+
+def _check_shapes(state: dict, files: dict[str, Path], keys: dict[str, str], world: World) -> None:
+    """Rank 0 compares each tensor's shape in the files' headers (nothing is read) with the
+    model's; every rank raises the same refusal, naming both shapes. Raised on rank 0 alone
+    it left the other ranks waiting in the tensor's scatter or broadcast."""
+    error = None
+    if world.main:
+        with ExitStack() as stack:
+            opened = {}
+            for name, target in state.items():
+                path = files[keys[name]]
+                if path not in opened:
+                    opened[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+                shape = tuple(opened[path].get_slice(keys[name]).get_shape())
+                if shape != tuple(target.shape):
+                    error = f"{name}: the file holds {shape}, the model {tuple(target.shape)}"
+                    break
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ValueError(box[0])
 
 
 def _scatter_rows(full: torch.Tensor | None, target: DTensor, world: World, name: str) -> None:
@@ -119,9 +143,7 @@ def _scatter_rows(full: torch.Tensor | None, target: DTensor, world: World, name
     device = world.device
     out = torch.empty((chunk, *rest), dtype=local.dtype, device=device)
     pieces = None
-    if world.main:
-        if tuple(full.shape) != tuple(target.shape):
-            raise ValueError(f"{name}: the file holds {tuple(full.shape)}, the model {tuple(target.shape)}")
+    if world.main:   # full's shape is the model's (_check_shapes)
         pieces = []
         for r in range(n):
             piece = full[r * chunk:(r + 1) * chunk]
