@@ -29,8 +29,7 @@ import torch
 
 from opd.kernels import chunked
 from opd.spine import terms
-from opd.lm_head import head_form
-from opd.spine.rows import Packed, student_rows, token_logprobs
+from opd.spine.rows import Packed, rows_head_form, student_rows, token_logprobs
 
 # Entropy tiles: rows per block, and about this many fp32 elements per [rows, chunk] tile
 # (4 MiB: the size kernels/chunked.py found fast on CPU, large enough for BLAS).
@@ -120,7 +119,7 @@ def token_logprobs_and_entropy(model, packed: Packed, *, with_entropy: bool = Tr
     beyond the model is O(N x H + N x chunk) plus the head's weight gradient. Any other head
     (soft-cap, scale, bias, LoRA on lm_head) gets logits for the N rows only (student_rows).
     """
-    rows = student_rows(model, packed, fused=_fusable(model))
+    rows = student_rows(model, packed, fused=rows_head_form(model).fusable)
     if isinstance(rows, tuple):
         hidden_N_H, weight_V_H = rows
         targets_N = packed.targets_N.to(hidden_N_H.device)
@@ -130,12 +129,5 @@ def token_logprobs_and_entropy(model, packed: Packed, *, with_entropy: bool = Tr
         rows = hidden_N_H @ weight_V_H.T     # a term trains the entropy: the rows' logits [N, V]
     targets_N = packed.targets_N.to(rows.device)
     lp_N = token_logprobs(rows, targets_N)
-    ent_N = (terms.entropy(rows if entropy_grad else rows.detach())) if with_entropy else None
+    ent_N = terms.entropy(rows if entropy_grad else rows.detach()) if with_entropy else None
     return lp_N, ent_N
-
-
-def _fusable(model) -> bool:
-    """A plain head (logits = hidden @ lm_head.weight.T) of a transformers model."""
-    if not (hasattr(model, "get_decoder") or hasattr(model, "get_base_model")):
-        return False   # a stand-in without a body / head split: its own forward
-    return head_form(model).fusable

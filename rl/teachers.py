@@ -86,11 +86,7 @@ def sampled_baseline(batch: RolloutRows, lp_N: torch.Tensor, on_B: torch.Tensor,
     b_N = batch.packed.row_b_N
     est_B = torch.zeros(len(on_B), dtype=torch.float64).index_add_(0, b_N, ((batch.old_logprobs_N - lp_N) * on_N).double())
     count_B = torch.tensor(batch.lengths, dtype=lp_N.dtype) * on_B
-    total = None
-    if world is not None and world.sharded:
-        both = world.sum({"sum": float(est_B.sum()), "count": float(count_B.sum())})
-        total = (both["sum"], both["count"])
-    return objective.leave_one_out(est_B, count_B, total) * on_B
+    return objective.leave_one_out(est_B, count_B, objective.ranks_total(est_B, count_B, world)) * on_B
 
 
 def token_advantages(adv_N: torch.Tensor, lp_N: torch.Tensor, part: RolloutRows, terms: list[TeacherTerm]):

@@ -218,11 +218,7 @@ def sampled_baselines(batch: Batch, specs: dict, answers: dict[str, Answer], wor
             if len(sampler) != hi - lo:
                 raise TrainError(f"teacher {t!r} answered {hi - lo} rows of sequence {s}, which has {len(sampler)}")
             sums[j], counts[j] = float((sampler - teacher).sum()), float(hi - lo)
-        total = None
-        if world.sharded:
-            both = world.sum({"sum": float(sums.sum()), "count": float(counts.sum())})
-            total = (both["sum"], both["count"])
-        b = objective.leave_one_out(sums, counts, total)
+        b = objective.leave_one_out(sums, counts, objective.ranks_total(sums, counts, world))
         out[t] = {s: b[j] for j, s in enumerate(members)}
     return out
 

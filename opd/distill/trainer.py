@@ -238,8 +238,8 @@ class Trainer:
         rewards_P_G = torch.tensor(total, dtype=torch.float32).view(-1, self.cfg.rollout.samples_per_prompt)
         batch.rewards = total
         if self.cfg.loss.reward_advantage == "batch":   # over the whole step: every rank's responses
-            both = self.world.sum({"sum": float(sum(total)), "count": float(len(total))}) if self.world.sharded else None
-            adv = objective.batch_advantages(torch.tensor(total), both and (both["sum"], both["count"]))
+            adv = objective.batch_advantages(torch.tensor(total), objective.ranks_total(
+                torch.tensor(total, dtype=torch.float64), torch.ones(len(total)), self.world))
             flat = torch.tensor(total)[None]   # one group: the batch
         else:
             adv, flat = objective.group_advantages(rewards_P_G, self.cfg.loss.reward_advantage), rewards_P_G

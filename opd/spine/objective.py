@@ -90,6 +90,16 @@ def teacher_advantage(student_lp_N: torch.Tensor, teacher_lp_N: torch.Tensor, of
     return discounted(adv_N, offsets, gamma)
 
 
+def ranks_total(sums_B: torch.Tensor, counts_B: torch.Tensor, world=None) -> tuple[float, float] | None:
+    """(sum, count) of sums_B and counts_B over every rank when `world` is sharded (these are
+    one rank's share of the batch), for `leave_one_out` and `batch_advantages`; else None (the
+    batch is all here). A collective on a sharded world: every rank calls it."""
+    if world is None or not world.sharded:
+        return None
+    both = world.sum({"sum": float(sums_B.sum()), "count": float(counts_B.sum())})
+    return both["sum"], both["count"]
+
+
 def leave_one_out(sums_B: torch.Tensor, counts_B: torch.Tensor, total: tuple[float, float] | None = None) -> torch.Tensor:
     """[B]: for each sequence b, the mean over the other sequences' rows of a per-row value, from
     each sequence's sum sums_B and row count counts_B (0 where no other sequence has rows).

@@ -208,9 +208,7 @@ def student_rows(model, packed: Packed, *, fused: bool):
     A longrope model gets one pass per side of its switch length (opd.rope), so that each
     sequence's rows are what they are alone.
     """
-    # A model without a transformers body / LM head split (a test's stand-in) uses its own forward.
-    form = head_form(model) if hasattr(model, "get_decoder") or hasattr(model, "get_base_model") \
-        else HeadForm(None, False)
+    form = rows_head_form(model)
     if fused and not form.fusable:
         raise ValueError(FUSED_REFUSED)
     groups = rope_groups(model, packed.attention_B_L.sum(1).tolist())
@@ -224,6 +222,14 @@ def student_rows(model, packed: Packed, *, fused: bool):
         logits = torch.cat(outs)
         return logits[torch.argsort(order).to(logits.device)]
     return _student_rows(model, packed, fused, form)
+
+
+def rows_head_form(model) -> HeadForm:
+    """`head_form(model)`, what `student_rows` can do with the model's head; a model without a
+    transformers body / LM head split (a test's stand-in) has none it knows: its own forward."""
+    if hasattr(model, "get_decoder") or hasattr(model, "get_base_model"):
+        return head_form(model)
+    return HeadForm(None, False)
 
 
 def _student_rows(model, packed: Packed, fused: bool, form):

@@ -11,7 +11,6 @@ from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM
 
 from opd.kernels import TopKTeacher, fused_linear_distill_loss
-from opd.rl import logprobs as rl_logprobs
 from opd.rl.logprobs import chunked_entropy, rows_logprobs_and_entropy, token_logprobs_and_entropy
 from opd.rl.batch import collate
 from opd.spine import terms
@@ -220,7 +219,6 @@ def test_a_head_of_no_known_form_uses_the_rows_of_the_models_own_forward(tiny, m
     from opd.lm_head import HeadForm
     from opd.spine import rows as spine_rows
 
-    monkeypatch.setattr(rl_logprobs, "head_form", lambda model: HeadForm(post=None, fusable=False))
     monkeypatch.setattr(spine_rows, "head_form", lambda model: HeadForm(post=None, fusable=False))
     monkeypatch.setattr(spine_rows, "last_hidden", None)   # the body alone must not be used
     _assert_same_as_today(tiny, collate(_rollouts(SHAPES, seed=4), pad_id=0))
